@@ -1,0 +1,237 @@
+"""The drafter head in EAGLE-3 layout, with P-EAGLE's two learned placeholders.
+
+    g_t (3*Ht) --fc--> h_t (H)
+    layer 0 (fusion):  e = input_layernorm(embed(token)); x = attn(cat[e, hidden_norm(h)]) + h
+                       out = x + mlp(post_attention_layernorm(x))
+    layers 1..N-1:     plain Llama decoder layers
+    logits:            lm_head(norm(out)) over the draft vocab; draft id i -> target id i + d2t[i]
+
+Two ways to draft K tokens (DESIGN section 2):
+  * chain (EAGLE-3): K passes, each feeding back the previous pass's pre-norm output and its own draft;
+  * parallel (P-EAGLE): one pass over [real rows | K-1 mask slots], each slot carrying the mask token and
+    `mask_hidden` at the next position.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from peagle.model.layers import BatchLayout, DecoderLayer, KVCache, RMSNorm, RotaryEmbedding, rope_inv_freq
+from peagle.model.target import TargetConfig, rope_parameters_of
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    target_hidden_size: int
+    rope_parameters: dict
+    max_position_embeddings: int
+    feature_layer_ids: tuple[int, ...]
+    mask_token_id: int | None = None  # set for P-EAGLE heads
+    extra: dict = field(default_factory=dict)  # unknown config.json keys, kept on save
+
+    @property
+    def parallel_capable(self) -> bool:
+        return self.mask_token_id is not None
+
+    @classmethod
+    def for_target(cls, target: TargetConfig, num_layers: int = 1, draft_vocab_size: int | None = None,
+                   mask_token_id: int | None = None) -> "DrafterConfig":
+        return cls(hidden_size=target.hidden_size, intermediate_size=target.intermediate_size, num_layers=num_layers,
+                   num_heads=target.num_heads, num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
+                   rms_norm_eps=target.rms_norm_eps, vocab_size=target.vocab_size,
+                   draft_vocab_size=draft_vocab_size or target.vocab_size, target_hidden_size=target.hidden_size,
+                   rope_parameters=dict(target.rope_parameters),
+                   max_position_embeddings=target.max_position_embeddings,
+                   feature_layer_ids=tuple(target.feature_layer_ids), mask_token_id=mask_token_id)
+
+    def to_hf_dict(self) -> dict:
+        """config.json in the layout vLLM's LlamaForCausalLMEagle3 loads (DESIGN section 5)."""
+        rope = dict(self.rope_parameters)
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        d = dict(self.extra)
+        d.update({
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "model_type": "llama",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "hidden_act": "silu",
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": rope.get("rope_theta"),
+            "rope_scaling": scaling if scaling.get("rope_type", "default") != "default" else None,
+            "rope_parameters": rope,
+            "eagle_aux_hidden_state_layer_ids": list(self.feature_layer_ids),
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.feature_layer_ids),
+                             "use_aux_hidden_state": True},
+            "norm_before_residual": False,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+        })
+        if self.mask_token_id is not None:
+            d.update({"mask_token_id": self.mask_token_id, "ptd_token_id": self.mask_token_id,
+                      "pard_token": self.mask_token_id, "parallel_drafting": True})
+        return d
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> "DrafterConfig":
+        heads = d["num_attention_heads"]
+        ids = d.get("eagle_aux_hidden_state_layer_ids") or (d.get("eagle_config") or {}).get(
+            "eagle_aux_hidden_state_layer_ids")
+        mask_id = next((d[k] for k in ("mask_token_id", "ptd_token_id", "pard_token") if d.get(k) is not None), None)
+        known = set(cls.__dataclass_fields__) | set(DrafterConfig.for_hf_keys())
+        return cls(hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+                   num_layers=d.get("num_hidden_layers", 1), num_heads=heads,
+                   num_kv_heads=d.get("num_key_value_heads") or heads,
+                   head_dim=d.get("head_dim") or d["hidden_size"] // heads, rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+                   vocab_size=d["vocab_size"], draft_vocab_size=d.get("draft_vocab_size") or d["vocab_size"],
+                   target_hidden_size=d.get("target_hidden_size") or d["hidden_size"],
+                   rope_parameters=rope_parameters_of(d), max_position_embeddings=d.get("max_position_embeddings", 4096),
+                   feature_layer_ids=tuple(ids) if ids else (), mask_token_id=mask_id,
+                   extra={k: v for k, v in d.items() if k not in known})
+
+    @staticmethod
+    def for_hf_keys() -> tuple[str, ...]:
+        """Keys to_hf_dict writes itself (never carried through `extra`)."""
+        return ("architectures", "model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "hidden_act", "rope_theta", "rope_scaling", "eagle_aux_hidden_state_layer_ids", "eagle_config",
+                "norm_before_residual", "tie_word_embeddings", "torch_dtype", "ptd_token_id", "pard_token",
+                "parallel_drafting", "dtype")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class FusionLayer(DecoderLayer):
+    """Drafter layer 0: attention reads [normed token embedding, normed feature] (width 2H)."""
+
+    def __init__(self, c: DrafterConfig):
+        super().__init__(c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,
+                         attn_in_dim=2 * c.hidden_size)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, embeds: torch.Tensor, h: torch.Tensor, rope, layout: BatchLayout, cache_k, cache_v):
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(h)], dim=-1)
+        x = h + self.self_attn(x, rope, layout, cache_k, cache_v)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Drafter(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        c = self.config = config
+        H = c.hidden_size
+        self.embed_tokens = nn.Embedding(c.vocab_size, H)
+        self.fc = nn.Linear(3 * c.target_hidden_size, H, bias=False)
+        self.midlayer = FusionLayer(c)
+        # Keyed by layer id (1..N-1) so checkpoint names read `layers.{1..}.*` as vLLM expects.
+        self.layers = nn.ModuleDict({
+            str(i): DecoderLayer(H, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)
+            for i in range(1, c.num_layers)})
+        self.norm = RMSNorm(H, c.rms_norm_eps)
+        self.lm_head = nn.Linear(H, c.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(c.vocab_size, dtype=torch.bool))
+        # P-EAGLE's stand-in for the target feature at future positions; present only on parallel-capable heads.
+        self.mask_hidden = nn.Parameter(torch.zeros(1, 1, 3 * c.target_hidden_size)) if c.parallel_capable else None
+        self.rotary = RotaryEmbedding(*rope_inv_freq(c.rope_parameters, c.head_dim, _hf_rope_config(c)))
+
+    # -- building blocks ---------------------------------------------------------------------------------------
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        p = self.fc.weight
+        return KVCache(self.config.num_layers, num_slots, max_len, self.config.num_kv_heads, self.config.head_dim,
+                       p.dtype, p.device)
+
+    def forward(self, tokens: torch.Tensor, features: torch.Tensor, layout: BatchLayout,
+                cache: KVCache | None) -> torch.Tensor:
+        """Pre-norm hidden states [B, T, H]. `features` are target features (3*Ht) or fed-back hiddens (H)."""
+        h = self.fc(features) if features.shape[-1] != self.config.hidden_size else features
+        rope = self.rotary(layout.positions, h.dtype)
+        ck = (lambda i: None) if cache is None else (lambda i: cache.k[i])
+        cv = (lambda i: None) if cache is None else (lambda i: cache.v[i])
+        h = self.midlayer(self.embed_tokens(tokens), h, rope, layout, ck(0), cv(0))
+        for i, layer in enumerate(self.layers.values(), start=1):
+            h = layer(h, rope, layout, ck(i), cv(i))
+        return h
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocab."""
+        return self.lm_head(self.norm(hidden)).float()
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    # -- drafting ----------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def draft_parallel(self, tokens: torch.Tensor, features: torch.Tensor, num_real: torch.Tensor,
+                       start: torch.Tensor, slots: torch.Tensor, cache: KVCache, k: int) -> torch.Tensor:
+        """P-EAGLE: all K drafts in one pass.
+
+        tokens [B, R] / features [B, R, 3Ht]: each row's unseen real rows, left-aligned, row b holding num_real[b]
+        of them at positions start[b], start[b]+1, ...; returns greedy drafts [B, K] as target ids.
+        """
+        if self.mask_hidden is None:
+            raise ValueError("this head has no mask_hidden, so it cannot draft in parallel; use method eagle3 with "
+                             "parallel_drafting false, or a P-EAGLE head")
+        B, R = tokens.shape
+        T = R + k - 1
+        col = torch.arange(T, device=tokens.device)[None, :].expand(B, T)
+        is_real = col < num_real[:, None]
+        tok = torch.full((B, T), self.config.mask_token_id, dtype=tokens.dtype, device=tokens.device)
+        tok[:, :R] = torch.where(is_real[:, :R], tokens, tok[:, :R])
+        feat = self.mask_hidden.to(features.dtype).expand(B, T, -1).clone()
+        feat[:, :R] = torch.where(is_real[:, :R, None], features, feat[:, :R])
+        # Mask slots follow the last real row; pad rows come after them (their cache writes are stale by design).
+        positions = start[:, None] + col
+        hidden = self(tok, feat, BatchLayout.build(slots, positions), cache)
+        take = (num_real[:, None] - 1 + torch.arange(k, device=tokens.device)[None, :])  # last real + K-1 slots
+        out = hidden.gather(1, take[..., None].expand(B, k, hidden.shape[-1]))
+        return self.to_target_ids(self.logits(out).argmax(-1))
+
+    @torch.inference_mode()
+    def draft_chain(self, tokens: torch.Tensor, features: torch.Tensor, num_real: torch.Tensor,
+                    start: torch.Tensor, slots: torch.Tensor, cache: KVCache, k: int) -> torch.Tensor:
+        """EAGLE-3: K sequential passes, each feeding back its own pre-norm output and draft. Same inputs as
+        `draft_parallel`."""
+        B, R = tokens.shape
+        positions = start[:, None] + torch.arange(R, device=tokens.device)[None, :]
+        hidden = self(tokens, features, BatchLayout.build(slots, positions), cache)
+        last = (num_real - 1)[:, None, None].expand(B, 1, hidden.shape[-1])
+        h = hidden.gather(1, last)  # [B, 1, H]
+        pos = start + num_real - 1
+        drafts = []
+        for step in range(k):
+            draft = self.to_target_ids(self.logits(h).argmax(-1))  # [B, 1]
+            drafts.append(draft)
+            if step == k - 1:
+                break
+            pos = pos + 1
+            h = self(draft, h, BatchLayout.build(slots, pos[:, None]), cache)
+        return torch.cat(drafts, dim=1)
+
+
+def _hf_rope_config(c: DrafterConfig):
+    """A transformers LlamaConfig carrying the RoPE settings, needed only for non-default RoPE types."""
+    if c.rope_parameters.get("rope_type", "default") == "default":
+        return None
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=c.hidden_size, num_attention_heads=c.num_heads, head_dim=c.head_dim,
+                       max_position_embeddings=c.max_position_embeddings, rope_parameters=dict(c.rope_parameters))

