@@ -1,0 +1,41 @@
+"""Shared fixtures: tiny random Hugging Face models of each supported family, saved as real model folders, and
+the embedded SmolLM2 (converted once per PEAGLE_HOME)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, rms_norm_eps=1e-5, bos_token_id=1,
+            eos_token_id=2, pad_token_id=0)
+
+
+def make_tiny_model(out: Path, model_type: str = "llama", seed: int = 0, **overrides) -> Path:
+    """A random-weight transformers model of `model_type` saved to `out` (config.json + model.safetensors)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    kwargs = {**TINY, **overrides}
+    if model_type == "qwen2":
+        kwargs.setdefault("use_sliding_window", False)
+    config = AutoConfig.for_model(model_type, **kwargs)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    from peagle.model.loading import embedded_model_dir
+
+    return embedded_model_dir()
