@@ -1,0 +1,361 @@
+"""The speculative decoding engine: draft, verify, accept, roll back (DESIGN section 3) for many requests at once.
+
+Every step:
+  1. admit waiting requests into free cache slots: target prefill, first token, drafter prefill;
+  2. draft K tokens for every running request in one drafter forward (P-EAGLE) or K of them (EAGLE-3);
+  3. verify [x_n, d_1..d_K] for every request in one target forward;
+  4. accept per request, emit, and queue the accepted positions as the drafter's next real rows.
+Stale cache entries past a request's accepted length are overwritten by later writes; nothing is copied.
+
+Thread model: `add_request` and `abort` may be called from any thread; `step` runs in one thread (the server's
+engine loop, or `generate`'s caller).
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from peagle.config import SpeculativeConfig
+from peagle.engine.request import Request, RequestOutput
+from peagle.engine.sampling import SamplingParams, target_probs
+from peagle.engine.stats import SpecDecodeStats
+from peagle.engine.verify import verify_greedy, verify_sampled
+from peagle.model.drafter import Drafter
+from peagle.model.layers import BatchLayout
+from peagle.model.target import TargetModel
+
+Prompt = str | list[int] | list[dict]
+
+
+class RequestError(ValueError):
+    """A request that cannot be served as asked (too long, bad parameters); other requests are unaffected."""
+
+
+class LLMEngine:
+    def __init__(self, target: TargetModel, tokenizer, drafter: Drafter | None = None,
+                 speculative_config: SpeculativeConfig | None = None, max_num_seqs: int = 8,
+                 max_model_len: int | None = None, model_name: str = "model"):
+        self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
+        self.spec = speculative_config if drafter is not None else None
+        if self.spec is not None:
+            self.spec.check_head(drafter.config.parallel_capable, self.spec.model or "the head")
+        self.k = self.spec.num_speculative_tokens if self.spec else 0
+        self.model_name = model_name
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len or min(target.config.max_position_embeddings, 4096)
+        if self.spec and self.spec.max_model_len:
+            self.max_model_len = min(self.max_model_len, self.spec.max_model_len)
+        # Room past max_model_len for the verify window and the drafter's padded rows, whose writes are stale.
+        capacity = self.max_model_len + 2 * self.k + 2
+        self.target_cache = target.new_cache(max_num_seqs, capacity)
+        self.drafter_cache = drafter.new_cache(max_num_seqs, capacity) if self.spec else None
+        self.device = target.embed_tokens.weight.device
+        self.eos_token_ids = set(target.config.eos_token_ids)
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            self.eos_token_ids.add(tokenizer.eos_token_id)
+        self.free_slots = list(range(max_num_seqs))
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._incoming: queue.SimpleQueue[Request] = queue.SimpleQueue()
+        self._aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self.stats = SpecDecodeStats(self.k)  # engine-wide, since start
+        self.num_finished = 0
+
+    # -- construction ------------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, model: str | None = None, speculative_config: SpeculativeConfig | str | dict | None = None,
+                        max_num_seqs: int = 8, max_model_len: int | None = None, device: str | None = None,
+                        dtype: str | torch.dtype | None = None) -> "LLMEngine":
+        """A target (None: the embedded SmolLM2) and optionally a head named by the speculative config."""
+        from transformers import AutoTokenizer
+
+        from peagle.model.heads import resolve_head
+        from peagle.model.checkpoint import load_head
+        from peagle.model.loading import resolve_model
+
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = _dtype(dtype)
+        path = resolve_model(model)
+        target = TargetModel.from_pretrained(path, dtype=dtype, device=device)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        spec = speculative_config
+        if isinstance(spec, (str, dict)):
+            spec = SpeculativeConfig.parse(spec)
+        drafter = None
+        if spec is not None:
+            head_path = resolve_head(spec.model, model)
+            spec = spec.model_copy(update={"model": str(head_path)})
+            drafter = load_head(head_path, target_embeddings=target.embed_tokens.weight, dtype=dtype, device=device)
+        return cls(target, tokenizer, drafter, spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                   model_name=model or Path(path).name)
+
+    @property
+    def method(self) -> str:
+        return self.spec.method_name if self.spec else "none"
+
+    # -- request API -------------------------------------------------------------------------------------------
+    def encode_prompt(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
+        """Token ids for a prompt: ids pass through, chat messages get the chat template, text is tokenised (with
+        the chat template when `chat` is true)."""
+        if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
+            return list(prompt)
+        if isinstance(prompt, str) and not chat:
+            return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise RequestError("this model's tokenizer has no chat template; send a plain prompt instead of messages")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    chat: bool | None = None) -> str:
+        """Queue a request; raises RequestError at once if it cannot fit. Safe from any thread."""
+        params = params or SamplingParams()
+        prompt_ids = self.encode_prompt(prompt, chat)
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.target.config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        room = self.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens, but the prompt "
+                               f"has {len(prompt_ids)}; shorten the prompt or raise --max-model-len")
+        if params.max_tokens is None:
+            params.max_tokens = room
+        elif params.max_tokens > room:
+            raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens, but "
+                               f"{len(prompt_ids) + params.max_tokens} were requested ({len(prompt_ids)} in the "
+                               f"prompt, {params.max_tokens} for the output); reduce max_tokens or the prompt")
+        request_id = request_id or f"req-{next(self._ids)}"
+        gen = None
+        if not params.greedy:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+        req = Request(request_id, prompt_ids, params, SpecDecodeStats(self.k), gen)
+        self._incoming.put(req)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its slot at the next step. Safe from any thread."""
+        self._aborts.put(request_id)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or not self._incoming.empty() or not self._aborts.empty())
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + self._incoming.qsize()
+
+    # -- the step ----------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Advance every request by one engine step; returns a report for each request that changed."""
+        with self._lock:
+            reports: dict[str, RequestOutput] = {}
+            self._take_incoming(reports)
+            while self.waiting and self.free_slots:
+                req = self.waiting.popleft()
+                self._prefill(req)
+                reports[req.request_id] = self._report(req)
+                self._retire_if_finished(req)
+            if self.running:
+                self._decode(self.running)
+                for req in list(self.running):
+                    reports[req.request_id] = self._report(req)
+                    self._retire_if_finished(req)
+            return list(reports.values())
+
+    def _take_incoming(self, reports: dict[str, RequestOutput]) -> None:
+        while not self._incoming.empty():
+            self.waiting.append(self._incoming.get())
+        aborted = set()
+        while not self._aborts.empty():
+            aborted.add(self._aborts.get())
+        if not aborted:
+            return
+        for req in [r for r in self.waiting if r.request_id in aborted]:
+            self.waiting.remove(req)
+            req.finish_reason = "abort"
+            reports[req.request_id] = self._report(req)
+        for req in [r for r in self.running if r.request_id in aborted]:
+            req.finish_reason = "abort"
+            reports[req.request_id] = self._report(req)
+            self._retire_if_finished(req)
+
+    def _retire_if_finished(self, req: Request) -> None:
+        if req.finished and req in self.running:
+            self.running.remove(req)
+            self.free_slots.append(req.slot)
+            self.free_slots.sort()  # lowest slots first keeps batches contiguous (no cache gather)
+            req.finished_at = time.perf_counter()
+            req.pending_features = None
+            self.num_finished += 1
+
+    def _prefill(self, req: Request) -> None:
+        req.slot = self.free_slots.pop(0)
+        self.running.append(req)
+        m = len(req.prompt_ids)
+        tokens = torch.tensor([req.prompt_ids], device=self.device)
+        slots = torch.tensor([req.slot], device=self.device)
+        out = self.target(tokens, BatchLayout.build(slots, torch.arange(m, device=self.device)[None]),
+                          self.target_cache, num_logits=1)
+        first = self._sample_one(req, out.logits[0, -1])
+        if self.spec is not None and m > 1:
+            # The drafter sees row t = (token x_{t+1}, feature g_t); rows 0..m-2 now, row m-1 with the next draft.
+            self.drafter(tokens[:, 1:], out.features[:, :-1],
+                         BatchLayout.build(slots, torch.arange(m - 1, device=self.device)[None]), self.drafter_cache)
+        req.pending_features = out.features[0, -1:]
+        req.pending_start = m - 1
+        req.first_token_at = time.perf_counter()
+        self._commit(req, [first])
+        req.pending_tokens = [first]
+
+    def _decode(self, reqs: list[Request]) -> None:
+        B, K, dev = len(reqs), self.k, self.device
+        slots = torch.tensor([r.slot for r in reqs], device=dev)
+        n = torch.tensor([r.num_tokens - 1 for r in reqs], device=dev)  # position of x_n, the newest token
+        last = torch.tensor([[r.last_token] for r in reqs], device=dev)
+        if self.spec is not None:
+            drafts = self._draft(reqs, slots)
+            tokens = torch.cat([last, drafts], dim=1)
+        else:
+            drafts, tokens = None, last
+        positions = n[:, None] + torch.arange(K + 1, device=dev)[None, :]
+        out = self.target(tokens, BatchLayout.build(slots, positions), self.target_cache, num_logits=None)
+        if drafts is None:
+            for b, req in enumerate(reqs):
+                self._commit(req, [self._sample_one(req, out.logits[b, 0])])
+            return
+        num_acc, emitted = verify_greedy(drafts, out.logits.argmax(-1))
+        for b, req in enumerate(reqs):
+            if req.params.greedy:
+                a = int(num_acc[b])
+                new = emitted[b, : a + 1].tolist()
+            else:
+                new = verify_sampled(drafts[b], target_probs(out.logits[b], req.params), req.generator)
+                a = len(new) - 1
+            req.spec.record(K, a)
+            self.stats.record(K, a)
+            # Positions n..n+a are now verified: they become the drafter's next real rows.
+            req.pending_start = int(n[b])
+            req.pending_features = out.features[b, : a + 1]
+            req.pending_tokens = new
+            self._commit(req, new)
+
+    def _draft(self, reqs: list[Request], slots: torch.Tensor) -> torch.Tensor:
+        B, dev = len(reqs), self.device
+        R = max(len(r.pending_tokens) for r in reqs)
+        width = reqs[0].pending_features.shape[-1]
+        tokens = torch.zeros(B, R, dtype=torch.long, device=dev)
+        feats = torch.zeros(B, R, width, dtype=reqs[0].pending_features.dtype, device=dev)
+        for b, r in enumerate(reqs):
+            tokens[b, : len(r.pending_tokens)] = torch.tensor(r.pending_tokens, device=dev)
+            feats[b, : len(r.pending_tokens)] = r.pending_features
+        num_real = torch.tensor([len(r.pending_tokens) for r in reqs], device=dev)
+        start = torch.tensor([r.pending_start for r in reqs], device=dev)
+        draft = self.drafter.draft_parallel if self.spec.parallel_drafting else self.drafter.draft_chain
+        return draft(tokens, feats, num_real, start, slots, self.drafter_cache, self.k)
+
+    def _sample_one(self, req: Request, logits: torch.Tensor) -> int:
+        if req.params.greedy:
+            return int(logits.argmax())
+        return int(torch.multinomial(target_probs(logits, req.params), 1, generator=req.generator))
+
+    # -- output ------------------------------------------------------------------------------------------------
+    def _commit(self, req: Request, tokens: list[int]) -> None:
+        """Append tokens one by one, stopping exactly at EOS, a stop token, max_tokens or a stop string."""
+        p = req.params
+        for tok in tokens:
+            req.output_ids.append(tok)
+            if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+                req.finish_reason = "stop"
+                break
+            if len(req.output_ids) >= p.max_tokens:
+                req.finish_reason = "length"
+                break
+        req.text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        for s in p.stop:
+            i = req.text.find(s, max(0, req.reported_text_len - len(s)))
+            if i != -1:
+                req.text = req.text[:i]
+                req.finish_reason = "stop"
+                self._truncate_ids_to_text(req)
+
+    def _truncate_ids_to_text(self, req: Request) -> None:
+        """After a stop string: drop output tokens that lie wholly past the kept text."""
+        while req.output_ids and len(self.tokenizer.decode(req.output_ids[:-1], skip_special_tokens=True)) >= len(req.text):
+            req.output_ids.pop()
+
+    def _report(self, req: Request) -> RequestOutput:
+        text = req.text
+        if not req.finished:
+            # Hold back text that may still turn into a stop string or is an incomplete character.
+            hold = max((len(s) - 1 for s in req.params.stop), default=0)
+            text = text[: max(req.reported_text_len, len(text) - hold)]
+            while text.endswith("\ufffd"):
+                text = text[:-1]
+        delta = text[req.reported_text_len:] if len(text) >= req.reported_text_len else ""
+        delta_ids = req.output_ids[req.reported_token_len:]
+        req.reported_text_len = max(req.reported_text_len, len(text))
+        req.reported_token_len = len(req.output_ids)
+        now = req.finished_at or time.perf_counter()
+        return RequestOutput(
+            request_id=req.request_id, text=text, delta_text=delta, token_ids=list(req.output_ids),
+            delta_token_ids=delta_ids, finished=req.finished, finish_reason=req.finish_reason,
+            num_prompt_tokens=len(req.prompt_ids), spec=req.spec,
+            time_to_first_token=(req.first_token_at - req.arrival) if req.first_token_at else None,
+            elapsed=now - req.arrival)
+
+    # -- blocking helpers --------------------------------------------------------------------------------------
+    def generate(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
+                 chat: bool | None = None) -> list[RequestOutput]:
+        """Run prompts to completion (continuously batched) and return their final outputs in order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, _copy(sp), chat=chat) for p, sp in zip(prompts, plist)]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, chat: bool | None = None
+               ) -> Iterator[RequestOutput]:
+        """Yield reports for one request as it decodes (drives the engine itself)."""
+        rid = self.add_request(prompt, _copy(params), chat=chat)
+        while True:
+            for out in self.step():
+                if out.request_id == rid:
+                    yield out
+                    if out.finished:
+                        return
+
+
+def _copy(params: SamplingParams | None) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params) if params is not None else SamplingParams()
+
+
+def _dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {None: torch.bfloat16, "auto": torch.bfloat16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
+             "fp32": torch.float32, "float": torch.float32}
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, bfloat16, float16, float32")
+    return names[dtype]

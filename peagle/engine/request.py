@@ -1,0 +1,70 @@
+"""One request's state inside the engine, and what the engine reports about it after each step."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from peagle.engine.sampling import SamplingParams
+from peagle.engine.stats import SpecDecodeStats
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    text: str  # all output text so far (stop string excluded)
+    delta_text: str  # text new since the previous report
+    token_ids: list[int]
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop", "length", "abort", or None while running
+    num_prompt_tokens: int
+    spec: SpecDecodeStats
+    time_to_first_token: float | None  # seconds
+    elapsed: float  # seconds since arrival
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def tokens_per_second(self) -> float:
+        decode_time = self.elapsed - (self.time_to_first_token or 0.0)
+        return (len(self.token_ids) - 1) / decode_time if decode_time > 0 and len(self.token_ids) > 1 else 0.0
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    spec: SpecDecodeStats
+    generator: torch.Generator | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    output_ids: list[int] = field(default_factory=list)
+    slot: int = -1
+    finish_reason: str | None = None
+    # Drafter rows not yet run: tokens x_{t+1} with target features g_t, starting at position `pending_start`.
+    pending_tokens: list[int] = field(default_factory=list)
+    pending_features: torch.Tensor | None = None
+    pending_start: int = 0
+    # Text bookkeeping for streaming and stop strings.
+    text: str = ""
+    reported_text_len: int = 0
+    reported_token_len: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Committed tokens: prompt + output."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
