@@ -39,3 +39,22 @@ def smollm2_dir() -> Path:
     from peagle.model.loading import embedded_model_dir
 
     return embedded_model_dir()
+
+
+def make_tiny_chat_model(out: Path, tokenizer_dir: Path, model_type: str = "llama", seed: int = 0, **overrides) -> Path:
+    """A tiny random model over SmolLM2's vocab, with SmolLM2's tokenizer and chat template copied in, so text,
+    chat and stop strings work at a fraction of the real model's cost. Its greedy output is gibberish, but
+    deterministic."""
+    import shutil
+
+    make_tiny_model(out, model_type, seed=seed, **{"vocab_size": 49152, "eos_token_id": 2, "bos_token_id": 1,
+                                                   **overrides})
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_llama(tmp_path_factory, smollm2_dir) -> Path:
+    return make_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat-llama"), smollm2_dir)

@@ -39,7 +39,7 @@ class RequestError(ValueError):
 
 
 class LLMEngine:
-    def __init__(self, target: TargetModel, tokenizer, drafter: Drafter | None = None,
+    def __init__(self, target: TargetModel, tokenizer=None, drafter: Drafter | None = None,
                  speculative_config: SpeculativeConfig | None = None, max_num_seqs: int = 8,
                  max_model_len: int | None = None, model_name: str = "model"):
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
@@ -86,7 +86,9 @@ class LLMEngine:
         dtype = _dtype(dtype)
         path = resolve_model(model)
         target = TargetModel.from_pretrained(path, dtype=dtype, device=device)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        has_tokenizer = any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
+                                                                 "tokenizer.model"))
+        tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
         spec = speculative_config
         if isinstance(spec, (str, dict)):
             spec = SpeculativeConfig.parse(spec)
@@ -108,6 +110,8 @@ class LLMEngine:
         the chat template when `chat` is true)."""
         if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
             return list(prompt)
+        if self.tokenizer is None:
+            raise RequestError("this engine has no tokenizer: send token ids")
         if isinstance(prompt, str) and not chat:
             return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
@@ -166,16 +170,17 @@ class LLMEngine:
         with self._lock:
             reports: dict[str, RequestOutput] = {}
             self._take_incoming(reports)
+            touched = []
             while self.waiting and self.free_slots:
                 req = self.waiting.popleft()
                 self._prefill(req)
+                touched.append(req)
+            decoding = [r for r in self.running if not r.finished]
+            if decoding:
+                self._decode(decoding)
+            for req in dict.fromkeys(touched + decoding):
                 reports[req.request_id] = self._report(req)
                 self._retire_if_finished(req)
-            if self.running:
-                self._decode(self.running)
-                for req in list(self.running):
-                    reports[req.request_id] = self._report(req)
-                    self._retire_if_finished(req)
             return list(reports.values())
 
     def _take_incoming(self, reports: dict[str, RequestOutput]) -> None:
@@ -286,7 +291,7 @@ class LLMEngine:
             if len(req.output_ids) >= p.max_tokens:
                 req.finish_reason = "length"
                 break
-        req.text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        req.text = self._decode_text(req.output_ids)
         for s in p.stop:
             i = req.text.find(s, max(0, req.reported_text_len - len(s)))
             if i != -1:
@@ -296,8 +301,12 @@ class LLMEngine:
 
     def _truncate_ids_to_text(self, req: Request) -> None:
         """After a stop string: drop output tokens that lie wholly past the kept text."""
-        while req.output_ids and len(self.tokenizer.decode(req.output_ids[:-1], skip_special_tokens=True)) >= len(req.text):
+        while req.output_ids and len(self._decode_text(req.output_ids[:-1])) >= len(req.text):
             req.output_ids.pop()
+
+    def _decode_text(self, ids: list[int]) -> str:
+        # A tokenizer-less engine (token ids in, token ids out) has no text.
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
     def _report(self, req: Request) -> RequestOutput:
         text = req.text

@@ -8,6 +8,18 @@ from peagle.model.loading import is_embedded
 HEADS_DIR = Path(__file__).resolve().parent.parent / "heads"
 # The bundled heads for the embedded SmolLM2-135M-Instruct target.
 DEFAULT_HEADS = {"peagle": "smollm2-135m-peagle", "eagle3": "smollm2-135m-eagle3"}
+DEFAULT_NUM_SPECULATIVE_TOKENS = 7
+
+
+def default_speculative_config(target: str | None):
+    """The speculative config used when none is given: the bundled P-EAGLE head for the embedded target, or None
+    (no speculation) when the target is another model or the head is not installed."""
+    from peagle.config import SpeculativeConfig
+
+    if not is_embedded(target) or DEFAULT_HEADS["peagle"] not in bundled_heads():
+        return None
+    return SpeculativeConfig(model=DEFAULT_HEADS["peagle"], method="eagle3",
+                             num_speculative_tokens=DEFAULT_NUM_SPECULATIVE_TOKENS, parallel_drafting=True)
 
 
 def bundled_heads() -> list[str]:

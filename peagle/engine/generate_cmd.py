@@ -1,0 +1,78 @@
+"""`peagle generate PROMPT`: one-shot generation streamed to the terminal, then one line of speed and acceptance."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+DEFAULT_PROMPT = "Write a Python function that checks whether a string is a palindrome, and explain it briefly."
+
+
+def register(name: str, parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, help="the prompt (default: a built-in one)")
+    parser.add_argument("--model", default=None, help="target model folder or cached hub id (default: embedded SmolLM2)")
+    parser.add_argument("--speculative-config", default=None,
+                        help='vLLM-style JSON, e.g. \'{"model": HEAD, "method": "eagle3", "num_speculative_tokens": 7, '
+                             '"parallel_drafting": true}\' (default: the bundled P-EAGLE head of the embedded model)')
+    parser.add_argument("--no-speculation", action="store_true", help="plain decoding, no drafter")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                        help="apply the chat template (default: on when the tokenizer has one)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--dtype", default="auto", help="auto (bfloat16), bfloat16, float16 or float32")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from peagle.config import SpeculativeConfig, SpeculativeConfigError
+    from peagle.engine import LLMEngine, RequestError, SamplingParams
+    from peagle.model.heads import default_speculative_config
+
+    try:
+        spec = None
+        if not args.no_speculation:
+            spec = (SpeculativeConfig.parse(args.speculative_config) if args.speculative_config
+                    else default_speculative_config(args.model))
+            if spec is None:
+                print("peagle: no drafter head for this model; decoding without speculation "
+                      "(name one with --speculative-config)", file=sys.stderr)
+        engine = LLMEngine.from_pretrained(args.model, spec, max_num_seqs=1, device=args.device, dtype=args.dtype)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed)
+        chat = args.chat if args.chat is not None else bool(getattr(engine.tokenizer, "chat_template", None))
+        final = None
+        for out in engine.stream(args.prompt, params, chat=chat):
+            if not args.json:
+                print(out.delta_text, end="", flush=True)
+            final = out
+    except (SpeculativeConfigError, RequestError, FileNotFoundError, ValueError) as e:
+        print(f"peagle generate: error: {e}", file=sys.stderr)
+        return 2
+    result = {
+        "text": final.text,
+        "num_prompt_tokens": final.num_prompt_tokens,
+        "num_output_tokens": final.num_output_tokens,
+        "finish_reason": final.finish_reason,
+        "time_to_first_token_s": round(final.time_to_first_token or 0.0, 4),
+        "elapsed_s": round(final.elapsed, 4),
+        "tokens_per_second": round(final.num_output_tokens / final.elapsed, 2) if final.elapsed else 0.0,
+        "method": engine.method,
+        "num_speculative_tokens": engine.k,
+        "head": engine.spec.model if engine.spec else None,
+        **{k: v for k, v in final.spec.as_dict().items()},
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        per_pos = " ".join(f"{x:.2f}" for x in final.spec.acceptance_per_position)
+        print(f"\n\n[{result['method']} K={result['num_speculative_tokens']}] {result['num_output_tokens']} tokens in "
+              f"{result['elapsed_s']:.2f} s: {result['tokens_per_second']:.1f} tok/s, TTFT "
+              f"{result['time_to_first_token_s'] * 1000:.0f} ms, mean acceptance length "
+              f"{result['mean_acceptance_length']:.2f}" + (f", per-position acceptance {per_pos}" if per_pos else ""),
+              file=sys.stderr)
+    return 0
