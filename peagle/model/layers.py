@@ -41,7 +41,8 @@ def rope_inv_freq(rope_parameters: dict, head_dim: int, hf_config=None) -> tuple
 
     if hf_config is None or rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+    with torch.device("cpu"):  # also when called while building a model on the meta device
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
     return inv_freq.float(), float(scaling)
 
 

@@ -120,15 +120,15 @@ class TargetModel(nn.Module):
         """tokens [B, T]; logits for the last `num_logits` query rows (all rows if None)."""
         h = self.embed_tokens(tokens)
         rope = self.rotary(layout.positions, h.dtype)
-        feats = []
+        feats = {}
         for i, layer in enumerate(self.layers):
             if i in self.feature_layer_ids:
-                feats.append(h)
+                feats[i] = h
             h = layer(h, rope, layout, cache.k[i], cache.v[i])
         if num_logits is not None:
             h = h[:, -num_logits:]
         logits = torch.nn.functional.linear(self.norm(h), self.lm_head_weight).float()
-        return TargetOutput(logits, torch.cat(feats, dim=-1))
+        return TargetOutput(logits, torch.cat([feats[i] for i in self.feature_layer_ids], dim=-1))
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.bfloat16,

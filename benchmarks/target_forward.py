@@ -1,0 +1,107 @@
+"""Target forward speed: peagle's TargetModel next to transformers' forward of the same weights.
+
+For SmolLM2-135M-Instruct (the embedded default) in bf16, batch 1, a 512-token cache: the time of one forward of
+T = 1, 8, 16 query rows (logits for every row, as verification needs) and the achieved weight-read bandwidth
+(bytes of weights / step time). Both models see the same cache length every step (transformers' cache is cropped
+back after each step, ours simply overwrites the same positions).
+
+    python benchmarks/target_forward.py                      # the numbers in docs/performance.md
+    python benchmarks/target_forward.py --rows 1 --profile   # a torch.profiler table of our 1-row step
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def median_ms(fn, iters: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2)")
+    ap.add_argument("--context", type=int, default=512, help="tokens already in the cache")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16], help="query rows per step")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers")
+    ap.add_argument("--profile", action="store_true", help="print a torch.profiler table of our step")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+
+    from peagle.model.layers import BatchLayout
+    from peagle.model.loading import resolve_model
+    from peagle.model.target import TargetModel
+
+    path = resolve_model(args.model)
+    ours = TargetModel.from_pretrained(path, dtype=dtype)
+    weight_bytes = sum(p.numel() * p.element_size() for p in ours.state_dict().values())
+    B, L = args.batch, args.context
+    max_len = L + max(args.rows) + 1
+    g = torch.Generator().manual_seed(0)
+    vocab = ours.config.vocab_size
+    prompt = torch.randint(100, vocab, (B, L), generator=g)
+    slots = torch.arange(B)
+
+    cache = ours.new_cache(B, max_len)
+    ours(prompt, BatchLayout.build(slots, torch.arange(L)[None].expand(B, L)), cache, num_logits=1)
+
+    hf = hf_cache = None
+    if not args.no_hf:
+        from transformers import AutoModelForCausalLM, DynamicCache
+
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        hf_cache = DynamicCache(config=hf.config)
+        with torch.inference_mode():
+            hf(prompt, past_key_values=hf_cache, use_cache=True, logits_to_keep=1)
+
+    print(f"model {path.name} {args.dtype}, batch {B}, context {L}, threads {torch.get_num_threads()}, "
+          f"weights {weight_bytes / 1e6:.0f} MB, median of {args.iters}")
+    print(f"{'rows':>5} {'peagle ms':>10} {'GB/s':>6} {'transformers ms':>16} {'GB/s':>6} {'speed-up':>9}")
+    for T in args.rows:
+        tokens = torch.randint(100, vocab, (B, T), generator=g)
+        positions = (L + torch.arange(T))[None].expand(B, T)
+
+        def step_ours():
+            layout = BatchLayout.build(slots, positions)
+            return ours(tokens, layout, cache, num_logits=None)
+
+        t_ours = median_ms(step_ours, args.iters, args.warmup)
+        line = f"{T:>5} {t_ours:>10.1f} {weight_bytes / t_ours / 1e6:>6.1f}"
+        if hf is not None:
+            def step_hf():
+                with torch.inference_mode():
+                    out = hf(tokens, past_key_values=hf_cache, use_cache=True, logits_to_keep=0)
+                hf_cache.crop(-T)
+                return out
+
+            t_hf = median_ms(step_hf, args.iters, args.warmup)
+            line += f" {t_hf:>16.1f} {weight_bytes / t_hf / 1e6:>6.1f} {t_hf / t_ours:>8.2f}x"
+        print(line, flush=True)
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(10):
+                    step_ours()
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+if __name__ == "__main__":
+    main()
