@@ -1,0 +1,309 @@
+"""The training forward and loss of both methods, on the serving Drafter module itself.
+
+P-EAGLE: one `Drafter.forward` over a segment's COD elements with the COD mask (BatchLayout.dense), so training
+computes exactly what `Drafter.draft_parallel` computes at serve time.
+
+EAGLE-3: the training-time-test unroll. Step 0 runs every real row; step k (k = 1..K-1) runs, for each chain anchor
+p, one row at position p+k whose feature is step k-1's pre-norm output at p and whose token is the ground-truth token
+x_{p+1+k} (what EAGLE-3 and SpecForge feed: it equals the chain's own draft whenever that draft is accepted). Step k
+attends to the real rows 0..p and to steps 1..k of its own chain: the serve-time view of `Drafter.draft_chain`.
+(The original EAGLE-3 code also hides real rows p-k+1..p from step k; that disagrees with what the serving chain
+sees, so we follow serving.) Keys and values of earlier steps are kept per layer and fed to later steps, so the
+unroll costs K passes over the anchors, computed in anchor chunks so attention never builds an n x Kn mask.
+Step k's loss is weighted 0.8^k.
+
+Loss: forward KL from the teacher's draft-vocab distribution (or cross-entropy on its argmax), summed over
+supervised elements; the caller divides by the global count. Logits are computed in checkpointed chunks, so the
+[elements x Vd] logits never all live at once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from peagle.model.drafter import Drafter
+from peagle.model.layers import BatchLayout, apply_rope
+from peagle.train.cod import Elements, Segment, cod_mask
+
+
+@dataclass
+class TeacherSeq:
+    """One sequence with its teacher outputs."""
+
+    input_ids: torch.Tensor  # [n] long
+    features: torch.Tensor  # [n, 3Ht]
+    logp: torch.Tensor  # [n, Vd] fp32: label distribution for the token after position t
+    argmax: torch.Tensor  # [n] long: the target's full-vocab argmax at position t
+
+
+class FrozenEmbedding(nn.Module):
+    """The target's embedding table, frozen, with one trainable row: P-EAGLE's mask token."""
+
+    def __init__(self, weight: torch.Tensor, mask_token_id: int | None):
+        super().__init__()
+        self.register_buffer("weight", weight.detach().float().clone(), persistent=False)
+        self.mask_token_id = mask_token_id
+        self.mask_row = (nn.Parameter(self.weight[mask_token_id].clone()[None])
+                         if mask_token_id is not None else None)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        e = F.embedding(tokens, self.weight)
+        if self.mask_row is not None:
+            e = torch.where((tokens == self.mask_token_id)[..., None], self.mask_row.to(e.dtype), e)
+        return e
+
+    def folded(self) -> torch.Tensor:
+        w = self.weight.clone()
+        if self.mask_row is not None:
+            w[self.mask_token_id] = self.mask_row.detach()[0].to(w.dtype)
+        return w
+
+
+def export_drafter(drafter: Drafter) -> Drafter:
+    """A plain Drafter (nn.Embedding with the learned mask row folded in) from a training drafter."""
+    out = Drafter(drafter.config)
+    state = {k: v for k, v in drafter.state_dict().items() if not k.startswith("embed_tokens.")}
+    emb = drafter.embed_tokens
+    state["embed_tokens.weight"] = emb.folded() if isinstance(emb, FrozenEmbedding) else emb.weight.detach()
+    out.load_state_dict({k: v.detach().float() if v.is_floating_point() else v for k, v in state.items()})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# element inputs and the loss
+# ---------------------------------------------------------------------------------------------------------------
+def element_inputs(drafter: Drafter, seq: TeacherSeq, el: Elements):
+    """Tokens, features and positions of COD elements: real inputs at depth 0, mask inputs deeper."""
+    d0 = el.depth == 0
+    nxt = (el.anchor + 1).clamp(max=seq.input_ids.numel() - 1)
+    mask_id = drafter.config.mask_token_id
+    if mask_id is None:
+        if bool((~d0).any()):
+            raise ValueError("deeper COD elements need a P-EAGLE head (mask token + mask_hidden)")
+        tokens = seq.input_ids[nxt]
+        feats = seq.features[el.anchor].float()
+    else:
+        tokens = torch.where(d0, seq.input_ids[nxt], torch.full_like(nxt, mask_id))
+        feats = torch.where(d0[:, None], seq.features[el.anchor].float(),
+                            drafter.mask_hidden.reshape(1, -1).float())
+    return tokens, feats, el.position
+
+
+def _chunk_loss(drafter: Drafter, h: torch.Tensor, label_logp: torch.Tensor, kl: bool):
+    logits = drafter.logits(h)
+    logq = logits.log_softmax(-1)
+    if kl:
+        loss = (label_logp.exp() * (label_logp - logq)).sum()
+    else:
+        loss = -logq.gather(-1, label_logp.argmax(-1, keepdim=True)).sum()
+    return loss, logits.argmax(-1)
+
+
+def head_loss(drafter: Drafter, h: torch.Tensor, seq: TeacherSeq, label_rows: torch.Tensor, kl: bool = True,
+              chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed loss over rows `h` [M, H] against the teacher rows `label_rows`, and the drafts as target ids."""
+    total = h.new_zeros((), dtype=torch.float32)
+    preds = []
+    for a in range(0, h.shape[0], chunk):
+        hc, lab = h[a:a + chunk], seq.logp[label_rows[a:a + chunk]]
+        if torch.is_grad_enabled() and hc.requires_grad:
+            loss, pred = checkpoint(_chunk_loss, drafter, hc, lab, kl, use_reentrant=False)
+        else:
+            loss, pred = _chunk_loss(drafter, hc, lab, kl)
+        total = total + loss
+        preds.append(pred)
+    pred = torch.cat(preds) if preds else label_rows.new_zeros(0)
+    return total, drafter.to_target_ids(pred)
+
+
+@dataclass
+class Stats:
+    loss_sum: torch.Tensor  # scalar fp32, detached
+    correct: torch.Tensor  # [D] long: draft == target argmax, per depth / TTT step
+    total: torch.Tensor  # [D] long: supervised elements per depth / step
+
+
+def _depth_counts(depth: torch.Tensor, ok: torch.Tensor, D: int):
+    correct = torch.bincount(depth[ok], minlength=D)[:D]
+    total = torch.bincount(depth, minlength=D)[:D]
+    return correct.cpu(), total.cpu()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# P-EAGLE: COD segment
+# ---------------------------------------------------------------------------------------------------------------
+def cod_forward(drafter: Drafter, seq: TeacherSeq, el: Elements) -> torch.Tensor:
+    """Pre-norm hidden [E, H] of elements `el` (which must hold every element they attend to)."""
+    tokens, feats, pos = element_inputs(drafter, seq, el)
+    layout = BatchLayout.dense(pos[None], cod_mask(el)[None])
+    return drafter(tokens[None], feats[None], layout, None)[0]
+
+
+def cod_segment_loss(drafter: Drafter, seq: TeacherSeq, el: Elements, seg: Segment, num_depths: int,
+                     kl: bool = True, chunk: int = 1024) -> tuple[torch.Tensor, Stats]:
+    sub = el.select(seg.rows)
+    hidden = cod_forward(drafter, seq, sub)
+    sel = seg.own & sub.supervised
+    rows = (sub.anchor + sub.depth + 1)[sel]
+    loss, drafts = head_loss(drafter, hidden[sel], seq, rows, kl, chunk)
+    correct, total = _depth_counts(sub.depth[sel], drafts == seq.argmax[rows], num_depths)
+    return loss, Stats(loss.detach(), correct, total)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# EAGLE-3: training-time test
+# ---------------------------------------------------------------------------------------------------------------
+def _attention(attn, x: torch.Tensor, rope, self_mask, ext, ext_mask, causal: bool):
+    B, T, _ = x.shape
+    q = attn.q_proj(x).view(B, T, attn.num_heads, attn.head_dim)
+    k = attn.k_proj(x).view(B, T, attn.num_kv_heads, attn.head_dim)
+    v = attn.v_proj(x).view(B, T, attn.num_kv_heads, attn.head_dim)
+    if attn.q_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = apply_rope(q.transpose(1, 2), *rope), apply_rope(k.transpose(1, 2), *rope)
+    v = v.transpose(1, 2)
+    if ext is not None:
+        keys, values = torch.cat([ext[0].to(k.dtype), k], 2), torch.cat([ext[1].to(v.dtype), v], 2)
+        mask = torch.cat([ext_mask, self_mask], -1)[None, None]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                             enable_gqa=attn.num_kv_heads != attn.num_heads)
+    elif causal:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=attn.num_kv_heads != attn.num_heads)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self_mask[None, None],
+                                             enable_gqa=attn.num_kv_heads != attn.num_heads)
+    return attn.o_proj(out.transpose(1, 2).reshape(B, T, -1)), (k, v)
+
+
+def forward_rows(drafter: Drafter, tokens: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor,
+                 self_mask: torch.Tensor | None = None, ext: list | None = None, ext_mask: torch.Tensor | None = None):
+    """`Drafter.forward` for one sequence of T rows that may also attend to given keys/values.
+
+    self_mask [T, T] (None: causal); ext: per layer (k, v) [1, kv_heads, L, D] after RoPE; ext_mask [T, L].
+    Returns (hidden [T, H], per-layer (k, v) of these rows)."""
+    h = drafter.fc(feats) if feats.shape[-1] != drafter.config.hidden_size else feats
+    h = h[None]
+    rope = drafter.rotary(positions[None], h.dtype)
+    causal = self_mask is None
+    kvs = []
+    mid = drafter.midlayer
+    x = torch.cat([mid.input_layernorm(drafter.embed_tokens(tokens[None])), mid.hidden_norm(h)], dim=-1)
+    a, kv = _attention(mid.self_attn, x, rope, self_mask, None if ext is None else ext[0], ext_mask, causal)
+    kvs.append(kv)
+    x = h + a
+    h = x + mid.mlp(mid.post_attention_layernorm(x))
+    for i, layer in enumerate(drafter.layers.values(), start=1):
+        a, kv = _attention(layer.self_attn, layer.input_layernorm(h), rope, self_mask,
+                           None if ext is None else ext[i], ext_mask, causal)
+        kvs.append(kv)
+        x = h + a
+        h = x + layer.mlp(layer.post_attention_layernorm(x))
+    return h[0], kvs
+
+
+def ttt_forward(drafter: Drafter, seq: TeacherSeq, el: Elements, chunk: int = 2048, step_tokens=None):
+    """The TTT unroll over chain elements `el` (full chains, e.g. `sample_cod(..., keep_all=True)`).
+
+    Yields (step k, anchors [M], hidden [M, H]) for k = 0..K-1; step 0 covers every real row. `step_tokens(k,
+    anchors)` overrides the ground-truth tokens fed at step k >= 1 (tests feed the chain's own drafts)."""
+    ids = seq.input_ids
+    n = ids.numel()
+    a0 = el.anchor[el.depth == 0]
+    if a0.numel() != n - 1 or not bool((a0 == torch.arange(n - 1, device=a0.device)).all()):
+        raise ValueError("the TTT unroll needs every real row at step 0")
+    h_prev, kv0 = forward_rows(drafter, ids[a0 + 1], seq.features[a0].float(), a0)
+    yield 0, a0, h_prev
+    prev_anchor = a0
+    chains: list[tuple[torch.Tensor, list]] = []  # (anchors of step j, per-layer kv), j = 1..k-1
+    K = int(el.depth.max()) + 1 if len(el) else 0
+    for k in range(1, K):
+        A = el.anchor[el.depth == k]
+        if A.numel() == 0:
+            break
+        feat = h_prev[torch.searchsorted(prev_anchor, A)]
+        tok = ids[A + 1 + k] if step_tokens is None else step_tokens(k, A)
+        pos = A + k
+        outs, kv_parts = [], []
+        for c0 in range(0, A.numel(), chunk):
+            Ac = A[c0:c0 + chunk]
+            lo, hi = int(Ac[0]), int(Ac[-1])
+            ext, masks = [], [torch.arange(hi + 1, device=A.device)[None, :] <= Ac[:, None]]
+            spans = []
+            for anchors_j, _ in chains:
+                s, e = int(torch.searchsorted(anchors_j, lo)), int(torch.searchsorted(anchors_j, hi, right=True))
+                spans.append((s, e))
+                masks.append(anchors_j[s:e][None, :] == Ac[:, None])
+            for layer in range(len(kv0)):
+                ks = [kv0[layer][0][:, :, :hi + 1]] + [kv[layer][0][:, :, s:e] for (_, kv), (s, e) in
+                                                        zip(chains, spans)]
+                vs = [kv0[layer][1][:, :, :hi + 1]] + [kv[layer][1][:, :, s:e] for (_, kv), (s, e) in
+                                                        zip(chains, spans)]
+                ext.append((torch.cat(ks, 2), torch.cat(vs, 2)))
+            eye = torch.eye(Ac.numel(), dtype=torch.bool, device=A.device)
+            h_c, kv_c = forward_rows(drafter, tok[c0:c0 + chunk], feat[c0:c0 + chunk], pos[c0:c0 + chunk], eye,
+                                     ext, torch.cat(masks, -1))
+            outs.append(h_c)
+            kv_parts.append(kv_c)
+        h_prev = torch.cat(outs)
+        kv_k = [(torch.cat([p[layer][0] for p in kv_parts], 2), torch.cat([p[layer][1] for p in kv_parts], 2))
+                for layer in range(len(kv0))]
+        chains.append((A, kv_k))
+        prev_anchor = A
+        yield k, A, h_prev
+
+
+def ttt_loss(drafter: Drafter, seq: TeacherSeq, el: Elements, num_steps: int, decay: float = 0.8, kl: bool = True,
+             chunk: int = 1024, attn_chunk: int = 2048) -> tuple[torch.Tensor, Stats]:
+    """Sum over steps of decay^k * (summed loss of step k's supervised rows)."""
+    total = torch.zeros((), dtype=torch.float32, device=seq.logp.device)
+    raw = torch.zeros((), dtype=torch.float32)
+    correct = torch.zeros(num_steps, dtype=torch.long)
+    count = torch.zeros(num_steps, dtype=torch.long)
+    sup0 = el.supervised[el.depth == 0]
+    for k, A, h in ttt_forward(drafter, seq, el, attn_chunk):
+        sel = sup0 if k == 0 else torch.ones_like(A, dtype=torch.bool)
+        rows = (A + k + 1)[sel]
+        loss, drafts = head_loss(drafter, h[sel], seq, rows, kl, chunk)
+        total = total + (decay ** k) * loss
+        raw += loss.detach().float().cpu()
+        correct[k] = int((drafts == seq.argmax[rows]).sum())
+        count[k] = int(sel.sum())
+    return total, Stats(total.detach(), correct, count)
+
+
+class TrainHead(nn.Module):
+    """What DistributedDataParallel wraps: one call = one unit of work (a COD segment or a TTT sequence), returning
+    its summed loss. Every trainable parameter joins every call (with weight 0 when unused), so DDP's gradient
+    all-reduce always covers all of them."""
+
+    def __init__(self, drafter: Drafter, method: str, num_depths: int, kl: bool = True, ttt_decay: float = 0.8,
+                 loss_chunk: int = 1024, attn_chunk: int = 2048):
+        super().__init__()
+        if method not in ("peagle", "eagle3"):
+            raise ValueError(f"method must be peagle or eagle3, not {method!r}")
+        self.drafter, self.method, self.num_depths = drafter, method, num_depths
+        self.kl, self.ttt_decay, self.loss_chunk, self.attn_chunk = kl, ttt_decay, loss_chunk, attn_chunk
+
+    def _touch(self) -> torch.Tensor:
+        z = torch.zeros((), dtype=torch.float32, device=self.drafter.fc.weight.device)
+        for p in self.parameters():
+            if p.requires_grad:
+                z = z + 0.0 * p.reshape(-1)[:1].float().sum()
+        return z
+
+    def forward(self, seq: TeacherSeq | None = None, elements: Elements | None = None,
+                segment: Segment | None = None):
+        D = self.num_depths
+        if seq is None:  # nothing to do on this rank: still join the gradient all-reduce
+            z = self._touch()
+            return z, Stats(z.detach(), torch.zeros(D, dtype=torch.long), torch.zeros(D, dtype=torch.long))
+        if self.method == "peagle":
+            loss, stats = cod_segment_loss(self.drafter, seq, elements, segment, D, self.kl, self.loss_chunk)
+        else:
+            loss, stats = ttt_loss(self.drafter, seq, elements, D, self.ttt_decay, self.kl, self.loss_chunk,
+                                   self.attn_chunk)
+        return loss + self._touch(), stats

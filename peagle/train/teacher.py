@@ -1,0 +1,159 @@
+"""The frozen target as a teacher: any transformers causal LM, run with `output_hidden_states`.
+
+For a sequence it returns the drafter's input features (Hugging Face `hidden_states[i]` for the vLLM ids
+(2, L//2, L-3), concatenated) and the label distribution: the target's next-token distribution at every position
+restricted to the draft vocab and renormalised (as log-probabilities), plus the target's argmax over its full vocab
+(for accuracy and acceptance).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from peagle.model.drafter import DrafterConfig
+from peagle.model.target import TargetConfig, default_feature_layer_ids, rope_parameters_of
+
+
+def _first(cfg, *names, default=None):
+    for n in names:
+        v = getattr(cfg, n, None)
+        if v is not None:
+            return v
+    return default
+
+
+def num_layers_of(hf_config) -> int:
+    n = _first(hf_config, "num_hidden_layers", "n_layer", "num_layers")
+    if n is None:
+        raise ValueError(f"cannot tell how many layers {type(hf_config).__name__} has")
+    return int(n)
+
+
+def drafter_config_for(model_dir: str | Path, hf_config, num_layers: int, draft_vocab_size: int,
+                       mask_token_id: int | None) -> DrafterConfig:
+    """The head's config for a target. Llama-family targets go through TargetConfig (the engine's view of them);
+    any other architecture gets a Llama-layout head sized from its config, with the target's RoPE settings when it
+    has RoPE and theta 10000 when it does not (the head's positions are its own)."""
+    raw = json.loads((Path(model_dir) / "config.json").read_text()) if model_dir else hf_config.to_dict()
+    try:
+        tc = TargetConfig.from_hf(raw)
+        return DrafterConfig.for_target(tc, num_layers=num_layers, draft_vocab_size=draft_vocab_size,
+                                        mask_token_id=mask_token_id)
+    except (ValueError, KeyError):
+        pass
+    hidden = int(_first(hf_config, "hidden_size", "n_embd", "d_model"))
+    heads = int(_first(hf_config, "num_attention_heads", "n_head"))
+    kv = int(_first(hf_config, "num_key_value_heads", default=heads))
+    head_dim = int(_first(hf_config, "head_dim", default=hidden // heads))
+    inter = int(_first(hf_config, "intermediate_size", "n_inner", "ffn_dim", default=None) or 4 * hidden)
+    eps = float(_first(hf_config, "rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", default=1e-6))
+    L = num_layers_of(hf_config)
+    return DrafterConfig(hidden_size=hidden, intermediate_size=inter, num_layers=num_layers, num_heads=heads,
+                         num_kv_heads=kv, head_dim=head_dim, rms_norm_eps=eps, vocab_size=int(hf_config.vocab_size),
+                         draft_vocab_size=draft_vocab_size, target_hidden_size=hidden,
+                         rope_parameters=rope_parameters_of(raw),
+                         max_position_embeddings=int(_first(hf_config, "max_position_embeddings", "n_positions",
+                                                            default=4096)),
+                         feature_layer_ids=tuple(default_feature_layer_ids(L)), mask_token_id=mask_token_id)
+
+
+class Teacher:
+    """A frozen Hugging Face causal LM producing features and labels for the drafter."""
+
+    def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, device="cpu",
+                 feature_layer_ids: tuple[int, ...] | None = None, logits_chunk: int = 4096):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.model_dir = Path(model_dir)
+        self.hf_config = AutoConfig.from_pretrained(self.model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).to(device)
+        self.model.eval().requires_grad_(False)
+        self.device = torch.device(device)
+        L = num_layers_of(self.hf_config)
+        self.feature_layer_ids = tuple(feature_layer_ids or default_feature_layer_ids(L))
+        if max(self.feature_layer_ids) > L or min(self.feature_layer_ids) < 0:
+            raise ValueError(f"feature layer ids {self.feature_layer_ids} do not fit a {L}-layer target")
+        self.vocab_size = int(self.hf_config.vocab_size)
+        self.logits_chunk = logits_chunk
+        self.used: torch.Tensor | None = None  # draft vocab (target ids, ascending)
+
+    # -- weights the head starts from ------------------------------------------------------------------------
+    def input_embeddings(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight
+
+    def output_embeddings(self) -> torch.Tensor | None:
+        out = self.model.get_output_embeddings()
+        return None if out is None else out.weight
+
+    def final_norm_weight(self) -> torch.Tensor | None:
+        """The target's final RMSNorm weight, when it has a bias-free one (Llama, Qwen, Mistral...)."""
+        try:
+            dec = self.model.get_decoder()
+        except Exception:  # noqa: BLE001 - not every model exposes its decoder
+            return None
+        norm = getattr(dec, "norm", None)
+        w = getattr(norm, "weight", None)
+        if w is None or getattr(norm, "bias", None) is not None or w.ndim != 1:
+            return None
+        return w
+
+    # -- per sequence ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """input_ids [n] -> (features [n, 3H] in the target's dtype, label log-probs [n, Vd] fp32 over the draft
+        vocab, full-vocab argmax [n])."""
+        if self.used is None:
+            raise RuntimeError("set Teacher.used (the draft vocab) before computing labels")
+        ids = input_ids.to(self.device)[None]
+        out = self.model(input_ids=ids, output_hidden_states=True, use_cache=False)
+        hs = out.hidden_states
+        features = torch.cat([hs[i][0] for i in self.feature_layer_ids], dim=-1)
+        logits = out.logits[0]
+        used = self.used.to(logits.device)
+        n = logits.shape[0]
+        logp = torch.empty(n, used.numel(), dtype=torch.float32, device=logits.device)
+        argmax = torch.empty(n, dtype=torch.long, device=logits.device)
+        for a in range(0, n, self.logits_chunk):
+            chunk = logits[a:a + self.logits_chunk]
+            argmax[a:a + self.logits_chunk] = chunk.argmax(-1)
+            logp[a:a + self.logits_chunk] = chunk.index_select(-1, used).float().log_softmax(-1)
+        del out, hs, logits
+        return features, logp, argmax
+
+    def mean_feature(self, input_ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            out = self.model(input_ids=input_ids.to(self.device)[None], output_hidden_states=True, use_cache=False)
+            return torch.cat([out.hidden_states[i][0] for i in self.feature_layer_ids], -1).float().mean(0)
+
+
+def choose_mask_token_id(tokenizer, vocab_size: int, token_counts: torch.Tensor | None) -> int:
+    """An id the tokenizer never produces in chat, for P-EAGLE's mask token.
+
+    In order: a special added token that is not bos/eos/pad/unk and never occurs in the data (SmolLM2: id 3,
+    `<repo_name>`); an embedding row past the tokenizer's vocabulary; without a tokenizer, the highest id that never
+    occurs in the data. Override with `--mask-token-id`."""
+    seen = (token_counts > 0) if token_counts is not None else torch.zeros(vocab_size, dtype=torch.bool)
+    if tokenizer is not None:
+        reserved = {getattr(tokenizer, f"{n}_token_id", None) for n in ("bos", "eos", "pad", "unk")}
+        template_ids: set[int] = set()
+        try:
+            probe = tokenizer.apply_chat_template([{"role": "user", "content": "hi"},
+                                                  {"role": "assistant", "content": "hello"}], tokenize=False)
+            template_ids = set(tokenizer(probe, add_special_tokens=False)["input_ids"])
+        except Exception:  # noqa: BLE001 - no chat template: nothing to exclude
+            pass
+        decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        for tid in sorted(decoder):
+            tok = decoder[tid]
+            if (getattr(tok, "special", False) and tid < vocab_size and tid not in reserved
+                    and tid not in template_ids and not bool(seen[tid])):
+                return int(tid)
+        if len(tokenizer) < vocab_size:
+            return int(len(tokenizer))
+    unseen = torch.nonzero(~seen).flatten()
+    if unseen.numel() == 0:
+        raise ValueError("every token id occurs in the data, so no id is free for the P-EAGLE mask token; "
+                         "pass --mask-token-id")
+    return int(unseen[-1])

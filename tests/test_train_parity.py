@@ -1,0 +1,114 @@
+"""Train/serve parity: what training computes is what the serving drafter computes (DESIGN sections 2-4)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from peagle.model.layers import BatchLayout
+from peagle.train.cod import sample_cod
+from peagle.train.objective import cod_forward, export_drafter, forward_rows, ttt_forward
+
+sys.path.insert(0, str(Path(__file__).parent))
+from train_helpers import random_seq, tiny_drafter  # noqa: E402
+
+
+def test_forward_rows_matches_drafter_forward():
+    d = tiny_drafter(num_layers=3)
+    seq = random_seq(30, d)
+    pos = torch.arange(29)
+    mask = torch.ones(29, 29, dtype=torch.bool).tril()
+    ref = d(seq.input_ids[1:][None], seq.features[:29][None], BatchLayout.dense(pos[None], mask[None]), None)[0]
+    got, _ = forward_rows(d, seq.input_ids[1:], seq.features[:29], pos)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def _serve_hidden_parallel(d, seq, p, K, split):
+    """What draft_parallel computes for anchor p: real rows 0..p (fed in two calls, as a server would after a
+    prefill and a decoding step) then K-1 mask slots. Returns (hidden of the last real row and the slots, drafts)."""
+    cache = d.new_cache(1, 128)
+    slots = torch.zeros(1, dtype=torch.long)
+    first = torch.arange(split)
+    d(seq.input_ids[first + 1][None], seq.features[first][None], BatchLayout.build(slots, first[None]), cache)
+    rest = torch.arange(split, p + 1)
+    # the exact inputs draft_parallel builds, so the hidden states can be compared too
+    tok = torch.cat([seq.input_ids[rest + 1], torch.full((K - 1,), d.config.mask_token_id)])
+    feat = torch.cat([seq.features[rest], d.mask_hidden.reshape(1, -1).expand(K - 1, -1)])
+    pos = torch.arange(split, p + K)
+    with torch.no_grad():
+        hidden = d(tok[None], feat[None], BatchLayout.build(slots, pos[None]), cache)[0][-K:]
+    cache2 = d.new_cache(1, 128)
+    d(seq.input_ids[first + 1][None], seq.features[first][None], BatchLayout.build(slots, first[None]), cache2)
+    drafts = d.draft_parallel(seq.input_ids[rest + 1][None], seq.features[rest][None],
+                              torch.tensor([rest.numel()]), torch.tensor([split]), slots, cache2, K)[0]
+    return hidden, drafts
+
+
+def test_cod_forward_matches_draft_parallel():
+    K, n = 5, 40
+    train = tiny_drafter(num_layers=2, frozen_embedding=True)
+    serve = export_drafter(train).eval()
+    seq = random_seq(n, train)
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[6:] = True
+    el = sample_cod(mask, K, keep_all=True)
+    with torch.no_grad():
+        hidden = cod_forward(train, seq, el)
+    for p in (9, 17, 30):
+        idx = [int(torch.nonzero((el.anchor == p) & (el.depth == k))[0]) for k in range(K)]
+        h_train = hidden[idx]
+        h_serve, drafts = _serve_hidden_parallel(serve, seq, p, K, split=p - 3)
+        torch.testing.assert_close(h_train, h_serve, rtol=1e-4, atol=1e-4)
+        train_drafts = train.to_target_ids(train.logits(h_train).argmax(-1))
+        assert torch.equal(train_drafts, drafts), (p, train_drafts, drafts)
+
+
+def test_partial_cod_sample_matches_draft_parallel():
+    """A random COD subset (not full chains) still gives the serving outputs at every element it keeps."""
+    K, n = 6, 60
+    train = tiny_drafter(num_layers=1, frozen_embedding=True, seed=3)
+    serve = export_drafter(train).eval()
+    seq = random_seq(n, train, seed=5)
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[10:] = True
+    el = sample_cod(mask, K, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden = cod_forward(train, seq, el)
+    deep = torch.nonzero(el.depth == K - 1).flatten()[:3]
+    for i in deep.tolist():
+        p = int(el.anchor[i])
+        idx = [int(torch.nonzero((el.anchor == p) & (el.depth == k))[0]) for k in range(K)]
+        h_serve, _ = _serve_hidden_parallel(serve, seq, p, K, split=p)
+        torch.testing.assert_close(hidden[idx], h_serve, rtol=1e-4, atol=1e-4)
+
+
+def test_ttt_steps_match_draft_chain():
+    K, n = 4, 36
+    d = tiny_drafter(num_layers=2, mask_token_id=None, seed=7)
+    seq = random_seq(n, d, seed=2)
+    slots = torch.zeros(1, dtype=torch.long)
+    for p in (8, 20):
+        rows = torch.arange(p + 1)
+        cache = d.new_cache(1, 128)
+        drafts = d.draft_chain(seq.input_ids[rows + 1][None], seq.features[rows][None], torch.tensor([p + 1]),
+                               torch.tensor([0]), slots, cache, K)[0]
+        # the chain feeds its own drafts; training feeds ground truth, so make the ground truth those drafts
+        ids = seq.input_ids.clone()
+        ids[p + 2:p + 1 + K] = drafts[:K - 1]
+        s2 = type(seq)(ids, seq.features, seq.logp, seq.argmax)
+        el = sample_cod(torch.ones(n, dtype=torch.bool), K, keep_all=True)
+        # reference hidden states of the chain, computed the way draft_chain does
+        cache = d.new_cache(1, 128)
+        with torch.no_grad():
+            h = d(ids[rows + 1][None], seq.features[rows][None], BatchLayout.build(slots, rows[None]), cache)[:, -1:]
+            ref = [h[0, 0]]
+            for k in range(1, K):
+                h = d(drafts[k - 1].view(1, 1), h, BatchLayout.build(slots, torch.tensor([[p + k]])), cache)
+                ref.append(h[0, 0])
+            got = {}
+            for k, A, hk in ttt_forward(d, s2, el, chunk=7):
+                got[k] = hk[int(torch.nonzero(A == p)[0])]
+        for k in range(K):
+            torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-4)
+            assert int(d.to_target_ids(d.logits(got[k]).argmax(-1))) == int(drafts[k])
