@@ -1,0 +1,265 @@
+"""The bridge between asyncio request handlers and the synchronous engine.
+
+One background thread owns the engine(s) and calls `step()` whenever there is work; each step's reports are
+handed to the event loop in one batch (`call_soon_threadsafe`) and fanned out to per-request asyncio queues.
+Requests join and leave the running batch between steps (continuous batching in the engine).
+
+- Admission: requests that have been accepted but have not yet produced a token count as *waiting*; when
+  `max_waiting` of them exist, new requests are refused with 503 and a `Retry-After` estimate.
+- Abort: a handler whose client went away calls `abort`; the engine frees the slot at its next step.
+- Drain: `drain(deadline)` refuses new work (503), waits for in-flight requests up to the deadline, then aborts
+  what is left and stops the thread.
+- Optional *baseline* engine: the same target weights with no drafter, for requests that ask for
+  `"speculation": false` (the playground's side-by-side mode). It has its own small KV cache and is stepped by
+  the same thread, alternating with the main engine, so the two never run forward passes at the same time.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import threading
+import time
+from collections.abc import AsyncIterator
+
+from peagle.engine import LLMEngine, RequestError, RequestOutput, SamplingParams
+from peagle.serve.metrics import Metrics
+from peagle.serve.protocol import APIError
+
+log = logging.getLogger("peagle.serve")
+
+
+class EngineFailure(RuntimeError):
+    """The engine raised while stepping; requests in flight on it are failed and aborted."""
+
+
+class RequestStream:
+    """The reports of one request, as an async iterator. Reports that pile up between reads are merged (their
+    deltas concatenated), so a slow reader gets fewer, larger chunks instead of falling behind."""
+
+    def __init__(self, request_id: str, engine: LLMEngine, owner: "AsyncEngine"):
+        self.request_id, self.engine, self.owner = request_id, engine, owner
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.started = False  # has produced its first report (left the waiting queue)
+        self.finished = False
+        self.last: RequestOutput | None = None
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        while not self.queue.empty() and isinstance(item, RequestOutput) and not item.finished:
+            nxt = self.queue.get_nowait()
+            if isinstance(nxt, BaseException):
+                item = nxt
+                break
+            item = dataclasses.replace(nxt, delta_text=item.delta_text + nxt.delta_text,
+                                       delta_token_ids=item.delta_token_ids + nxt.delta_token_ids)
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.last = item
+        if item.finished:
+            self.finished = True
+        return item
+
+    async def final(self) -> RequestOutput:
+        """Run to the end; the last report (its `text` is the whole output)."""
+        async for _ in self:
+            pass
+        return self.last
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.owner.abort(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, baseline: LLMEngine | None = None, max_waiting: int = 256,
+                 metrics: Metrics | None = None, idle_wait: float = 0.05):
+        self.engine, self.baseline = engine, baseline
+        self.engines = [e for e in (engine, baseline) if e is not None]
+        self.max_waiting = max_waiting
+        self.metrics = metrics
+        self.idle_wait = idle_wait
+        self.draining = False
+        self._streams: dict[str, RequestStream] = {}
+        self._waiting = 0
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._recent_latency = 1.0  # seconds, a running mean of request latency for Retry-After
+        self.error: BaseException | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------------------------
+    @property
+    def started(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        """Start the engine thread, bound to the running event loop."""
+        if self.started:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._stop.clear()
+        self.draining = False
+        self._thread = threading.Thread(target=self._run, name="peagle-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self._thread = None
+
+    async def drain(self, deadline: float = 30.0) -> None:
+        """Refuse new work, let requests in flight finish for up to `deadline` seconds, abort the rest, stop."""
+        self.draining = True
+        end = time.monotonic() + deadline
+        while self._streams and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        left = list(self._streams)
+        for rid in left:
+            self.abort(rid)
+        if left:
+            log.warning("drain deadline passed: aborted %d request(s) still running", len(left))
+            end = time.monotonic() + 5
+            while self._streams and time.monotonic() < end:
+                await asyncio.sleep(0.05)
+        await asyncio.get_running_loop().run_in_executor(None, self.stop)
+
+    # -- state ------------------------------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return sum(e.num_running for e in self.engines)
+
+    @property
+    def num_waiting(self) -> int:
+        return self._waiting
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    @property
+    def healthy(self) -> bool:
+        return self.started and not self._stop.is_set()
+
+    def retry_after(self) -> int:
+        """Seconds until a slot is likely free: the waiting queue drained at the recent request rate."""
+        slots = sum(e.max_num_seqs for e in self.engines)
+        return max(1, min(60, math.ceil(self._recent_latency * (self._waiting + 1) / max(1, slots))))
+
+    # -- requests ---------------------------------------------------------------------------------------------
+    def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+            speculation: bool = True) -> RequestStream:
+        """Queue a request (from the event loop thread); raises APIError when it cannot be taken."""
+        return self.add_many([(prompt_ids, params, request_id)], speculation)[0]
+
+    def add_many(self, items: list[tuple[list[int], SamplingParams, str]], speculation: bool = True
+                 ) -> list[RequestStream]:
+        """Queue several requests at once (all or none)."""
+        if self.draining or not self.healthy:
+            self._reject("draining")
+            raise APIError("the server is shutting down and takes no new requests", 503, type="service_unavailable",
+                           code="server_shutting_down", headers={"Retry-After": "5"})
+        if self._waiting + len(items) > self.max_waiting:
+            self._reject("queue_full")
+            raise APIError(f"the server is at capacity ({self._waiting} requests waiting, limit {self.max_waiting}); "
+                           "retry later", 503, type="service_unavailable", code="queue_full",
+                           headers={"Retry-After": str(self.retry_after())})
+        engine = self.engine
+        if not speculation and self.engine.spec is not None:
+            if self.baseline is None:
+                raise APIError("speculation: false needs the baseline engine, which this server was started "
+                               "without (--no-baseline)", 400, param="speculation")
+            engine = self.baseline
+        streams = []
+        try:
+            for prompt_ids, params, rid in items:
+                stream = RequestStream(rid, engine, self)
+                self._streams[rid] = stream
+                self._waiting += 1
+                streams.append(stream)
+                engine.add_request(prompt_ids, params, request_id=rid)
+        except RequestError as e:
+            for s in streams:
+                self.abort(s.request_id)
+            raise APIError(str(e), 400) from None
+        self._wake.set()
+        return streams
+
+    def abort(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.engine.abort(request_id)
+            self._wake.set()
+
+    def _reject(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.reject(reason)
+
+    # -- the engine thread ------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        import torch
+
+        torch.set_grad_enabled(False)
+        while not self._stop.is_set():
+            busy = False
+            for engine in self.engines:
+                if not engine.has_work():
+                    continue
+                busy = True
+                try:
+                    outputs = engine.step()
+                except Exception as e:  # noqa: BLE001 - an engine bug must not kill the server
+                    log.exception("engine step failed")
+                    self.error = e
+                    self._post(self._fail_engine, engine, e)
+                    continue
+                if self.metrics is not None:
+                    for out in outputs:
+                        self.metrics.record_output(out)
+                    if engine.spec is not None:
+                        self.metrics.record_spec(engine.stats)
+                if outputs:
+                    self._post(self._deliver, outputs)
+            if not busy:
+                self._wake.wait(self.idle_wait)
+                self._wake.clear()
+
+    def _post(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: the server is gone
+            pass
+
+    # -- on the event loop ------------------------------------------------------------------------------------
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if not stream.started:
+                stream.started = True
+                self._waiting -= 1
+            stream.queue.put_nowait(out)
+            if out.finished:
+                del self._streams[out.request_id]
+                self._recent_latency = 0.8 * self._recent_latency + 0.2 * out.elapsed
+
+    def _fail_engine(self, engine: LLMEngine, error: BaseException) -> None:
+        for rid, stream in list(self._streams.items()):
+            if stream.engine is engine:
+                if not stream.started:
+                    self._waiting -= 1
+                engine.abort(rid)
+                del self._streams[rid]
+                stream.queue.put_nowait(EngineFailure(f"the engine failed while running this request: {error}"))
+        self._wake.set()

@@ -1,0 +1,314 @@
+"""`peagle serve [MODEL]`: the OpenAI- and SageMaker-compatible server.
+
+Flags follow `vllm serve`. Every flag can also come from the environment as `SM_VLLM_<NAME>` (upper case,
+dashes as underscores: `SM_VLLM_SPECULATIVE_CONFIG`, `SM_VLLM_MAX_NUM_SEQS`, `SM_VLLM_SAGEMAKER=true`, and
+`SM_VLLM_MODEL` for the model), the way SageMaker's vLLM containers map them; a flag on the command line wins.
+
+MODEL is a model folder, a locally cached Hugging Face id, a preset name from `peagle models`, or nothing for the
+embedded SmolLM2-135M-Instruct with its bundled P-EAGLE head.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import os
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+ENV_PREFIX = "SM_VLLM_"
+SAGEMAKER_PORT = 8080
+# Where SageMaker mounts the model and extra model data (heads); overridable for tests.
+ML_ROOT_ENV = "PEAGLE_SAGEMAKER_ML_ROOT"
+
+
+def ml_root() -> Path:
+    return Path(os.environ.get(ML_ROOT_ENV, "/opt/ml"))
+
+
+def register(name: str, parser: argparse.ArgumentParser) -> None:
+    add_serve_args(parser)
+    parser.set_defaults(func=run)
+    apply_env_defaults(parser)
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_tag", nargs="?", metavar="MODEL",
+                        help="model folder, cached Hugging Face id or preset name (default: the embedded SmolLM2)")
+    parser.add_argument("--model", help="the same as MODEL (for SM_VLLM_MODEL)")
+    parser.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 with --sagemaker)")
+    parser.add_argument("--port", type=int, help=f"port (default 8000; {SAGEMAKER_PORT} with --sagemaker)")
+    parser.add_argument("--speculative-config", metavar="JSON",
+                        help='vLLM\'s speculative config, e.g. \'{"method": "eagle3", "model": HEAD, '
+                             '"num_speculative_tokens": 7, "parallel_drafting": true}\'; "none" turns speculation off')
+    parser.add_argument("--max-model-len", type=int, help="context length (prompt + output) per request")
+    parser.add_argument("--max-num-seqs", type=int, help="requests decoded together (default 8)")
+    parser.add_argument("--served-model-name", nargs="+", help="name(s) clients use in \"model\"")
+    parser.add_argument("--dtype", default="auto", help="auto (bfloat16), bfloat16, float16 or float32")
+    parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health, /ping")
+    parser.add_argument("--max-waiting", type=int, default=256,
+                        help="requests allowed to wait for a slot before new ones get 503 (default 256)")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="seconds in-flight requests get to finish after SIGTERM (default 30)")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="do not keep a no-speculation engine for \"speculation\": false requests")
+    parser.add_argument("--baseline-max-num-seqs", type=int, default=2,
+                        help="slots of the no-speculation engine (default 2)")
+    parser.add_argument("--sagemaker", action="store_true",
+                        help="SageMaker container contract: 0.0.0.0:8080, model from /opt/ml/model, heads from "
+                             "/opt/ml/additional-model-data-sources/<channel>")
+    parser.add_argument("--engine", choices=["peagle", "vllm"], default="peagle",
+                        help="vllm: exec `vllm serve` with the same model and speculative config")
+    parser.add_argument("--dry-run", action="store_true", help="with --engine vllm: print the command only")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true")
+
+
+def _env_name(action: argparse.Action) -> str | None:
+    longs = [o for o in action.option_strings if o.startswith("--")]
+    if not longs:
+        return None
+    return ENV_PREFIX + longs[0][2:].replace("-", "_").upper()
+
+
+def apply_env_defaults(parser: argparse.ArgumentParser, environ=None) -> None:
+    """Make SM_VLLM_<NAME> the default of --<name>; the command line still wins."""
+    environ = os.environ if environ is None else environ
+    defaults = {}
+    for action in parser._actions:
+        env = _env_name(action)
+        if env is None or env not in environ or action.dest == "help":
+            continue
+        raw = environ[env]
+        if isinstance(action, argparse._StoreTrueAction):
+            value = raw.strip().lower() in ("1", "true", "yes", "on")
+        elif action.nargs in ("+", "*"):
+            value = shlex.split(raw)
+        else:
+            try:
+                value = action.type(raw) if action.type else raw
+            except (TypeError, ValueError):
+                parser.error(f"{env}={raw!r} is not a valid value for {action.option_strings[0]}")
+            if action.choices and value not in action.choices:
+                parser.error(f"{env}={raw!r}: choose one of {', '.join(map(str, action.choices))}")
+        defaults[action.dest] = value
+    parser.set_defaults(**defaults)
+
+
+class ServeError(Exception):
+    """A start-up problem the user can fix; printed without a traceback."""
+
+
+def _fail(msg: str, code: int = 2) -> int:
+    print(f"peagle serve: error: {msg}", file=sys.stderr, flush=True)
+    return code
+
+
+# ------------------------------------------------------------------------------------------------------------
+
+
+def resolve(args) -> dict:
+    """Turn arguments into what to serve: model, speculative config, names, address. Raises ServeError."""
+    from peagle.config import SpeculativeConfig, SpeculativeConfigError
+    from peagle.model.heads import bundled_heads, default_speculative_config, resolve_head
+    from peagle.model.loading import is_embedded
+    from peagle.serve import catalog
+
+    name = args.model_tag or args.model
+    if args.sagemaker and name is None and (ml_root() / "model" / "config.json").exists():
+        name = str(ml_root() / "model")
+    preset = catalog.find(name) if name is not None and not Path(name).expanduser().exists() else None
+    model = preset.model if preset else name
+    notes = []
+
+    spec = None
+    text = args.speculative_config
+    if text is not None and text.strip().lower() not in ("", "none", "null"):
+        try:
+            spec = SpeculativeConfig.parse(text)
+        except SpeculativeConfigError as e:
+            raise ServeError(f"{e}\n  (from {'--speculative-config' if _from_cli('--speculative-config') else 'SM_VLLM_SPECULATIVE_CONFIG'})")
+    elif text is None and preset is not None:
+        spec = SpeculativeConfig.parse(preset.speculative_config)
+        if not preset.verified:
+            notes.append(f"warning: preset {preset.name}'s head id {preset.head!r} is unverified ({preset.notes})")
+    elif text is None:
+        spec = default_speculative_config(model)
+        if spec is None and is_embedded(model):
+            notes.append("note: the bundled P-EAGLE head for the embedded model is not installed "
+                         f"(bundled heads: {', '.join(bundled_heads()) or 'none'}); serving WITHOUT speculation. "
+                         "Pass --speculative-config to use a head.")
+        elif spec is None:
+            notes.append("note: no --speculative-config given; serving without speculation")
+
+    if preset is not None and preset.engine == "vllm" and args.engine != "vllm":
+        raise ServeError(f"preset {preset.name} ({preset.model}) is a large GPU model that peagle's engine does not "
+                         f"run; serve it with vLLM: `peagle serve {preset.name} --engine vllm`")
+
+    if spec is not None and args.engine == "peagle":
+        head = spec.model
+        if head is not None and not Path(head).expanduser().exists() and head not in bundled_heads():
+            channel = ml_root() / "additional-model-data-sources" / head.strip("/").split("/")[-1]
+            if (channel / "config.json").exists():
+                spec = spec.model_copy(update={"model": str(channel)})
+        elif head is None and args.sagemaker:
+            channels = sorted(p for p in (ml_root() / "additional-model-data-sources").glob("*")
+                              if (p / "config.json").exists())
+            if len(channels) == 1:
+                spec = spec.model_copy(update={"model": str(channels[0])})
+            elif len(channels) > 1:
+                raise ServeError("several heads under additional-model-data-sources ("
+                                 f"{', '.join(c.name for c in channels)}): name one in the speculative config's "
+                                 "\"model\"")
+        try:
+            resolve_head(spec.model, model)
+        except FileNotFoundError as e:
+            raise ServeError(f"speculative config: {e}")
+
+    host = args.host or ("0.0.0.0" if args.sagemaker else "127.0.0.1")
+    port = args.port or (SAGEMAKER_PORT if args.sagemaker else 8000)
+    served = args.served_model_name or [preset.name if preset else (name or "SmolLM2-135M-Instruct")]
+    return {"model": model, "preset": preset, "spec": spec, "host": host, "port": port, "served": served,
+            "notes": notes}
+
+
+def _from_cli(flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in sys.argv)
+
+
+def run(args) -> int:
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        plan = resolve(args)
+    except ServeError as e:
+        return _fail(str(e))
+    for n in plan["notes"]:
+        print(f"peagle serve: {n}", file=sys.stderr, flush=True)
+    if args.engine == "vllm":
+        return exec_vllm(args, plan)
+    return serve(args, plan)
+
+
+def build_server(args, plan):
+    """Load the engine(s) and build the app; returns (app, async engine)."""
+    from peagle.config import SpeculativeConfigError
+    from peagle.engine import LLMEngine
+    from peagle.serve.app import build_app
+    from peagle.serve.async_engine import AsyncEngine
+    from peagle.serve.metrics import Metrics
+
+    try:
+        engine = LLMEngine.from_pretrained(plan["model"], speculative_config=plan["spec"],
+                                           max_num_seqs=args.max_num_seqs or 8, max_model_len=args.max_model_len,
+                                           device=args.device, dtype=args.dtype)
+    except (SpeculativeConfigError, FileNotFoundError, ValueError) as e:
+        raise ServeError(str(e)) from None
+    baseline = None
+    if engine.spec is not None and not args.no_baseline:
+        baseline = LLMEngine(engine.target, engine.tokenizer, None, None, max_num_seqs=args.baseline_max_num_seqs,
+                             max_model_len=engine.max_model_len, model_name=engine.model_name)
+    metrics = Metrics(plan["served"][0], engine.k)
+    aengine = AsyncEngine(engine, baseline, max_waiting=args.max_waiting, metrics=metrics)
+    model_path = str(plan["model"]) if plan["model"] else engine.model_name
+    app = build_app(aengine, plan["served"], api_key=args.api_key, model_path=model_path,
+                    drain_timeout=args.drain_timeout)
+    return app, aengine
+
+
+def serve(args, plan) -> int:
+    import uvicorn
+
+    try:
+        app, aengine = build_server(args, plan)
+    except ServeError as e:
+        return _fail(str(e))
+    engine = aengine.engine
+    spec = engine.spec
+    how = (f"{engine.method} (K={engine.k}, head {spec.model})" if spec is not None else "no speculation")
+    url = f"http://{'127.0.0.1' if plan['host'] in ('0.0.0.0', '::') else plan['host']}:{plan['port']}"
+    print(f"peagle serve: {', '.join(plan['served'])} with {how}, max_model_len {engine.max_model_len}, "
+          f"max_num_seqs {engine.max_num_seqs}", file=sys.stderr, flush=True)
+    print(f"peagle serve: listening on http://{plan['host']}:{plan['port']}  (playground: {url}/)", file=sys.stderr,
+          flush=True)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            aengine.draining = True  # refuse new work at once; in-flight requests finish (drain timeout)
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=plan["host"], port=plan["port"], log_level=args.log_level,
+                            access_log=not args.disable_uvicorn_access_log,
+                            timeout_graceful_shutdown=args.drain_timeout, timeout_keep_alive=30)
+    server = Server(config)
+    server.run()
+    return 0 if server.started else 1
+
+
+# ------------------------------------------------------------------------------------------------------------
+# --engine vllm
+
+
+def vllm_command(args, plan) -> list[str]:
+    from peagle.model.heads import resolve_head
+    from peagle.model.loading import is_embedded, resolve_model
+
+    model = plan["model"]
+    if is_embedded(model):
+        model = str(resolve_model(None))
+    cmd = ["vllm", "serve", str(model)]
+    spec = plan["spec"]
+    if spec is not None:
+        d = spec.model_dump(exclude_none=True)
+        if plan["preset"] is None or plan["preset"].engine == "peagle":
+            try:  # a bundled or local head: give vLLM its folder
+                d["model"] = str(resolve_head(spec.model, plan["model"]))
+            except FileNotFoundError:
+                pass
+        cmd += ["--speculative-config", json.dumps(d)]
+    cmd += ["--host", plan["host"], "--port", str(plan["port"])]
+    preset_args = list(plan["preset"].vllm_args) if plan["preset"] is not None else []
+    if args.max_model_len:
+        cmd += ["--max-model-len", str(args.max_model_len)]
+        preset_args = _drop_flag(preset_args, "--max-model-len")
+    if args.max_num_seqs:
+        cmd += ["--max-num-seqs", str(args.max_num_seqs)]
+        preset_args = _drop_flag(preset_args, "--max-num-seqs")
+    cmd += preset_args
+    if args.served_model_name:
+        cmd += ["--served-model-name", *args.served_model_name]
+    if args.dtype and args.dtype != "auto":
+        cmd += ["--dtype", args.dtype]
+    if args.api_key:
+        cmd += ["--api-key", args.api_key]
+    return cmd
+
+
+def _drop_flag(argv: list[str], flag: str) -> list[str]:
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if a == flag:
+            skip = True
+            continue
+        out.append(a)
+    return out
+
+
+def exec_vllm(args, plan) -> int:
+    cmd = vllm_command(args, plan)
+    shown = " ".join(shlex.quote(c) for c in cmd)
+    if args.dry_run:
+        print(shown)
+        return 0
+    if importlib.util.find_spec("vllm") is None or shutil.which("vllm") is None:
+        return _fail("--engine vllm needs vLLM (0.16 or newer, for parallel drafting) on a machine with a CUDA GPU: "
+                     "`pip install 'vllm>=0.16'`. The command it would run:\n  " + shown, 1)
+    print(f"peagle serve: exec {shown}", file=sys.stderr, flush=True)
+    os.execvp(cmd[0], cmd)
+    return 1  # not reached

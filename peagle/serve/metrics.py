@@ -1,0 +1,119 @@
+"""Prometheus metrics with vLLM's names, so dashboards built for `vllm serve` work unchanged.
+
+Counters are exposed with prometheus' `_total` suffix, as vLLM's are (`vllm:spec_decode_num_drafts_total`, ...).
+Spec-decode counters advance by the engine's own engine-wide statistics, so they equal the sum of the
+`speculative_decoding` stats of every response (aborted requests included, as in vLLM).
+
+Each server gets its own registry (several apps can live in one process, as in the tests).
+"""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
+
+from peagle.engine.stats import SpecDecodeStats
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+               0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+
+
+class Metrics:
+    def __init__(self, model_name: str, num_speculative_tokens: int = 0):
+        disable_created_metrics()  # no `*_created` series (as vLLM)
+        self.registry = r = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+        self.num_drafts = Counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", labels,
+                                  registry=r)
+        self.num_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", labels,
+                                        registry=r)
+        self.num_accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                                           labels, registry=r)
+        self.accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted tokens per draft position.", labels + ["position"], registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              labels, buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             labels, buckets=ITL_BUCKETS, registry=r)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds",
+                              "Histogram of time per output token in seconds (per request, after the first).",
+                              labels, buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of end to end request latency.",
+                             labels, buckets=E2E_BUCKETS, registry=r)
+        self.running = Gauge("vllm:num_requests_running", "Number of requests in the model execution batch.",
+                             labels, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels,
+                             registry=r)
+        self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                               labels + ["finished_reason"], registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", labels,
+                                     registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                                         labels, registry=r)
+        self.rejected = Counter("peagle:requests_rejected", "Requests refused before reaching the engine.",
+                                labels + ["reason"], registry=r)
+        m = model_name
+        # Create every labelled series up front so a scrape shows zeros rather than nothing.
+        for c in (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.prompt_tokens,
+                  self.generation_tokens):
+            c.labels(model_name=m)
+        for pos in range(num_speculative_tokens):
+            self.accepted_per_pos.labels(model_name=m, position=str(pos))
+        for reason in ("stop", "length", "abort"):
+            self.success.labels(model_name=m, finished_reason=reason)
+        self._seen = SpecDecodeStats(num_speculative_tokens)
+        self._last_token_at: dict[str, float] = {}
+
+    # -- called from the engine thread after each step -------------------------------------------------------
+    def record_spec(self, stats: SpecDecodeStats) -> None:
+        """Advance the spec-decode counters to the engine's running totals."""
+        m, seen = self.model_name, self._seen
+        self.num_drafts.labels(model_name=m).inc(stats.num_drafts - seen.num_drafts)
+        self.num_draft_tokens.labels(model_name=m).inc(stats.num_draft_tokens - seen.num_draft_tokens)
+        self.num_accepted_tokens.labels(model_name=m).inc(stats.num_accepted_tokens - seen.num_accepted_tokens)
+        for pos, n in enumerate(stats.accepted_per_position):
+            before = seen.accepted_per_position[pos] if pos < len(seen.accepted_per_position) else 0
+            if n - before:
+                self.accepted_per_pos.labels(model_name=m, position=str(pos)).inc(n - before)
+        self._seen = SpecDecodeStats(stats.num_speculative_tokens, stats.num_drafts, stats.num_draft_tokens,
+                                     stats.num_accepted_tokens, list(stats.accepted_per_position))
+
+    def record_output(self, out) -> None:
+        """One engine report (a RequestOutput) for one request."""
+        m, rid, t = self.model_name, out.request_id, time.perf_counter()
+        new = len(out.delta_token_ids)
+        last = self._last_token_at.get(rid)
+        if new:
+            if last is None:
+                if out.time_to_first_token is not None:
+                    self.ttft.labels(model_name=m).observe(out.time_to_first_token)
+                    self.prompt_tokens.labels(model_name=m).inc(out.num_prompt_tokens)
+                per_token, count = None, new - 1  # the first token's latency is TTFT
+            else:
+                per_token, count = (t - last) / new, new
+            if per_token is not None:
+                for _ in range(count):
+                    self.itl.labels(model_name=m).observe(per_token)
+            self.generation_tokens.labels(model_name=m).inc(new)
+            self._last_token_at[rid] = t
+        if out.finished:
+            self._last_token_at.pop(rid, None)
+            self.success.labels(model_name=m, finished_reason=out.finish_reason or "stop").inc()
+            self.e2e.labels(model_name=m).observe(out.elapsed)
+            if out.num_output_tokens > 1 and out.time_to_first_token is not None:
+                self.tpot.labels(model_name=m).observe(
+                    (out.elapsed - out.time_to_first_token) / (out.num_output_tokens - 1))
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(model_name=self.model_name, reason=reason).inc()
+
+    def render(self, running: int, waiting: int) -> bytes:
+        self.running.labels(model_name=self.model_name).set(running)
+        self.waiting.labels(model_name=self.model_name).set(waiting)
+        return generate_latest(self.registry)

@@ -1,0 +1,453 @@
+"""Request and response schemas of the HTTP API, in OpenAI's shape (the subset vLLM serves), plus peagle's
+extensions: every response carries its own speculative-decoding stats (`speculative_decoding`) and timing
+(`metrics`), and a request may ask for `"speculation": false` (run on the target alone, for comparisons).
+
+Parsing is strict about types (`"max_tokens": "5"` or `true` is an error, as in OpenAI's API) and ignores fields
+it does not know (as vLLM does). Every failure becomes an `APIError` naming the offending field, which the app
+turns into OpenAI's error body: {"error": {"message", "type", "param", "code"}}.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+# --------------------------------------------------------------------------------------------------------------
+# errors
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape. `param` names the request field at fault (dotted path)."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param, self.type, self.code = message, status, param, type, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "none", "dict", "list", "literal"}
+
+
+def _param_of(loc: tuple) -> str | None:
+    """A dotted field path from a pydantic error location, without the union-member names pydantic adds."""
+    parts = []
+    for p in loc:
+        if isinstance(p, int):
+            parts.append(str(p))
+        elif isinstance(p, str) and not ("[" in p or "-" in p or p.lower() in _TYPE_NAMES or p[:1].isupper()):
+            parts.append(p)
+    return ".".join(parts) or None
+
+
+def validation_error(e: ValidationError) -> APIError:
+    """One APIError from a pydantic ValidationError: the first field at fault, with every reason given for it."""
+    by_param: dict[str | None, list[str]] = {}
+    for err in e.errors():
+        param = _param_of(err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "missing":
+            msg = "this field is required"
+        if msg not in by_param.setdefault(param, []):
+            by_param[param].append(msg)
+    param, msgs = next(iter(by_param.items()))
+    text = " or ".join(msgs)
+    return APIError(f"{param}: {text}" if param else text, 400, param)
+
+
+def parse_json(raw: bytes) -> Any:
+    if not raw.strip():
+        raise APIError("the request body is empty; send a JSON object", 400)
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        where = f" (line {e.lineno} column {e.colno})" if isinstance(e, json.JSONDecodeError) else ""
+        raise APIError(f"the request body is not valid JSON: {getattr(e, 'msg', str(e))}{where}", 400) from None
+
+
+def parse(model: type[BaseModel], data: Any) -> BaseModel:
+    if not isinstance(data, dict):
+        raise APIError(f"the request body must be a JSON object, not {type(data).__name__}", 400)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# requests
+
+_STRICT = ConfigDict(strict=True, extra="ignore", protected_namespaces=())
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool = False
+    # vLLM's extension: usage (and, here, the running speculative-decoding stats) on every chunk.
+    continuous_usage_stats: bool = False
+
+
+class TextPart(BaseModel):
+    model_config = _STRICT
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = _STRICT
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by chat and text completions."""
+    model_config = _STRICT
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # peagle extension: false runs this request on the target alone (no drafter), for side-by-side comparisons.
+    speculation: bool = True
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens(cls, v):
+        if v is not None and v < 1:
+            raise ValueError(f"must be at least 1, got {v}")
+        return v
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v):
+        if v is not None and not 0 <= v <= 2:
+            raise ValueError(f"must be between 0 and 2, got {v}")
+        return v
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, v):
+        if v is not None and not 0 < v <= 1:
+            raise ValueError(f"must be in (0, 1], got {v}")
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v):
+        if v is not None and v < -1:
+            raise ValueError(f"must be -1 or 0 (off) or a positive integer, got {v}")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v):
+        if v != 1:
+            raise ValueError(f"only n=1 is supported, got {v}; send separate requests for more samples")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalty(cls, v, info):
+        if v not in (None, 0, 0.0):
+            raise ValueError(f"{info.field_name} is not supported by this server; leave it unset or 0")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v):
+        if v:
+            raise ValueError("logit_bias is not supported by this server")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        if isinstance(v, list) and len(v) > 16:
+            raise ValueError(f"at most 16 stop sequences, got {len(v)}")
+        return v
+
+    def check(self) -> None:
+        """Rules across fields (raised as APIError so they name their field)."""
+        if self.stream_options is not None and not self.stream:
+            raise APIError("stream_options: only allowed when stream is true", 400, "stream_options")
+
+    def output_limit(self) -> int | None:
+        return self.max_tokens
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(...)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    tool_choice: Any = None
+    response_format: dict | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, v):
+        if not v:
+            raise ValueError("must contain at least one message")
+        return v
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _mct(cls, v):
+        if v is not None and v < 1:
+            raise ValueError(f"must be at least 1, got {v}")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v):
+        if v:
+            raise ValueError("logprobs are not supported by this server")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v):
+        if v:
+            raise ValueError("tool calling is not supported by this server")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v):
+        if v is not None and v.get("type", "text") != "text":
+            raise ValueError("only {\"type\": \"text\"} is supported")
+        return v
+
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def output_limit_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def as_messages(self) -> list[dict]:
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(...)
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v):
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("must not be empty")
+            if len(v) > 64:
+                raise ValueError(f"at most 64 prompts per request, got {len(v)}")
+            if isinstance(v[0], list) and any(not p for p in v):
+                raise ValueError("token-id prompts must not be empty")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v):
+        if v is not None:
+            raise ValueError("logprobs are not supported by this server")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, v):
+        if v is not None:
+            raise ValueError("suffix is not supported by this server")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v):
+        if v not in (None, 1):
+            raise ValueError(f"only best_of=1 is supported, got {v}")
+        return v
+
+    def output_limit_param(self) -> str:
+        return "max_tokens"
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request: one string, one list of token ids, or several of either."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [list(p)]
+        return list(p)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# responses
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class SpeculativeStats(BaseModel):
+    """peagle extension: this request's speculative decoding, counted as vLLM counts it."""
+    method: str  # "peagle", "eagle3" or "none"
+    num_speculative_tokens: int
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: list[int]
+    acceptance_per_position: list[float]
+    acceptance_rate: float
+    mean_acceptance_length: float  # 1 + accepted / drafts
+
+
+class RequestMetrics(BaseModel):
+    """peagle extension: this request's timing."""
+    time_to_first_token: float | None = None  # seconds from arrival to the first token
+    decode_tokens_per_second: float = 0.0  # output tokens after the first, over the time after the first
+    elapsed: float = 0.0  # seconds from arrival to the last token
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    speculative_decoding: SpeculativeStats | None = None
+    metrics: RequestMetrics | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+    speculative_decoding: SpeculativeStats | None = None
+    metrics: RequestMetrics | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+    speculative_decoding: SpeculativeStats | None = None
+    metrics: RequestMetrics | None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    speculative_decoding: SpeculativeStats | None = None
+    metrics: RequestMetrics | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "peagle"
+    root: str | None = None
+    max_model_len: int | None = None
+    # peagle extension: how this model decodes.
+    speculative_config: dict | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
