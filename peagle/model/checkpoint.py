@@ -17,10 +17,19 @@ from peagle.model.target import TargetConfig
 LAYOUTS = ("vllm", "speculators")
 
 
+def default_num_speculative_tokens(parallel: bool) -> int:
+    """K a head is exported with when none is given: 7 for P-EAGLE (drafting is one pass whatever K), 3 for EAGLE-3."""
+    return 7 if parallel else 3
+
+
 def save_head(drafter: Drafter, out: str | Path, layout: str = "vllm", verifier: str | None = None,
-              include_embeddings: bool | None = None, dtype: torch.dtype = torch.bfloat16) -> Path:
+              include_embeddings: bool | None = None, dtype: torch.dtype = torch.bfloat16,
+              num_speculative_tokens: int | None = None, verifier_architectures: list[str] | None = None) -> Path:
     """Write a head. Embeddings are written for P-EAGLE heads (the mask row is learned); EAGLE-3 heads share the
-    target's, as vLLM does when `embed_tokens.weight` is absent."""
+    target's, as vLLM does when `embed_tokens.weight` is absent.
+
+    `vllm` names layer 0 `midlayer.*` (as SpecForge and EAGLE do); `speculators` names it `layers.0.*` (as the
+    speculators library does). vLLM loads both."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     from safetensors.torch import save_file
@@ -36,38 +45,72 @@ def save_head(drafter: Drafter, out: str | Path, layout: str = "vllm", verifier:
             continue
         if name == "mask_hidden":
             t = t.reshape(1, 1, -1)
+        if layout == "speculators" and name.startswith("midlayer."):
+            name = "layers.0." + name[len("midlayer."):]
         state[name] = t.detach().to(dtype if t.is_floating_point() else t.dtype).contiguous().cpu()
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     cfg = c.to_hf_dict()
+    cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     if layout == "speculators":
-        cfg = speculators_config(cfg, verifier, method="peagle" if c.parallel_capable else "eagle3")
+        k = num_speculative_tokens or default_num_speculative_tokens(c.parallel_capable)
+        cfg = speculators_config(cfg, verifier, method="peagle" if c.parallel_capable else "eagle3",
+                                 num_speculative_tokens=k, verifier_architectures=verifier_architectures)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return out
 
 
-def speculators_config(cfg: dict, verifier: str | None, method: str) -> dict:
-    """Wrap a vLLM head config in the speculators layout."""
-    d = dict(cfg)
-    d["architectures"] = ["Eagle3Speculator"] if method == "eagle3" else ["PEagleSpeculator"]
-    d["speculators_model_type"] = method
-    d["speculators_version"] = "0.3.0"
-    d["transformer_layer_config"] = {k: cfg[k] for k in (
-        "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "head_dim", "rms_norm_eps", "vocab_size", "max_position_embeddings",
-        "rope_parameters") if k in cfg}
-    d["speculators_config"] = {
-        "algorithm": method,
-        "default_proposal_method": "greedy",
-        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3, "accept_tolerance": 0.0}],
-        "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]},
+# The decoder-layer config vLLM builds a speculators head from (it reads only `transformer_layer_config` plus the
+# algorithm's own top-level fields: draft_vocab_size, target_hidden_size, norm_before_residual, mask_token_id, ...).
+_LAYER_CONFIG_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                      "num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act", "vocab_size",
+                      "max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters",
+                      "tie_word_embeddings", "torch_dtype")
+
+
+def speculators_config(cfg: dict, verifier: str | None, method: str, num_speculative_tokens: int | None = None,
+                       verifier_architectures: list[str] | None = None) -> dict:
+    """Wrap a vLLM head config in the speculators layout (`speculators_model_type` "peagle" or "eagle3"): the
+    decoder-layer fields in `transformer_layer_config`, the head's own fields at top level."""
+    layer = {k: cfg[k] for k in _LAYER_CONFIG_KEYS if k in cfg}
+    layer.update({"architectures": ["LlamaForCausalLM"], "attention_bias": False, "mlp_bias": False})
+    k = num_speculative_tokens or default_num_speculative_tokens(method == "peagle")
+    d = {
+        "architectures": ["Eagle3Speculator"] if method == "eagle3" else ["PEagleSpeculator"],
+        "speculators_model_type": method,
+        "speculators_version": "0.3.0",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": cfg["draft_vocab_size"],
+        "target_hidden_size": cfg["target_hidden_size"],
+        "norm_before_residual": False,
+        "eagle_aux_hidden_state_layer_ids": cfg["eagle_aux_hidden_state_layer_ids"],
+        "torch_dtype": cfg.get("torch_dtype", "bfloat16"),
+        "speculators_config": {
+            "algorithm": method,
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k, "verifier_accept_k": 1,
+                                  "accept_tolerance": 0.0}],
+            "verifier": {"name_or_path": verifier,
+                         "architectures": list(verifier_architectures or ["LlamaForCausalLM"])},
+        },
     }
+    if method == "peagle":
+        d["mask_token_id"] = cfg["mask_token_id"]
+    # Anything else the head carries (unknown keys kept from the file it was loaded from) stays at top level.
+    known = set(_LAYER_CONFIG_KEYS) | set(DrafterConfig.for_hf_keys()) | {
+        "draft_vocab_size", "target_hidden_size", "mask_token_id", "rope_parameters"}
+    for key, value in cfg.items():
+        if key not in known and key not in d:
+            d[key] = value
     return d
 
 
 def _rename(name: str) -> str:
+    """Checkpoint tensor name -> ours: drop a `model.` prefix (SpecForge, speculators wrappers); layer 0 is `midlayer`."""
     name = name.removeprefix("model.")
     if name.startswith("layers.0."):
         return "midlayer." + name[len("layers.0."):]
+    if name == "draft_id_to_target_id":  # vLLM's in-memory name for d2t
+        return "d2t"
     return name
 
 
@@ -80,15 +123,34 @@ def load_head(path: str | Path, target_embeddings: torch.Tensor | None = None, d
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a drafter head folder (no config.json); create one with "
                                 "`peagle export --random-init` or `peagle train`")
-    raw = json.loads((path / "config.json").read_text())
-    if "transformer_layer_config" in raw and "hidden_size" not in raw:
-        raw = {**raw["transformer_layer_config"], **raw}
-    config = DrafterConfig.from_hf_dict(raw)
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path / 'config.json'} is not valid JSON: {e}") from e
+    layer_cfg = raw.get("transformer_layer_config") or raw.get("transformer_config")
+    if isinstance(layer_cfg, dict):
+        # speculators layout: the decoder-layer fields live in transformer_layer_config, the head's at top level.
+        raw = {**layer_cfg, **{k: v for k, v in raw.items() if k != "architectures"}}
+    for flag in ("norm_before_residual", "norm_before_fc"):
+        if raw.get(flag):
+            raise ValueError(f"{path}: {flag}=true heads are not supported (peagle's drafter normalises after the "
+                             "residual and feeds fc the raw features, as vLLM does by default for EAGLE-3 heads)")
+    missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size") if k not in raw]
+    if missing:
+        raise ValueError(f"{path / 'config.json'} is not a drafter head config: missing {', '.join(missing)}")
     state = {}
     for f in sorted(path.glob("*.safetensors")):
         state.update({_rename(k): v for k, v in load_file(f).items()})
+    if not state:
+        raise FileNotFoundError(f"{path} has a config.json but no *.safetensors weights")
+    if not raw.get("draft_vocab_size") and "lm_head.weight" in state:
+        raw["draft_vocab_size"] = state["lm_head.weight"].shape[0]
+    config = DrafterConfig.from_hf_dict(raw)
     if config.mask_token_id is None and "mask_hidden" in state:
         raise ValueError(f"{path}: has mask_hidden but no mask_token_id in config.json")
+    if config.mask_token_id is not None and "mask_hidden" not in state:
+        raise ValueError(f"{path}: config.json names a mask token ({config.mask_token_id}) but the weights have no "
+                         "mask_hidden, so this is not a P-EAGLE head")
     drafter = Drafter(config)
     if "embed_tokens.weight" not in state:
         if target_embeddings is None:

@@ -71,6 +71,8 @@ class DrafterConfig:
             "head_dim": self.head_dim,
             "rms_norm_eps": self.rms_norm_eps,
             "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
             "vocab_size": self.vocab_size,
             "draft_vocab_size": self.draft_vocab_size,
             "target_hidden_size": self.target_hidden_size,
@@ -113,7 +115,10 @@ class DrafterConfig:
         return ("architectures", "model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "hidden_act", "rope_theta", "rope_scaling", "eagle_aux_hidden_state_layer_ids", "eagle_config",
                 "norm_before_residual", "tie_word_embeddings", "torch_dtype", "ptd_token_id", "pard_token",
-                "parallel_drafting", "dtype")
+                "parallel_drafting", "dtype", "attention_bias", "mlp_bias",
+                # the speculators layout's wrapper, rebuilt by save_head(layout="speculators") when asked for
+                "speculators_model_type", "speculators_version", "speculators_config", "transformer_layer_config",
+                "transformer_config")
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -1,0 +1,242 @@
+"""`peagle export`: write a drafter head in the layout vLLM (or speculators) loads, and print the `vllm serve` line
+that uses it; or create an untrained head for a target (`--random-init`).
+
+    peagle export HEAD --format vllm|speculators --out DIR [--target MODEL] [--num-speculative-tokens K]
+    peagle export --random-init [--target MODEL] --method peagle|eagle3 [--num-layers N] [--mask-token-id ID] --out DIR
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from peagle.model.checkpoint import LAYOUTS, default_num_speculative_tokens
+
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+EMBEDDED_MASK_TOKEN_ID = 3  # <repo_name>: a StarCoder-style special token that chat never produces (DESIGN 9)
+
+
+class ExportError(ValueError):
+    """Bad input to `peagle export`; the message says what to do."""
+
+
+def register(name: str, parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("head", nargs="?", default=None,
+                        help="the head to export: a folder in any accepted layout (vLLM, speculators, SpecForge) or "
+                             "a bundled head name")
+    parser.add_argument("--format", default="vllm", choices=LAYOUTS, help="layout to write (default: vllm)")
+    parser.add_argument("--out", required=True, help="folder to write config.json + model.safetensors into")
+    parser.add_argument("--target", default=None,
+                        help="the target model (folder or hub id); names the verifier and the `vllm serve` model. "
+                             "With --random-init: the model to build the head for (default: the embedded SmolLM2)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help="K in the printed speculative config (default: 7 for P-EAGLE, 3 for EAGLE-3)")
+    init = parser.add_argument_group("untrained heads (--random-init)")
+    init.add_argument("--random-init", action="store_true", help="create an untrained head for --target")
+    init.add_argument("--method", default=None, choices=["peagle", "eagle3"], help="head type (default: peagle)")
+    init.add_argument("--num-layers", type=int, default=1, help="drafter decoder layers (default: 1)")
+    init.add_argument("--mask-token-id", type=int, default=None,
+                      help="P-EAGLE mask token: an id the tokenizer never produces (default: 3 for SmolLM2, else an "
+                           "unused id picked from the tokenizer)")
+    init.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.random_init:
+            if args.head is not None:
+                raise ExportError("give either a HEAD to export or --random-init, not both")
+            out, parallel, target = create_random_head(args)
+        else:
+            if args.head is None:
+                raise ExportError("name the HEAD to export (a head folder), or pass --random-init to create one")
+            for flag in ("method", "mask_token_id"):
+                if getattr(args, flag) is not None:
+                    raise ExportError(f"--{flag.replace('_', '-')} only applies with --random-init")
+            out, parallel, target = export_head(args)
+        k = args.num_speculative_tokens or default_num_speculative_tokens(parallel)
+        line = vllm_serve_line(target, out, k, parallel)
+    except (ExportError, FileNotFoundError, ValueError) as e:
+        print(f"peagle export: error: {e}", file=sys.stderr)
+        return 2
+    kind = "P-EAGLE" if parallel else "EAGLE-3"
+    print(f"wrote {kind} head ({args.format} layout) to {out}; serve it with vLLM:", file=sys.stderr)
+    if target is None:
+        print("(the head does not name its target: pass --target MODEL, or replace TARGET_MODEL below)",
+              file=sys.stderr)
+    print(line)
+    return 0
+
+
+def _check_k(k: int | None) -> None:
+    if k is None:
+        return
+    from peagle.config import SpeculativeConfig, SpeculativeConfigError
+
+    try:
+        SpeculativeConfig.parse({"num_speculative_tokens": k})
+    except SpeculativeConfigError as e:
+        raise ExportError(f"--num-speculative-tokens: {e}") from None
+
+
+def export_head(args) -> tuple[Path, bool, str | None]:
+    import torch
+
+    from peagle.model.checkpoint import load_head, save_head
+
+    _check_k(args.num_speculative_tokens)
+    src = _resolve_head(args.head)
+    raw = json.loads((src / "config.json").read_text())
+    verifier = (((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path"))
+    target = _target_name(args.target) if args.target else verifier
+    has_embed = _has_tensor(src, "embed_tokens.weight")
+    embeddings = None
+    if not has_embed:
+        # An EAGLE-3 head that shares the target's embeddings: carry a placeholder, write none.
+        layer = {**(raw.get("transformer_layer_config") or {}), **raw}
+        embeddings = torch.zeros(layer["vocab_size"], layer["hidden_size"])
+    dtype = _saved_dtype(src)
+    head = load_head(src, target_embeddings=embeddings, dtype=dtype)
+    out = Path(args.out).expanduser().resolve()
+    save_head(head, out, layout=args.format, verifier=target, include_embeddings=has_embed, dtype=dtype,
+              num_speculative_tokens=args.num_speculative_tokens,
+              verifier_architectures=_architectures(args.target) if args.target else None)
+    return out, head.config.parallel_capable, target
+
+
+def create_random_head(args) -> tuple[Path, bool, str]:
+    from peagle.model.checkpoint import random_head, save_head
+    from peagle.model.loading import is_embedded, resolve_model
+    from peagle.model.target import TargetConfig
+
+    _check_k(args.num_speculative_tokens)
+    method = args.method or "peagle"
+    if args.num_layers < 1:
+        raise ExportError(f"--num-layers must be at least 1, got {args.num_layers}")
+    path = resolve_model(args.target)
+    raw = json.loads((path / "config.json").read_text())
+    config = TargetConfig.from_hf(raw)  # refuses architectures outside the Llama family, naming the supported ones
+    mask_id = None
+    if method == "peagle":
+        mask_id = args.mask_token_id
+        if mask_id is None:
+            mask_id = EMBEDDED_MASK_TOKEN_ID if is_embedded(args.target) else pick_mask_token_id(path, config.vocab_size)
+        if not 0 <= mask_id < config.vocab_size:
+            raise ExportError(f"--mask-token-id {mask_id} is outside the target's vocabulary (0..{config.vocab_size - 1})")
+    elif args.mask_token_id is not None:
+        raise ExportError("--mask-token-id only applies to --method peagle (EAGLE-3 heads have no mask token)")
+    embeddings = target_embeddings(path)
+    head = random_head(config, embeddings, method=method, num_layers=args.num_layers, mask_token_id=mask_id,
+                       seed=args.seed, dtype=embeddings.dtype)
+    target = _target_name(args.target)
+    out = Path(args.out).expanduser().resolve()
+    save_head(head, out, layout=args.format, verifier=target, dtype=embeddings.dtype,
+              num_speculative_tokens=args.num_speculative_tokens, verifier_architectures=raw.get("architectures"))
+    if mask_id is not None:
+        print(f"mask token id {mask_id}", file=sys.stderr)
+    return out, method == "peagle", target
+
+
+def vllm_serve_line(target: str | None, head_dir: Path, k: int, parallel: bool) -> str:
+    """The `vllm serve` command that serves `target` with this head (vLLM's --speculative-config JSON)."""
+    spec = {"model": str(head_dir), "method": "eagle3", "num_speculative_tokens": k}
+    if parallel:
+        spec["parallel_drafting"] = True
+    return f"vllm serve {shlex.quote(target or 'TARGET_MODEL')} --speculative-config {shlex.quote(json.dumps(spec))}"
+
+
+def pick_mask_token_id(model_dir: Path, vocab_size: int) -> int:
+    """An id the tokenizer never produces: a padded embedding row past the tokenizer's vocabulary, else a reserved
+    special token, else an added special token that is not bos/eos/pad/unk and not in the chat template."""
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model_dir)
+    except Exception as e:  # noqa: BLE001 - no tokenizer, or one transformers cannot read
+        raise ExportError(f"cannot read a tokenizer in {model_dir} to pick a mask token ({type(e).__name__}); pass "
+                          "--mask-token-id with an id the tokenizer never produces") from None
+    if len(tok) < vocab_size:
+        return len(tok)
+    added = getattr(tok, "added_tokens_decoder", {}) or {}
+    reserved = sorted(i for i, t in added.items() if "reserved" in str(t).lower())
+    if reserved:
+        return reserved[0]
+    in_use = {i for i in (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.unk_token_id) if i is not None}
+    template = str(getattr(tok, "chat_template", "") or "")
+    for i in sorted(added):
+        t = added[i]
+        if getattr(t, "special", False) and i not in in_use and str(t) not in template and i < vocab_size:
+            return i
+    raise ExportError("could not find a token id this tokenizer never produces; pass --mask-token-id ID (for "
+                      "example an unused special token, or a new id below the embedding size)")
+
+
+def target_embeddings(path: Path):
+    """The target's input embedding matrix, read alone from its safetensors files."""
+    from safetensors import safe_open
+
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(f, framework="pt") as st:
+            for name in ("model.embed_tokens.weight", "embed_tokens.weight", "model.language_model.embed_tokens.weight"):
+                if name in st.keys():
+                    return st.get_tensor(name)
+    raise FileNotFoundError(f"no embed_tokens.weight in the safetensors files of {path}")
+
+
+def _resolve_head(name: str) -> Path:
+    try:
+        from peagle.model.heads import resolve_head
+
+        return resolve_head(name)
+    except ImportError:
+        path = Path(name).expanduser()
+        if not path.is_dir():
+            raise FileNotFoundError(f"drafter head {name!r} is not a folder") from None
+        return path
+
+
+def _target_name(target: str | None) -> str:
+    """What `vllm serve` should be given: the hub id for the embedded default, else the name as the user gave it."""
+    from peagle.model.loading import is_embedded
+
+    if is_embedded(target):
+        return EMBEDDED_HUB_ID
+    path = Path(target).expanduser()
+    return str(path.resolve()) if path.is_dir() else target
+
+
+def _architectures(target: str | None) -> list[str] | None:
+    from peagle.model.loading import is_embedded
+
+    if is_embedded(target):
+        return ["LlamaForCausalLM"]
+    cfg = Path(target).expanduser() / "config.json"
+    return json.loads(cfg.read_text()).get("architectures") if cfg.exists() else None
+
+
+def _has_tensor(path: Path, name: str) -> bool:
+    from safetensors import safe_open
+
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(f, framework="pt") as st:
+            if any(k.removeprefix("model.") == name for k in st.keys()):
+                return True
+    return False
+
+
+def _saved_dtype(path: Path):
+    """The floating dtype the head was saved in (exports keep it)."""
+    import torch
+    from safetensors import safe_open
+
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(f, framework="pt") as st:
+            for k in st.keys():
+                t = st.get_slice(k)
+                dt = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}.get(t.get_dtype())
+                if dt is not None:
+                    return dt
+    return torch.bfloat16
