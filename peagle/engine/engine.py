@@ -41,7 +41,7 @@ class RequestError(ValueError):
 class LLMEngine:
     def __init__(self, target: TargetModel, tokenizer=None, drafter: Drafter | None = None,
                  speculative_config: SpeculativeConfig | None = None, max_num_seqs: int = 8,
-                 max_model_len: int | None = None, model_name: str = "model"):
+                 max_model_len: int | None = None, model_name: str = "model", max_prefill_tokens: int = 2048):
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         self.spec = speculative_config if drafter is not None else None
         if self.spec is not None:
@@ -49,6 +49,7 @@ class LLMEngine:
         self.k = self.spec.num_speculative_tokens if self.spec else 0
         self.model_name = model_name
         self.max_num_seqs = max_num_seqs
+        self.max_prefill_tokens = max_prefill_tokens
         self.max_model_len = max_model_len or min(target.config.max_position_embeddings, 4096)
         if self.spec and self.spec.max_model_len:
             self.max_model_len = min(self.max_model_len, self.spec.max_model_len)
@@ -167,14 +168,12 @@ class LLMEngine:
     # -- the step ----------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Advance every request by one engine step; returns a report for each request that changed."""
-        with self._lock:
+        with self._lock, torch.inference_mode():
             reports: dict[str, RequestOutput] = {}
             self._take_incoming(reports)
-            touched = []
-            while self.waiting and self.free_slots:
-                req = self.waiting.popleft()
-                self._prefill(req)
-                touched.append(req)
+            touched = self._admit()
+            if touched:
+                self._prefill(touched)
             decoding = [r for r in self.running if not r.finished]
             if decoding:
                 self._decode(decoding)
@@ -209,24 +208,48 @@ class LLMEngine:
             req.pending_features = None
             self.num_finished += 1
 
-    def _prefill(self, req: Request) -> None:
-        req.slot = self.free_slots.pop(0)
-        self.running.append(req)
-        m = len(req.prompt_ids)
-        tokens = torch.tensor([req.prompt_ids], device=self.device)
-        slots = torch.tensor([req.slot], device=self.device)
-        out = self.target(tokens, BatchLayout.build(slots, torch.arange(m, device=self.device)[None]),
-                          self.target_cache, num_logits=1)
-        first = self._sample_one(req, out.logits[0, -1])
-        if self.spec is not None and m > 1:
-            # The drafter sees row t = (token x_{t+1}, feature g_t); rows 0..m-2 now, row m-1 with the next draft.
-            self.drafter(tokens[:, 1:], out.features[:, :-1],
-                         BatchLayout.build(slots, torch.arange(m - 1, device=self.device)[None]), self.drafter_cache)
-        req.pending_features = out.features[0, -1:]
-        req.pending_start = m - 1
-        req.first_token_at = time.perf_counter()
-        self._commit(req, [first])
-        req.pending_tokens = [first]
+    def _admit(self) -> list[Request]:
+        """Waiting requests that fit into free slots and this step's prefill token budget (at least one)."""
+        admitted: list[Request] = []
+        longest = 0
+        while self.waiting and self.free_slots:
+            longest_if = max(longest, len(self.waiting[0].prompt_ids))
+            if admitted and longest_if * (len(admitted) + 1) > self.max_prefill_tokens:
+                break
+            longest = longest_if
+            req = self.waiting.popleft()
+            req.slot = self.free_slots.pop(0)
+            self.running.append(req)
+            admitted.append(req)
+        return admitted
+
+    def _prefill(self, reqs: list[Request]) -> None:
+        """Run new prompts through the target (one padded batch), sample each first token, and feed the drafter
+        every prompt row but the last; that one is drafted from in the same step's decode."""
+        dev = self.device
+        lens = torch.tensor([len(r.prompt_ids) for r in reqs], device=dev)
+        B, T = len(reqs), int(lens.max())
+        tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
+        for b, r in enumerate(reqs):
+            tokens[b, : len(r.prompt_ids)] = torch.tensor(r.prompt_ids, device=dev)
+        slots = torch.tensor([r.slot for r in reqs], device=dev)
+        positions = torch.arange(T, device=dev)[None].expand(B, T)
+        # Pad rows write past each prompt's end: stale entries that the first decode step overwrites.
+        out = self.target(tokens, BatchLayout.build(slots, positions), self.target_cache,
+                          logit_index=(lens - 1)[:, None])
+        if self.spec is not None and T > 1:
+            # The drafter sees row t = (token x_{t+1}, feature g_t).
+            self.drafter(tokens[:, 1:], out.features[:, :-1], BatchLayout.build(slots, positions[:, :-1]),
+                         self.drafter_cache)
+        now = time.perf_counter()
+        for b, req in enumerate(reqs):
+            m = len(req.prompt_ids)
+            first = self._sample_one(req, out.logits[b, 0])
+            req.pending_features = out.features[b, m - 1 : m]
+            req.pending_start = m - 1
+            req.first_token_at = now
+            self._commit(req, [first])
+            req.pending_tokens = [first]
 
     def _decode(self, reqs: list[Request]) -> None:
         B, K, dev = len(reqs), self.k, self.device

@@ -34,7 +34,7 @@ class RequestOutput:
         return (len(self.token_ids) - 1) / decode_time if decode_time > 0 and len(self.token_ids) > 1 else 0.0
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: requests live in sets and lists by reference
 class Request:
     request_id: str
     prompt_ids: list[int]

@@ -116,8 +116,9 @@ class TargetModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, layout: BatchLayout, cache: KVCache,
-                num_logits: int | None = 1) -> TargetOutput:
-        """tokens [B, T]; logits for the last `num_logits` query rows (all rows if None)."""
+                num_logits: int | None = 1, logit_index: torch.Tensor | None = None) -> TargetOutput:
+        """tokens [B, T]; logits for the last `num_logits` query rows (all rows if None), or for the rows
+        `logit_index` [B, n] picks (e.g. each row's last real token in a padded batch)."""
         h = self.embed_tokens(tokens)
         rope = self.rotary(layout.positions, h.dtype)
         feats = {}
@@ -125,7 +126,9 @@ class TargetModel(nn.Module):
             if i in self.feature_layer_ids:
                 feats[i] = h
             h = layer(h, rope, layout, cache.k[i], cache.v[i])
-        if num_logits is not None:
+        if logit_index is not None:
+            h = h.gather(1, logit_index[..., None].expand(*logit_index.shape, h.shape[-1]))
+        elif num_logits is not None:
             h = h[:, -num_logits:]
         logits = torch.nn.functional.linear(self.norm(h), self.lm_head_weight).float()
         return TargetOutput(logits, torch.cat([feats[i] for i in self.feature_layer_ids], dim=-1))
