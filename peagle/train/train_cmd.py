@@ -1,0 +1,103 @@
+"""`peagle train`: train a P-EAGLE or EAGLE-3 drafter head for a Hugging Face causal LM.
+
+    peagle train --data data/sharegpt-regen --out heads/my-peagle
+    peagle train --method eagle3 --data conversations.jsonl --out heads/my-eagle3
+    torchrun --nproc-per-node 4 -m peagle.cli train --data data/x --out heads/x     # DistributedDataParallel
+
+See docs/training.md.
+"""
+from __future__ import annotations
+
+import sys
+
+from peagle.train.trainer import TrainConfig
+
+
+def register(name: str, parser) -> None:
+    p = parser
+    p.add_argument("--target", default=None,
+                   help="target model: a Hugging Face folder or cached hub id, any causal LM "
+                        "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--data", default="sharegpt",
+                   help="a folder from `peagle data prepare`, a .jsonl of conversations, or `sharegpt` "
+                        "(rendered with the target's chat template on the fly) [default: sharegpt]")
+    p.add_argument("--out", default=None, help="output folder for the head and checkpoints "
+                                              "[default: ./peagle-<method>-head]")
+    p.add_argument("--method", choices=("peagle", "eagle3"), default="peagle")
+    p.add_argument("--num-layers", type=int, default=1, help="drafter decoder layers [1]")
+    p.add_argument("--num-depths", type=int, default=None,
+                   help="P-EAGLE: COD depths (train more than you serve) [8]; EAGLE-3: TTT unroll steps [7]")
+    p.add_argument("--draft-vocab-size", type=int, default=32000, help="Vd, capped at the target's vocab [32000]")
+    p.add_argument("--max-seq-len", type=int, default=2048, help="tokens per training sequence (longer are cut) [2048]")
+    p.add_argument("--partitions", type=int, default=1,
+                   help="sequence partitioning: S forward/backward passes per sequence; memory falls as S grows, "
+                        "gradients stay exact (P-EAGLE) [1]")
+    p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per optimizer step, all ranks together [8]")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--warmup-ratio", type=float, default=0.03)
+    p.add_argument("--min-lr-ratio", type=float, default=0.0, help="cosine floor as a fraction of --lr")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--max-grad-norm", type=float, default=0.5, help="gradient clipping (0: off)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                   help="compute dtype (bf16 autocast with fp32 master weights, or fp32)")
+    p.add_argument("--target-dtype", choices=("bf16", "fp32", "fp16"), default=None,
+                   help="dtype of the frozen target [same as --dtype]")
+    p.add_argument("--cod-ratio", type=float, default=0.8, help="COD retention r: depth d keeps ~N*max(r^d, r_min)")
+    p.add_argument("--cod-min-ratio", type=float, default=0.2, help="COD floor r_min")
+    p.add_argument("--loss", choices=("kl", "ce"), default="kl",
+                   help="kl: forward KL to the target's draft-vocab distribution; ce: cross-entropy on its argmax")
+    p.add_argument("--ttt-decay", type=float, default=0.8, help="EAGLE-3 TTT step weight base (0.8^k)")
+    p.add_argument("--mask-token-id", type=int, default=None,
+                   help="P-EAGLE mask token (default: a special token the data never uses, e.g. 3 for SmolLM2)")
+    p.add_argument("--eval-fraction", type=float, default=0.02, help="share of the data held out for evaluation")
+    p.add_argument("--eval-data", default=None, help="separate evaluation data (overrides --eval-fraction)")
+    p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: at the end only)")
+    p.add_argument("--eval-samples", type=int, default=64, help="held-out sequences per evaluation")
+    p.add_argument("--eval-anchors", type=int, default=256, help="drafting positions measured per sequence")
+    p.add_argument("--eval-depths", type=int, default=None, help="positions measured [num-depths]")
+    p.add_argument("--save-every", type=int, default=500, help="checkpoint every N steps")
+    p.add_argument("--save-total-limit", type=int, default=2, help="checkpoints kept")
+    p.add_argument("--save-dtype", choices=("bf16", "fp32"), default="bf16", help="dtype of saved heads")
+    p.add_argument("--layout", choices=("vllm", "speculators"), default="vllm", help="layout of the final head")
+    p.add_argument("--resume", nargs="?", const="latest", default=None,
+                   help="resume from the latest checkpoint in --out, or from the given checkpoint folder")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--limit", type=int, default=None, help="use at most this many conversations")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--loss-chunk", type=int, default=1024, help="rows per checkpointed logits chunk")
+    p.add_argument("--attn-chunk", type=int, default=2048, help="anchors per attention chunk in the TTT unroll")
+    p.add_argument("--no-init-from-target", action="store_true",
+                   help="random lm_head/norm instead of the target's (restricted to the draft vocab)")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args) -> TrainConfig:
+    return TrainConfig(
+        data=args.data, out=args.out or f"peagle-{args.method}-head", target=args.target, method=args.method,
+        num_layers=args.num_layers, num_depths=args.num_depths, draft_vocab_size=args.draft_vocab_size,
+        max_seq_len=args.max_seq_len, partitions=args.partitions, epochs=args.epochs, max_steps=args.max_steps,
+        batch_size=args.batch_size, lr=args.lr, warmup_ratio=args.warmup_ratio, min_lr_ratio=args.min_lr_ratio,
+        weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, dtype=args.dtype,
+        target_dtype=args.target_dtype, cod_ratio=args.cod_ratio, cod_min_ratio=args.cod_min_ratio, loss=args.loss,
+        ttt_decay=args.ttt_decay, mask_token_id=args.mask_token_id, eval_fraction=args.eval_fraction,
+        eval_data=args.eval_data, eval_every=args.eval_every, eval_samples=args.eval_samples,
+        eval_anchors=args.eval_anchors, eval_depths=args.eval_depths, save_every=args.save_every,
+        save_total_limit=args.save_total_limit, save_dtype=args.save_dtype, layout=args.layout, resume=args.resume,
+        seed=args.seed, device=args.device, limit=args.limit, progress=not args.no_progress,
+        loss_chunk=args.loss_chunk, attn_chunk=args.attn_chunk, init_from_target=not args.no_init_from_target)
+
+
+def run(args) -> int:
+    from peagle.train.data import HeldOutDataError
+    from peagle.train.trainer import train
+
+    try:
+        cfg = config_from_args(args)
+        train(cfg)
+    except (HeldOutDataError, FileNotFoundError, ValueError) as e:
+        print(f"peagle train: {e}", file=sys.stderr)
+        return 2
+    return 0

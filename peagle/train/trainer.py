@@ -1,0 +1,520 @@
+"""The training loop (DESIGN section 4): online distillation from a frozen target into a P-EAGLE or EAGLE-3 head.
+
+One optimizer step covers `batch_size` sequences (global, across ranks). Each rank takes every world-th sequence of
+the step, samples its COD elements (seeded by (seed, epoch, sample index), so the sample gets the same elements
+whichever rank holds it, and a resumed run the same ones as an uninterrupted run), runs the target once per
+sequence, and runs one forward/backward per unit of work (a COD segment, or a whole TTT unroll). Losses are summed
+and divided by the step's global count of supervised elements, so the update is the same for any number of ranks
+and partitions. Under torchrun the head is wrapped in DistributedDataParallel (gloo on CPU, NCCL on GPU); only the
+last backward of a rank's step all-reduces.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import resource
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from peagle.model.checkpoint import save_head
+from peagle.model.drafter import Drafter
+from peagle.train.cod import Elements, eval_elements, partition, sample_cod
+from peagle.train.objective import (FrozenEmbedding, TeacherSeq, TrainHead, cod_forward, export_drafter,
+                                    ttt_forward)
+from peagle.train.teacher import Teacher, choose_mask_token_id, drafter_config_for
+from peagle.train.vocab import count_supervised, mapping, select_draft_vocab
+
+DEFAULT_DEPTHS = {"peagle": 8, "eagle3": 7}
+
+
+@dataclass
+class TrainConfig:
+    data: str
+    out: str = "peagle-head"
+    target: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    method: str = "peagle"
+    num_layers: int = 1
+    num_depths: int | None = None  # P-EAGLE COD depths / EAGLE-3 TTT steps (default 8 / 7)
+    draft_vocab_size: int = 32000
+    max_seq_len: int = 2048
+    partitions: int = 1
+    epochs: float = 1.0
+    max_steps: int | None = None
+    batch_size: int = 8  # sequences per optimizer step, all ranks together
+    lr: float = 1e-4
+    warmup_ratio: float = 0.03
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 0.5
+    dtype: str = "bf16"  # drafter compute (autocast; master weights stay fp32)
+    target_dtype: str | None = None  # default: same as dtype
+    cod_ratio: float = 0.8
+    cod_min_ratio: float = 0.2
+    loss: str = "kl"  # kl: forward KL to the teacher's draft-vocab distribution; ce: cross-entropy on its argmax
+    ttt_decay: float = 0.8
+    mask_token_id: int | None = None
+    eval_fraction: float = 0.02
+    eval_data: str | None = None
+    eval_every: int = 0  # steps; 0: only at the end
+    eval_samples: int = 64
+    eval_anchors: int = 256  # per sequence
+    eval_depths: int | None = None  # default: num_depths
+    save_every: int = 500
+    save_total_limit: int = 2
+    save_dtype: str = "bf16"
+    layout: str = "vllm"
+    resume: str | None = None  # "latest" or a checkpoint folder
+    seed: int = 0
+    device: str = "auto"
+    limit: int | None = None  # use at most this many conversations
+    log_every: int = 1
+    progress: bool = True
+    loss_chunk: int = 1024
+    attn_chunk: int = 2048
+    init_from_target: bool = True  # lm_head/norm from the target's
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.method not in ("peagle", "eagle3"):
+            raise ValueError(f"--method must be peagle or eagle3, not {self.method!r}")
+        if self.num_depths is None:
+            self.num_depths = DEFAULT_DEPTHS[self.method]
+        if self.num_depths < 1:
+            raise ValueError("--num-depths must be at least 1")
+        if self.partitions < 1:
+            raise ValueError("--partitions must be at least 1")
+        if self.dtype not in ("bf16", "fp32"):
+            raise ValueError("--dtype must be bf16 or fp32")
+        if self.loss not in ("kl", "ce"):
+            raise ValueError("--loss must be kl or ce")
+        if self.batch_size < 1 or self.max_seq_len < 3:
+            raise ValueError("--batch-size must be >= 1 and --max-seq-len >= 3")
+        if self.eval_depths is None:
+            self.eval_depths = self.num_depths
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[name]
+
+
+def _sample_seed(seed: int, epoch: int, index: int) -> int:
+    return ((seed * 1_000_003 + epoch) * 1_000_000_007 + index) % (2 ** 62)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self._setup_distributed()
+        torch.manual_seed(cfg.seed)
+        from peagle.model.loading import resolve_model
+
+        self.target_dir = resolve_model(cfg.target)
+        self.tokenizer = self._load_tokenizer()
+        tdtype = _dtype(cfg.target_dtype or cfg.dtype)
+        self.teacher = Teacher(self.target_dir, dtype=tdtype, device=self.device)
+        self._load_data()
+        self._build_head()
+        self._build_optimizer()
+        self.step = 0
+        self.history: list[dict] = []
+        if cfg.resume:
+            self._resume(cfg.resume)
+
+    # -- setup ---------------------------------------------------------------------------------------------------
+    def _setup_distributed(self):
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        want = self.cfg.device
+        if want == "auto":
+            want = "cuda" if torch.cuda.is_available() else "cpu"
+        if want == "cuda":
+            self.device = torch.device("cuda", local)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device(want)
+        if self.world > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        self.main = self.rank == 0
+
+    def log(self, msg: str):
+        if self.main:
+            print(f"peagle train: {msg}", file=sys.stderr, flush=True)
+
+    def _load_tokenizer(self):
+        try:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(self.target_dir)
+        except Exception:  # noqa: BLE001 - a target without a tokenizer trains from prepared token ids
+            return None
+
+    def _load_data(self):
+        from peagle.train.data import load_training_rows
+
+        cfg = self.cfg
+        rows = load_training_rows(cfg.data, self.tokenizer, cfg.max_seq_len, cfg.limit)
+        N = len(rows)
+        if cfg.eval_data:
+            self.eval_rows = load_training_rows(cfg.eval_data, self.tokenizer, cfg.max_seq_len)
+            self.eval_ids = list(range(len(self.eval_rows)))
+            self.train_rows, self.train_ids = rows, list(range(N))
+        else:
+            perm = torch.randperm(N, generator=torch.Generator().manual_seed(cfg.seed + 17)).tolist()
+            n_eval = min(N - 1, max(1, round(cfg.eval_fraction * N))) if cfg.eval_fraction > 0 and N >= 2 else 0
+            self.eval_rows = self.train_rows = rows
+            self.eval_ids, self.train_ids = sorted(perm[:n_eval]), sorted(perm[n_eval:])
+        self.eval_ids = self.eval_ids[:cfg.eval_samples]
+        if not self.train_ids:
+            raise ValueError(f"{cfg.data}: no training rows")
+        self.log(f"{len(self.train_ids)} training and {len(self.eval_ids)} evaluation sequences from {cfg.data}")
+
+    def _row(self, rows, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        r = rows[i]
+        T = self.cfg.max_seq_len
+        ids = torch.as_tensor(r["input_ids"][:T], dtype=torch.long)
+        mask = torch.as_tensor(r["loss_mask"][:T], dtype=torch.bool)
+        return ids, mask
+
+    def _build_head(self):
+        cfg, teacher = self.cfg, self.teacher
+        V = teacher.vocab_size
+        sup_counts = torch.zeros(V, dtype=torch.long)
+        all_counts = torch.zeros(V, dtype=torch.long)
+        for i in self.train_ids:
+            ids, mask = self._row(self.train_rows, i)
+            sup_counts += torch.bincount(ids[mask], minlength=V)[:V]
+            all_counts += torch.bincount(ids, minlength=V)[:V]
+        mask_id = None
+        if cfg.method == "peagle":
+            mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else choose_mask_token_id(
+                self.tokenizer, V, all_counts)
+            if not 0 <= mask_id < V:
+                raise ValueError(f"--mask-token-id {mask_id} is outside the target's vocabulary ({V})")
+        Vd = min(cfg.draft_vocab_size, V)
+        used = select_draft_vocab(sup_counts, Vd, exclude=[mask_id] if mask_id is not None else [])
+        teacher.used = used
+        d2t, t2d = mapping(used, V)
+        dc = drafter_config_for(self.target_dir, teacher.hf_config, cfg.num_layers, Vd, mask_id)
+        dc.extra = {**dc.extra, "peagle_training": {"method": cfg.method, "num_depths": cfg.num_depths,
+                                                     "max_seq_len": cfg.max_seq_len}}
+        torch.manual_seed(cfg.seed)
+        drafter = Drafter(dc)
+        emb = teacher.input_embeddings()
+        if emb.shape != (V, dc.hidden_size):
+            raise ValueError(f"target input embeddings have shape {tuple(emb.shape)}, expected {(V, dc.hidden_size)}")
+        drafter.embed_tokens = FrozenEmbedding(emb.detach().float().cpu(), mask_id)
+        drafter.d2t.copy_(d2t)
+        drafter.t2d.copy_(t2d)
+        with torch.no_grad():
+            out_emb = teacher.output_embeddings()
+            if cfg.init_from_target and out_emb is not None and out_emb.shape[-1] == dc.hidden_size:
+                drafter.lm_head.weight.copy_(out_emb.detach().float().cpu()[used])
+            norm = teacher.final_norm_weight() if cfg.init_from_target else None
+            if norm is not None and norm.shape == drafter.norm.weight.shape:
+                drafter.norm.weight.copy_(norm.detach().float().cpu())
+            if drafter.mask_hidden is not None:  # start the placeholder at the average real feature
+                ids, _ = self._row(self.train_rows, self.train_ids[0])
+                drafter.mask_hidden.copy_(teacher.mean_feature(ids).cpu().reshape(1, 1, -1))
+        self.drafter = drafter.to(self.device)
+        self.head = TrainHead(self.drafter, cfg.method, cfg.num_depths, kl=cfg.loss == "kl", ttt_decay=cfg.ttt_decay,
+                              loss_chunk=cfg.loss_chunk, attn_chunk=cfg.attn_chunk)
+        self.model = self.head
+        if self.world > 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            self.model = DDP(self.head, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                             broadcast_buffers=False)
+        ntrain = sum(p.numel() for p in self.head.parameters() if p.requires_grad)
+        self.log(f"{cfg.method} head: {dc.num_layers} layer(s), hidden {dc.hidden_size}, draft vocab {Vd}"
+                 f"{'' if mask_id is None else f', mask token {mask_id}'}, {ntrain / 1e6:.1f}M trainable parameters; "
+                 f"target {self.target_dir} ({teacher.hf_config.model_type}, feature layers "
+                 f"{list(teacher.feature_layer_ids)})")
+
+    def _build_optimizer(self):
+        cfg = self.cfg
+        params = [p for p in self.head.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        self.steps_per_epoch = math.ceil(len(self.train_ids) / cfg.batch_size)
+        self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * self.steps_per_epoch))
+        warmup = int(cfg.warmup_ratio * self.total_steps)
+
+        def schedule(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / (warmup + 1)
+            progress = (step - warmup) / max(1, self.total_steps - warmup)
+            return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path | None:
+        if not self.main:
+            return None
+        out = Path(self.cfg.out)
+        ck = out / f"checkpoint-{self.step}"
+        ck.mkdir(parents=True, exist_ok=True)
+        torch.save({"step": self.step, "model": self.head.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(), "config": asdict(self.cfg),
+                    "rng": torch.get_rng_state(), "history": self.history}, ck / "trainer_state.pt.tmp")
+        os.replace(ck / "trainer_state.pt.tmp", ck / "trainer_state.pt")
+        self.save_head(ck / "head")
+        cks = sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+        for old in cks[:-self.cfg.save_total_limit] if self.cfg.save_total_limit > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+        return ck
+
+    def save_head(self, out: Path) -> Path:
+        return save_head(export_drafter(self.drafter), out, layout=self.cfg.layout,
+                         verifier=str(self.cfg.target or "HuggingFaceTB/SmolLM2-135M-Instruct"),
+                         dtype=_dtype(self.cfg.save_dtype))
+
+    def _resume(self, where: str):
+        out = Path(self.cfg.out)
+        if where == "latest":
+            cks = sorted(out.glob("checkpoint-*/trainer_state.pt"), key=lambda p: int(p.parent.name.split("-")[1]))
+            if not cks:
+                self.log(f"no checkpoint in {out} to resume from; starting fresh")
+                return
+            path = cks[-1]
+        else:
+            path = Path(where)
+            path = path / "trainer_state.pt" if path.is_dir() else path
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        self.head.load_state_dict(state["model"], strict=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"])
+        self.step = int(state["step"])
+        self.history = state.get("history", [])
+        self.teacher.used = self.drafter.d2t.cpu() + torch.arange(self.drafter.d2t.numel())
+        self.log(f"resumed from {path.parent} at step {self.step}")
+
+    # -- one step ------------------------------------------------------------------------------------------------
+    def _elements(self, mask: torch.Tensor, epoch: int, index: int) -> Elements:
+        cfg = self.cfg
+        g = torch.Generator().manual_seed(_sample_seed(cfg.seed, epoch, index))
+        return sample_cod(mask, cfg.num_depths, cfg.cod_ratio, cfg.cod_min_ratio, g,
+                          keep_all=cfg.method == "eagle3")
+
+    def _count(self, el: Elements) -> int:
+        if self.cfg.method == "peagle":
+            return el.num_supervised
+        return int(el.supervised[el.depth == 0].sum())  # TTT: every step is divided by the step-0 count
+
+    def _teacher_seq(self, ids: torch.Tensor) -> TeacherSeq:
+        feats, logp, argmax = self.teacher(ids)
+        return TeacherSeq(ids.to(self.device), feats, logp, argmax)
+
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            t = t.to(self.device)
+            dist.all_reduce(t)
+        return t.cpu()
+
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.dtype == "bf16")
+
+    def batch_indices(self, step: int) -> tuple[int, list[int]]:
+        epoch, k = divmod(step, self.steps_per_epoch)
+        perm = torch.randperm(len(self.train_ids), generator=torch.Generator().manual_seed(self.cfg.seed * 7919 + epoch))
+        bs = self.cfg.batch_size
+        return epoch, [self.train_ids[i] for i in perm[k * bs:(k + 1) * bs].tolist()]
+
+    def train_step(self) -> dict:
+        cfg = self.cfg
+        t0 = time.time()
+        self.model.train()
+        epoch, batch = self.batch_indices(self.step)
+        mine = batch[self.rank::self.world]
+        work, count, tokens = [], 0, 0
+        for index in mine:
+            ids, mask = self._row(self.train_rows, index)
+            el = self._elements(mask, epoch, index)
+            segs = partition(el, ids.numel(), cfg.partitions) if cfg.method == "peagle" else (
+                [None] if el.num_supervised else [])
+            count += self._count(el)
+            tokens += ids.numel()
+            work.append((ids, el, segs))
+        totals = self._all_reduce(torch.tensor([count, tokens], dtype=torch.float64))
+        global_count = float(totals[0])
+        scale = self.world / max(global_count, 1.0)  # DDP averages gradients over ranks
+        units = [(w, seg) for w, (_, _, segs) in enumerate(work) for seg in segs]
+        D = cfg.num_depths
+        loss_sum, correct, total = 0.0, torch.zeros(D, dtype=torch.long), torch.zeros(D, dtype=torch.long)
+        seq, seq_of = None, -1
+        if not units:
+            units = [(None, None)]
+        for u, (w, seg) in enumerate(units):
+            sync = u == len(units) - 1
+            ctx = self.model.no_sync() if (self.world > 1 and not sync) else contextlib.nullcontext()
+            with ctx:
+                if w is None:
+                    with self._autocast():
+                        loss, stats = self.model()
+                else:
+                    if seq_of != w:
+                        seq, seq_of = None, w
+                        seq = self._teacher_seq(work[w][0])
+                    with self._autocast():
+                        loss, stats = self.model(seq, work[w][1], seg)
+                (loss * scale).backward()
+            loss_sum += float(stats.loss_sum)
+            correct += stats.correct
+            total += stats.total
+        del seq
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.head.parameters(), cfg.max_grad_norm) \
+            if cfg.max_grad_norm > 0 else torch.tensor(0.0)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        red = self._all_reduce(torch.cat([torch.tensor([loss_sum], dtype=torch.float64), correct.double(),
+                                          total.double()]))
+        dt = time.time() - t0
+        acc = (red[1:1 + D] / red[1 + D:].clamp(min=1)).tolist()
+        return {"step": self.step, "loss": float(red[0]) / max(global_count, 1.0), "acc": acc,
+                "lr": self.scheduler.get_last_lr()[0], "grad_norm": float(grad_norm), "tokens": int(totals[1]),
+                "seconds": dt, "tokens_per_s": float(totals[1]) / dt, "peak_mem_gib": peak_memory_gib(self.device)}
+
+    # -- evaluation ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Per-position acceptance on held-out sequences: for each evaluation anchor (a position whose next K
+        tokens are supervised), drafts at depths 0..K-1 from the serving computation, accepted while each equals the
+        target's greedy token. acceptance[k] = share of anchors whose first k+1 drafts are all accepted; the predicted
+        mean acceptance length at K is 1 + sum(acceptance[:K]) (vLLM's definition, counting the bonus token).
+        Exact for data the target generated greedily; an estimate (teacher-forced on the data) otherwise."""
+        cfg = self.cfg
+        K = cfg.eval_depths
+        self.head.eval()
+        accepted = torch.zeros(K, dtype=torch.float64)
+        correct_at = torch.zeros(K, dtype=torch.float64)
+        anchors_total = 0
+        for j, index in enumerate(self.eval_ids[self.rank::self.world]):
+            ids, mask = self._row(self.eval_rows, index)
+            g = torch.Generator().manual_seed(_sample_seed(cfg.seed + 1, 0, index))
+            el, chosen = eval_elements(mask, K, cfg.eval_anchors, g)
+            if chosen.numel() == 0:
+                continue
+            seq = self._teacher_seq(ids)
+            drafts = torch.full((chosen.numel(), K), -1, dtype=torch.long)
+            with self._autocast():
+                if cfg.method == "peagle":
+                    for seg in partition(el, ids.numel(), cfg.partitions):
+                        sub = el.select(seg.rows)
+                        hidden = cod_forward(self.drafter, seq, sub)
+                        want = seg.own & torch.isin(sub.anchor, chosen)
+                        d = self.drafter.to_target_ids(self.drafter.logits(hidden[want]).argmax(-1)).cpu()
+                        drafts[torch.searchsorted(chosen, sub.anchor[want]), sub.depth[want]] = d
+                else:
+                    for k, A, h in ttt_forward(self.drafter, seq, el, cfg.attn_chunk):
+                        if k >= K:
+                            break
+                        sel = torch.isin(A, chosen)
+                        d = self.drafter.to_target_ids(self.drafter.logits(h[sel]).argmax(-1)).cpu()
+                        drafts[torch.searchsorted(chosen, A[sel]), k] = d
+            truth = seq.argmax.cpu()[chosen[:, None] + torch.arange(K)[None, :] + 1]
+            ok = drafts == truth
+            accepted += ok.long().cumprod(1).sum(0).double()
+            correct_at += ok.sum(0).double()
+            anchors_total += chosen.numel()
+        red = self._all_reduce(torch.cat([accepted, correct_at, torch.tensor([anchors_total], dtype=torch.float64)]))
+        n = max(float(red[-1]), 1.0)
+        acceptance = (red[:K] / n).tolist()
+        result = {"step": self.step, "anchors": int(red[-1]), "acceptance_per_position": acceptance,
+                  "accuracy_per_depth": (red[K:2 * K] / n).tolist(),
+                  "mean_acceptance_length": {str(k): 1 + sum(acceptance[:k]) for k in range(1, K + 1)}}
+        self.head.train()
+        return result
+
+    # -- the loop ------------------------------------------------------------------------------------------------
+    def train(self) -> dict:
+        cfg = self.cfg
+        bar = None
+        if self.main and cfg.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=self.total_steps, initial=self.step, desc=f"train {cfg.method}", dynamic_ncols=True,
+                       file=sys.stderr)
+        last_eval = None
+        log_path = Path(cfg.out) / "train_log.jsonl"
+        if self.main:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+        while self.step < self.total_steps:
+            m = self.train_step()
+            self.history.append({k: m[k] for k in ("step", "loss", "acc", "lr", "tokens_per_s")})
+            if self.main:
+                with open(log_path, "a") as f:
+                    f.write(json.dumps(m) + "\n")
+            if bar is not None:
+                bar.update(1)
+                if self.step % cfg.log_every == 0 or self.step == self.total_steps:
+                    bar.set_postfix_str(f"loss={m['loss']:.3f} acc=" + "/".join(f"{a:.2f}" for a in m["acc"])
+                                        + f" lr={m['lr']:.1e} {m['tokens_per_s']:.0f} tok/s")
+            if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < self.total_steps and self.eval_ids:
+                last_eval = self.evaluate()
+                self._report_eval(last_eval)
+            if cfg.save_every and self.step % cfg.save_every == 0 and self.step < self.total_steps:
+                self.save_checkpoint()
+                self._barrier()
+        if bar is not None:
+            bar.close()
+        if self.eval_ids and (last_eval is None or last_eval["step"] != self.step):
+            last_eval = self.evaluate()
+            self._report_eval(last_eval)
+        self.save_checkpoint()
+        if self.main:
+            out = Path(cfg.out)
+            self.save_head(out)
+            (out / "training_args.json").write_text(json.dumps(asdict(cfg), indent=2, default=str) + "\n")
+            if last_eval is not None:
+                (out / "eval.json").write_text(json.dumps(last_eval, indent=2) + "\n")
+            spec = {"model": str(out), "method": "eagle3", "num_speculative_tokens": 3}
+            if cfg.method == "peagle":
+                spec["parallel_drafting"] = True
+            self.log(f"head written to {out}; serve it with --speculative-config '{json.dumps(spec)}'")
+        self._barrier()
+        return {"steps": self.step, "eval": last_eval, "history": self.history}
+
+    def _report_eval(self, ev: dict):
+        if not self.main:
+            return
+        acc = " ".join(f"{a:.3f}" for a in ev["acceptance_per_position"])
+        K = len(ev["acceptance_per_position"])
+        mal = ev["mean_acceptance_length"]
+        ks = [k for k in (1, 3, 5, 7, K) if k <= K]
+        self.log(f"eval at step {ev['step']} ({ev['anchors']} anchors): acceptance per position [{acc}]; predicted "
+                 "mean acceptance length " + ", ".join(f"K={k}: {mal[str(k)]:.2f}" for k in dict.fromkeys(ks)))
+        with open(Path(self.cfg.out) / "eval_log.jsonl", "a") as f:
+            f.write(json.dumps(ev) + "\n")
+
+    def _barrier(self):
+        if self.world > 1:
+            dist.barrier()
+
+    def close(self):
+        if self.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def train(cfg: TrainConfig) -> dict:
+    trainer = Trainer(cfg)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
