@@ -5,8 +5,20 @@
 - `app`: the FastAPI routes (chat, completions, SSE, models, health/ping, invocations, metrics, playground)
 - `metrics`: Prometheus metrics with vLLM's names
 - `cli`: `peagle serve`; `catalog`: `peagle models`; `endpoints`: `peagle deploy / endpoints / delete`
+
+Nothing heavy is imported here, so `peagle models` or a refused config answer without loading torch.
 """
-from peagle.serve.app import build_app
-from peagle.serve.async_engine import AsyncEngine
 
 __all__ = ["AsyncEngine", "build_app"]
+
+
+def __getattr__(name):
+    if name == "build_app":
+        from peagle.serve.app import build_app
+
+        return build_app
+    if name == "AsyncEngine":
+        from peagle.serve.async_engine import AsyncEngine
+
+        return AsyncEngine
+    raise AttributeError(name)

@@ -94,7 +94,9 @@ class Metrics:
                 if out.time_to_first_token is not None:
                     self.ttft.labels(model_name=m).observe(out.time_to_first_token)
                     self.prompt_tokens.labels(model_name=m).inc(out.num_prompt_tokens)
-                per_token, count = None, new - 1  # the first token's latency is TTFT
+                # the first token's latency is TTFT; tokens that came with it in the same step share the time since
+                count = new - 1
+                per_token = ((out.elapsed - (out.time_to_first_token or 0.0)) / count) if count else None
             else:
                 per_token, count = (t - last) / new, new
             if per_token is not None:
