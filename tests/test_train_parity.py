@@ -4,6 +4,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from peagle.model.layers import BatchLayout
@@ -12,6 +13,15 @@ from peagle.train.objective import cod_forward, export_drafter, forward_rows, tt
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_helpers import random_seq, tiny_drafter  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matrices run fastest on one thread, and far faster than on two on a shared, busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def test_forward_rows_matches_drafter_forward():
