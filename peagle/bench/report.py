@@ -1,0 +1,350 @@
+"""Benchmark output: the table in the P-EAGLE launch's format (per concurrency: OTPS of no speculation, EAGLE-3 at
+each K, P-EAGLE at each K, then the best-K ratios P-EAGLE/EAGLE-3 and P-EAGLE/no speculation), issue 7's targets
+marked met or missed, acceptance and latency tables, the same as JSON, and PNG plots (matplotlib, Agg backend)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from peagle.bench.metrics import (METHOD_NAMES, SPEC_METHODS, RunMetrics, best_k, config_label, finish_spec,
+                                  ratio)
+
+METHOD_ORDER = ("baseline", "eagle3", "peagle", "transformers", "transformers-pld")
+# Issue 7's targets, measured on HumanEval with `peagle bench` (not in tests).
+TARGETS = (
+    {"id": "c1_peagle_vs_eagle3", "concurrency": 1, "against": "eagle3", "min_ratio": 1.3,
+     "text": "concurrency 1: P-EAGLE best-K >= 1.3x EAGLE-3 best-K"},
+    {"id": "c1_peagle_vs_baseline", "concurrency": 1, "against": "baseline", "min_ratio": 2.5,
+     "text": "concurrency 1: P-EAGLE best-K >= 2.5x no speculation"},
+    {"id": "c8_peagle_vs_eagle3", "concurrency": 8, "against": "eagle3", "min_ratio": 1.0,
+     "text": "concurrency 8: P-EAGLE best-K >= EAGLE-3 best-K"},
+)
+TARGET_DATASET = "humaneval"
+LOW_ACCEPTANCE = 1.2  # mean acceptance length below this: drafts are hardly ever accepted
+
+
+def _sort_key(r: RunMetrics):
+    m = METHOD_ORDER.index(r.method) if r.method in METHOD_ORDER else len(METHOD_ORDER)
+    return (m, r.k, r.concurrency)
+
+
+def best_of(runs: list[RunMetrics], method: str, concurrency: int) -> tuple[int | None, float | None]:
+    """(K, OTPS) of a method's fastest K at a concurrency; baseline-like methods have the single K=0."""
+    return best_k({r.k: r.otps for r in runs if r.method == method and r.concurrency == concurrency
+                   and r.num_requests > r.num_failed})
+
+
+def pooled_acceptance(runs: list[RunMetrics]) -> dict[tuple[str, int], dict]:
+    """Acceptance of each (method, K) summed over its concurrencies."""
+    out: dict[tuple[str, int], dict] = {}
+    for r in sorted(runs, key=_sort_key):
+        if not r.acceptance:
+            continue
+        a = r.acceptance
+        t = out.setdefault((r.method, r.k), {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
+                                             "accepted_per_position": []})
+        for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            t[key] += a[key]
+        app = a["accepted_per_position"]
+        if len(t["accepted_per_position"]) < len(app):
+            t["accepted_per_position"] += [0] * (len(app) - len(t["accepted_per_position"]))
+        for i, n in enumerate(app):
+            t["accepted_per_position"][i] += n
+    return {key: finish_spec(v) for key, v in out.items()}
+
+
+def evaluate_targets(runs: list[RunMetrics], dataset: str) -> list[dict]:
+    acc = pooled_acceptance(runs)
+    out = []
+    for t in TARGETS:
+        c = t["concurrency"]
+        kp, vp = best_of(runs, "peagle", c)
+        ka, va = best_of(runs, t["against"], c)
+        r = ratio(vp, va)
+        entry = {**t, "peagle_k": kp, "peagle_otps": vp, "against_k": ka, "against_otps": va,
+                 "ratio": round(r, 4) if r is not None else None, "dataset": dataset}
+        if r is None:
+            entry["status"] = "not measured"
+            missing = [n for n, v in (("P-EAGLE", vp), (METHOD_NAMES[t["against"]], va)) if v is None]
+            entry["why"] = f"no {' or '.join(missing)} run at concurrency {c} in this sweep"
+        else:
+            entry["status"] = "met" if r >= t["min_ratio"] else "missed"
+            entry["why"] = _why(entry, acc) if entry["status"] == "missed" else ""
+        if dataset.split(":")[0].lower() != TARGET_DATASET:
+            entry["why"] = (entry["why"] + " " if entry["why"] else "") + \
+                f"(measured on {dataset}; the target is defined on HumanEval)"
+        out.append(entry)
+    return out
+
+
+def _why(entry: dict, acc: dict) -> str:
+    reasons = []
+    lp = acc.get(("peagle", entry["peagle_k"])) if entry["peagle_k"] is not None else None
+    if lp is not None and lp["mean_acceptance_length"] < LOW_ACCEPTANCE:
+        reasons.append(f"P-EAGLE's mean acceptance length is {lp['mean_acceptance_length']:.2f}: its drafts are "
+                       "hardly ever accepted (an untrained or mismatched head), so each step pays for drafting and "
+                       "verifying K tokens and still yields about one")
+    if entry["against"] == "eagle3" and entry["against_k"] is not None:
+        le = acc.get(("eagle3", entry["against_k"]))
+        if lp is not None and le is not None:
+            reasons.append(f"acceptance length P-EAGLE K={entry['peagle_k']} {lp['mean_acceptance_length']:.2f} "
+                           f"vs EAGLE-3 K={entry['against_k']} {le['mean_acceptance_length']:.2f}")
+    return "; ".join(reasons)
+
+
+def build_report(runs: list[RunMetrics], meta: dict) -> dict:
+    runs = sorted(runs, key=_sort_key)
+    concurrencies = sorted({r.concurrency for r in runs})
+    rows = []
+    for c in concurrencies:
+        row = {"concurrency": c, "otps": {}}
+        for r in runs:
+            if r.concurrency == c:
+                row["otps"][r.label] = r.otps if r.num_requests > r.num_failed else None
+        kp, vp = best_of(runs, "peagle", c)
+        ke, ve = best_of(runs, "eagle3", c)
+        _, vb = best_of(runs, "baseline", c)
+        row.update(best_k={"peagle": kp, "eagle3": ke}, peagle_vs_eagle3=_r(ratio(vp, ve)),
+                   peagle_vs_baseline=_r(ratio(vp, vb)), eagle3_vs_baseline=_r(ratio(ve, vb)))
+        rows.append(row)
+    acc = pooled_acceptance(runs)
+    return {
+        "meta": meta,
+        "table": rows,
+        "acceptance": [{"method": m, "k": k, "label": config_label(m, k), **a} for (m, k), a in acc.items()],
+        "targets": evaluate_targets(runs, meta.get("dataset", "?")),
+        "runs": [r.as_dict() for r in runs],
+    }
+
+
+def _r(x: float | None) -> float | None:
+    return round(x, 4) if x is not None else None
+
+
+# -- Markdown -----------------------------------------------------------------------------------------------------
+
+def _fmt(x, nd=1) -> str:
+    return "—" if x is None else f"{x:.{nd}f}"
+
+
+def _columns(runs: list[RunMetrics]) -> list[tuple[str, int]]:
+    return sorted({(r.method, r.k) for r in runs}, key=lambda mk: (METHOD_ORDER.index(mk[0])
+                                                                    if mk[0] in METHOD_ORDER else 99, mk[1]))
+
+
+def otps_table(report: dict) -> str:
+    runs = [RunMetrics.from_dict(d) for d in report["runs"]]
+    cols = _columns(runs)
+    main = [c for c in cols if c[0] in ("baseline",) + SPEC_METHODS]
+    extra = [c for c in cols if c not in main]
+    has_ratio = any(m == "peagle" for m, _ in cols)
+    head = ["Concurrency"] + [config_label(m, k) for m, k in main]
+    if has_ratio:
+        head += ["P-EAGLE / EAGLE-3 (best K)", "P-EAGLE / no spec (best K)"]
+    head += [config_label(m, k) for m, k in extra]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for row in report["table"]:
+        c = row["concurrency"]
+        cells = [str(c)]
+        for m, k in main:
+            v = row["otps"].get(config_label(m, k))
+            s = _fmt(v)
+            if m in SPEC_METHODS and v is not None and row["best_k"].get(m) == k:
+                s = f"**{s}**"
+            cells.append(s)
+        if has_ratio:
+            cells.append(_ratio_cell(row["peagle_vs_eagle3"], row["best_k"]["peagle"], row["best_k"]["eagle3"]))
+            cells.append(_ratio_cell(row["peagle_vs_baseline"], row["best_k"]["peagle"], None))
+        for m, k in extra:
+            cells.append(_fmt(row["otps"].get(config_label(m, k))))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _ratio_cell(r, kp, ke) -> str:
+    if r is None:
+        return "—"
+    ks = f"K={kp}" + (f" vs K={ke}" if ke is not None else "")
+    return f"{r:.2f}x ({ks})"
+
+
+def targets_table(report: dict) -> str:
+    lines = ["| Target | Measured | Status | Why |", "|---|---:|---|---|"]
+    for t in report["targets"]:
+        measured = "—" if t["ratio"] is None else \
+            f"{t['ratio']:.2f}x ({_fmt(t['peagle_otps'])} vs {_fmt(t['against_otps'])} tok/s)"
+        status = {"met": "**met**", "missed": "**missed**"}.get(t["status"], t["status"])
+        lines.append(f"| {t['text']} | {measured} | {status} | {t['why'] or ''} |")
+    return "\n".join(lines)
+
+
+def acceptance_tables(report: dict) -> str:
+    runs = [RunMetrics.from_dict(d) for d in report["runs"]]
+    specs = [(m, k) for m, k in _columns(runs) if m in SPEC_METHODS]
+    if not specs:
+        return "_No speculative runs in this sweep._"
+    concs = sorted({r.concurrency for r in runs})
+    by = {(r.method, r.k, r.concurrency): r for r in runs}
+    head = ["Method"] + [f"c={c}" for c in concs] + ["pooled"]
+    lines = ["Mean acceptance length (1 + accepted / drafts, as vLLM reports it):", "",
+             "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    pooled = {(a["method"], a["k"]): a for a in report["acceptance"]}
+    for m, k in specs:
+        cells = [config_label(m, k)]
+        for c in concs:
+            r = by.get((m, k, c))
+            cells.append(_fmt(r.acceptance["mean_acceptance_length"], 3) if r and r.acceptance else "—")
+        p = pooled.get((m, k))
+        cells.append(_fmt(p["mean_acceptance_length"], 3) if p else "—")
+        lines.append("| " + " | ".join(cells) + " |")
+    kmax = max(k for _, k in specs)
+    head = ["Method"] + [f"pos {i + 1}" for i in range(kmax)]
+    lines += ["", "Per-position acceptance (fraction of steps whose i-th draft was accepted), pooled over "
+              "concurrencies:", "", "| " + " | ".join(head) + " |", "|---|" + "---:|" * kmax]
+    for m, k in specs:
+        p = pooled.get((m, k))
+        rates = p["acceptance_per_position"] if p else []
+        cells = [config_label(m, k)] + [_fmt(rates[i], 3) if i < len(rates) else "" for i in range(kmax)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def latency_table(report: dict) -> str:
+    head = ["Method", "c", "reqs", "failed", "out tok", "wall s", "OTPS", "TTFT mean", "TTFT p50", "TTFT p99",
+            "TPOT mean", "TPOT p50", "TPOT p99", "ITL p50", "ITL p99", "accept len"]
+    lines = ["Latencies in ms (TPOT per request, ITL between token-carrying chunks):", "",
+             "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for d in report["runs"]:
+        r = RunMetrics.from_dict(d)
+        acc = _fmt(r.acceptance["mean_acceptance_length"], 2) if r.acceptance else "—"
+        cells = [r.label, str(r.concurrency), str(r.num_requests), str(r.num_failed), str(r.total_output_tokens),
+                 _fmt(r.duration), _fmt(r.otps, 2), _fmt(r.ttft_ms["mean"], 0), _fmt(r.ttft_ms["median"], 0),
+                 _fmt(r.ttft_ms["p99"], 0), _fmt(r.tpot_ms["mean"], 0), _fmt(r.tpot_ms["median"], 0),
+                 _fmt(r.tpot_ms["p99"], 0), _fmt(r.itl_ms["median"], 0), _fmt(r.itl_ms["p99"], 0), acc]
+        lines.append("| " + " | ".join(cells) + " |")
+    errors = [(RunMetrics.from_dict(d).label, d["concurrency"], e) for d in report["runs"] for e in d["errors"]]
+    if errors:
+        lines += ["", "Errors:", ""] + [f"- {label} c={c}: {e}" for label, c, e in errors]
+    return "\n".join(lines)
+
+
+def markdown(report: dict, plots: dict[str, str] | None = None) -> str:
+    m = report["meta"]
+    lines = ["# peagle bench", ""]
+    facts = [("dataset", m.get("dataset")), ("prompts", m.get("num_prompts")), ("max tokens", m.get("max_tokens")),
+             ("temperature", m.get("temperature")), ("chat template", m.get("chat")), ("mode", m.get("mode")),
+             ("model", m.get("model")), ("started", m.get("started")), ("wall time", m.get("wall_time")),
+             ("machine", m.get("machine", {}).get("summary"))]
+    lines += [f"- {k}: {v}" for k, v in facts if v is not None]
+    for method, h in (m.get("heads") or {}).items():
+        state = "UNTRAINED: random weights, its drafts are almost never accepted" if h.get("untrained") \
+            else "trained"
+        lines.append(f"- {METHOD_NAMES.get(method, method)} head: `{h.get('path')}` ({state})")
+    for note in m.get("notes") or []:
+        lines.append(f"- note: {note}")
+    if m.get("command"):
+        lines += ["", "```", m["command"], "```"]
+    lines += ["", "## Output tokens/s", "",
+              "Output tokens/s = total generated tokens / wall time, N clients each sending its next prompt when its "
+              "last one ends. Bold: the best K of a method at that concurrency.", "", otps_table(report), "",
+              "## Targets (issue 7)", "", targets_table(report), "", "## Acceptance", "", acceptance_tables(report),
+              "", "## Latency", "", latency_table(report), ""]
+    if plots:
+        lines += ["## Plots", ""] + [f"![{name}]({path})" for name, path in plots.items()] + [""]
+    return "\n".join(lines)
+
+
+# -- plots --------------------------------------------------------------------------------------------------------
+
+_COLORS = {"baseline": "black", "eagle3": "tab:blue", "peagle": "tab:red", "transformers": "tab:gray",
+           "transformers-pld": "tab:olive"}
+_MARKERS = "os^Dvx*P"
+
+
+def plot(report: dict, out_dir: Path) -> dict[str, str]:
+    """PNG files in out_dir: OTPS vs concurrency, per-position acceptance, mean acceptance length, TPOT."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs = [RunMetrics.from_dict(d) for d in report["runs"]]
+    cols = _columns(runs)
+    files = {}
+
+    def series(method, k, attr):
+        pts = sorted((r.concurrency, attr(r)) for r in runs if r.method == method and r.k == k)
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    for name, attr, ylabel in (("otps_vs_concurrency", lambda r: r.otps, "output tokens/s"),
+                               ("tpot_vs_concurrency", lambda r: r.tpot_ms["median"], "median TPOT (ms)")):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for m, k in cols:
+            ks = sorted({kk for mm, kk in cols if mm == m})
+            x, y = series(m, k, attr)
+            if any(v is not None for v in y):
+                ax.plot(x, [v if v is not None else float("nan") for v in y], color=_COLORS.get(m),
+                        marker=_MARKERS[ks.index(k) % len(_MARKERS)],
+                        linestyle="--" if m.startswith("transformers") else "-", label=config_label(m, k),
+                        alpha=0.35 + 0.65 * (ks.index(k) + 1) / len(ks))
+        ax.set_xlabel("concurrency (clients)")
+        ax.set_ylabel(ylabel)
+        ax.set_xticks(sorted({r.concurrency for r in runs}))
+        ax.set_title(f"{ylabel} vs concurrency ({report['meta'].get('dataset')})")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        fig.savefig(out_dir / f"{name}.png", dpi=110)
+        plt.close(fig)
+        files[name] = f"{name}.png"
+
+    acc = {(a["method"], a["k"]): a for a in report["acceptance"]}
+    methods = [m for m in SPEC_METHODS if any(mm == m for mm, _ in acc)]
+    if methods:
+        fig, axes = plt.subplots(1, len(methods), figsize=(5.5 * len(methods), 4), squeeze=False)
+        for ax, m in zip(axes[0], methods):
+            for i, k in enumerate(sorted(k for mm, k in acc if mm == m)):
+                rates = acc[(m, k)]["acceptance_per_position"]
+                ax.plot(range(1, len(rates) + 1), rates, marker=_MARKERS[i % len(_MARKERS)], label=f"K={k}")
+            kmax = max(k for mm, k in acc if mm == m)
+            ax.set_xticks(range(1, kmax + 1))
+            ax.set_title(f"{METHOD_NAMES[m]}: per-position acceptance")
+            ax.set_xlabel("draft position")
+            ax.set_ylabel("accepted fraction of steps")
+            ax.set_ylim(0, 1.02)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out_dir / "acceptance_per_position.png", dpi=110)
+        plt.close(fig)
+        files["acceptance_per_position"] = "acceptance_per_position.png"
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ks = sorted({k for _, k in acc})
+        width = 0.8 / len(methods)
+        for j, m in enumerate(methods):
+            vals = [acc[(m, k)]["mean_acceptance_length"] if (m, k) in acc else 0 for k in ks]
+            ax.bar([i + j * width for i in range(len(ks))], vals, width, color=_COLORS[m], label=METHOD_NAMES[m])
+        ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(ks))], [f"K={k}" for k in ks])
+        ax.set_ylabel("mean acceptance length")
+        ax.set_title("Mean acceptance length (1 + accepted / drafts)")
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out_dir / "acceptance_length.png", dpi=110)
+        plt.close(fig)
+        files["acceptance_length"] = "acceptance_length.png"
+    return files
+
+
+def write_all(report: dict, out_dir: Path) -> dict[str, Path]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots = plot(report, out_dir)
+    report["plots"] = plots
+    (out_dir / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out_dir / "results.md").write_text(markdown(report, plots))
+    return {"json": out_dir / "results.json", "markdown": out_dir / "results.md",
+            **{k: out_dir / v for k, v in plots.items()}}

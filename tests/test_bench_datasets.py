@@ -1,0 +1,97 @@
+"""Prompt sets load offline from the installed packages and from user files; bad input names its line."""
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from peagle.bench.datasets import DatasetError, iter_json_array, load_dataset
+
+
+def test_humaneval_prompts():
+    prompts = load_dataset("humaneval")
+    assert len(prompts) == 164
+    assert prompts[0].id == "HumanEval/0" and "def has_close_elements" in prompts[0].text
+    assert prompts[0].chat_messages()[0]["role"] == "user"
+    assert prompts[0].text in prompts[0].chat_messages()[0]["content"]
+
+
+def test_mtbench_first_turns():
+    prompts = load_dataset("mtbench")
+    assert len(prompts) == 80
+    assert prompts[0].id == "mtbench/81" and prompts[0].category == "writing"
+    assert prompts[0].chat_messages() == [{"role": "user", "content": prompts[0].text}]
+
+
+def test_sharegpt_reads_records_one_by_one():
+    prompts = load_dataset("sharegpt", 5)
+    assert len(prompts) == 5 and all(p.text.strip() for p in prompts)
+    assert prompts[0].id.startswith("sharegpt/")
+
+
+def test_json_array_with_truncated_tail():
+    records = [{"id": i, "conversations": [{"from": "human", "value": "x" * i}]} for i in range(50)]
+    text = json.dumps(records)
+    cut = text[: text.rindex('{"id": 49') + 20]  # the last record is cut in the middle
+    got = list(iter_json_array(io.StringIO(cut), chunk_chars=64))
+    assert [r["id"] for r in got] == list(range(49))
+    assert [r["id"] for r in iter_json_array(io.StringIO(text), chunk_chars=7)] == list(range(50))
+
+
+def test_fewer_prompts_than_asked_are_cycled():
+    prompts = load_dataset("mtbench", 85)
+    assert len(prompts) == 85 and prompts[80].text == prompts[0].text and prompts[80].id != prompts[0].id
+
+
+def test_custom_jsonl_shapes(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join([
+        json.dumps({"prompt": "plain text"}),
+        json.dumps({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                                 {"role": "assistant", "content": "hello"}]}),
+        "",
+        json.dumps({"conversations": [{"from": "human", "value": "sharegpt turn"}, {"from": "gpt", "value": "a"}]}),
+        json.dumps({"turns": ["first turn", "second turn"], "question_id": 7}),
+    ]) + "\n")
+    prompts = load_dataset(f"custom:{f}")
+    assert [p.text for p in prompts] == ["plain text", "hi", "sharegpt turn", "first turn"]
+    assert prompts[1].chat_messages() == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert prompts[3].id == "7"
+
+
+def test_custom_jsonl_bad_line_names_its_number(tmp_path):
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"prompt": "ok"}\n\n{"prompt": "also ok"}\n{"prompt": oops}\n')
+    with pytest.raises(DatasetError, match=r"bad\.jsonl:4: invalid JSON"):
+        load_dataset(f"custom:{f}")
+    f.write_text('{"prompt": "ok"}\n{"answer": "no prompt here"}\n')
+    with pytest.raises(DatasetError, match=r"bad\.jsonl:2: no prompt"):
+        load_dataset(f"custom:{f}")
+
+
+def test_speed_bench_local_files(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    root = tmp_path / "SPEED-Bench"
+    (root / "qualitative").mkdir(parents=True)
+    table = pa.table({"question_id": ["q1", "q2"], "category": ["coding", "math"],
+                      "turns": [["write code"], ["add numbers", "again"]]})
+    pq.write_table(table, root / "qualitative" / "test-00000.parquet")
+    prompts = load_dataset(f"speed-bench:{root}")
+    assert [(p.id, p.text, p.category) for p in prompts] == [("q1", "write code", "coding"),
+                                                            ("q2", "add numbers", "math")]
+    (root / "throughput_1k").mkdir()
+    (root / "throughput_1k" / "x.jsonl").write_text(json.dumps({"question_id": "t", "turns": []}) + "\n")
+    with pytest.raises(DatasetError, match="reconstructed"):
+        load_dataset(f"speed-bench:{root / 'throughput_1k'}")
+
+
+def test_unknown_or_missing_sets_fail_clearly(tmp_path):
+    with pytest.raises(DatasetError, match="unknown dataset"):
+        load_dataset("gsm8k")
+    with pytest.raises(DatasetError, match="no such file"):
+        load_dataset(f"custom:{tmp_path / 'missing.jsonl'}")
+    with pytest.raises(DatasetError, match="not available offline"):
+        load_dataset("speed-bench")

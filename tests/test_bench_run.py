@@ -1,0 +1,97 @@
+"""Short real benches on a tiny random chat model (SmolLM2's tokenizer, random weights) with untrained heads: the
+offline path with every method, a `peagle serve` subprocess per configuration, and --url against a running server.
+Each must produce a complete table, JSON and plots with positive numbers."""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from peagle.cli import main
+
+PNG = b"\x89PNG\r\n\x1a\n"
+needs_server = pytest.mark.skipif(importlib.util.find_spec("peagle.serve.app") is None,
+                                  reason="the server (peagle/serve) has not landed")
+
+
+@pytest.fixture
+def one_thread():
+    # A shared 2-core machine: one thread avoids OpenMP threads spinning while waiting for a busy core.
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def _common(model, out, *extra):
+    return ["bench", "--model", str(model), "--random-heads", "--num-prompts", "3", "--max-tokens", "8",
+            "--threads", "1", "--no-progress", "--out", str(out), *extra]
+
+
+def _check_outputs(out, expected_runs: int) -> dict:
+    report = json.loads((out / "results.json").read_text())
+    runs = report["runs"]
+    assert len(runs) == expected_runs
+    for r in runs:
+        assert r["num_failed"] == 0, r["errors"]
+        assert r["otps"] > 0 and r["total_output_tokens"] > 0 and r["duration"] > 0
+        assert r["ttft_ms"]["mean"] > 0
+        if r["method"] in ("eagle3", "peagle"):
+            assert r["acceptance"]["num_drafts"] > 0
+            assert len(r["acceptance"]["acceptance_per_position"]) == r["k"]
+    md = (out / "results.md").read_text()
+    assert "## Output tokens/s" in md and "## Targets (issue 7)" in md
+    assert ("UNTRAINED" in md) == any(h["untrained"] for h in report["meta"]["heads"].values())
+    for name in ("otps_vs_concurrency", "tpot_vs_concurrency", *(
+            ("acceptance_per_position", "acceptance_length") if report["acceptance"] else ())):
+        data = (out / f"{name}.png").read_bytes()
+        assert data.startswith(PNG) and len(data) > 2000, name
+    return report
+
+
+def test_offline_bench_every_method(tiny_chat_llama, tmp_path, capsys, one_thread):
+    out = tmp_path / "offline"
+    assert main(_common(tiny_chat_llama, out, "--offline", "--concurrency", "1,2", "--k", "2,3")) == 0
+    err = capsys.readouterr().err
+    assert "Estimated sweep time: about" in err and "calibration took" in err
+    # baseline x2, EAGLE-3 and P-EAGLE x 2 K x 2 concurrencies, transformers x2, prompt lookup at c=1
+    report = _check_outputs(out, 2 + 4 + 4 + 2 + 1)
+    assert [row["concurrency"] for row in report["table"]] == [1, 2]
+    assert all(row["peagle_vs_eagle3"] > 0 and row["peagle_vs_baseline"] > 0 for row in report["table"])
+    assert {t["status"] for t in report["targets"][:2]} <= {"met", "missed"}
+    assert report["targets"][2]["status"] == "not measured"  # no concurrency 8 here
+    assert report["meta"]["heads"]["peagle"]["untrained"] is True
+    table = (out / "results.md").read_text()
+    for col in ("No speculation", "EAGLE-3 K=3", "P-EAGLE K=2", "P-EAGLE / EAGLE-3 (best K)",
+                "P-EAGLE / no spec (best K)", "transformers generate()", "transformers prompt lookup"):
+        assert col in table, col
+
+
+@needs_server
+def test_server_per_configuration(tiny_chat_llama, tmp_path, one_thread):
+    out = tmp_path / "served"
+    assert main(_common(tiny_chat_llama, out, "--methods", "peagle", "--k", "2", "--concurrency", "1,2",
+                        "--no-estimate")) == 0
+    report = _check_outputs(out, 2)
+    assert report["meta"]["mode"] == "server"
+    assert (out / "logs" / "peagle-k2.log").read_text().count("listening on http://127.0.0.1:") == 1
+    assert report["meta"]["server_startup_s"]["P-EAGLE K=2"] > 0
+
+
+@needs_server
+def test_url_of_a_running_server(tiny_chat_llama, tmp_path, one_thread):
+    from peagle.bench.cli import TargetHolder, create_random_head
+    from peagle.bench.loadgen import ServerProcess
+
+    head = create_random_head("peagle", tiny_chat_llama, TargetHolder(), tmp_path / "head")
+    spec = json.dumps({"model": str(head), "method": "eagle3", "num_speculative_tokens": 2,
+                       "parallel_drafting": True})
+    out = tmp_path / "url"
+    with ServerProcess(str(tiny_chat_llama), spec, 2, tmp_path / "server.log", threads=1) as server:
+        assert main(["bench", "--url", server.url, "--model", str(tiny_chat_llama), "--num-prompts", "3",
+                     "--max-tokens", "8", "--concurrency", "2", "--no-progress", "--out", str(out)]) == 0
+    report = _check_outputs(out, 1)
+    run = report["runs"][0]
+    assert (run["method"], run["k"]) == ("peagle", 2)  # read from the server's /v1/models
+    assert report["meta"]["heads"]["peagle"] == {"path": str(head), "untrained": True}
