@@ -277,7 +277,7 @@ def test_bad_inputs_get_openai_errors_and_others_keep_running(server):
 
 def test_client_disconnect_frees_the_slot(server):
     server.wait_idle()
-    body = {"model": "tiny", "messages": CHAT, "max_tokens": 400, "temperature": 0, "stream": True}
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 400, "temperature": 0, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
         seen = 0
         for line in r.iter_lines():
@@ -361,7 +361,7 @@ def test_api_key(small_server):
 
 def test_full_queue_gets_503_with_retry_after(small_server):
     url, headers = small_server.url, {"Authorization": "Bearer sekret"}
-    body = {"messages": CHAT, "max_tokens": 300, "temperature": 0, "stream": True}
+    body = {"messages": CHAT, "max_tokens": 300, "temperature": 0, "stream": True, "ignore_eos": True}
     with httpx.Client(timeout=60, headers=headers) as c:
         with c.stream("POST", url + "/v1/chat/completions", json=body) as running:
             lines = running.iter_lines()

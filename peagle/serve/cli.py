@@ -149,6 +149,14 @@ def resolve(args) -> dict:
         raise ServeError(f"preset {preset.name} ({preset.model}) is a large GPU model that peagle's engine does not "
                          f"run; serve it with vLLM: `peagle serve {preset.name} --engine vllm`")
 
+    if args.engine == "peagle" and not is_embedded(model):
+        from peagle.model.loading import resolve_model
+
+        try:  # fail before loading anything heavy
+            resolve_model(model)
+        except FileNotFoundError as e:
+            raise ServeError(str(e))
+
     if spec is not None and args.engine == "peagle":
         head = spec.model
         if head is not None and not Path(head).expanduser().exists() and head not in bundled_heads():

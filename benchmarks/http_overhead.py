@@ -1,0 +1,198 @@
+"""What the HTTP layer costs: requests/s and output tokens/s at concurrency 1, 8 and 32, through `peagle serve`
+(streamed chat completions, as `vllm bench serve` sends them) against the same engine driven directly.
+
+Both sides run the same engine configuration on the same prompts, greedy with `ignore_eos`, so every request
+generates exactly --max-tokens tokens and the work is identical. N clients each send their next request as soon
+as the last one ends (DESIGN section 7). The server runs in its own process (`peagle serve`, access log off) and
+the client in this one, as a real deployment would have them; on a small machine they share its cores, which is
+part of what HTTP costs there.
+
+    python benchmarks/http_overhead.py                       # embedded SmolLM2, its bundled head if installed
+    python benchmarks/http_overhead.py --concurrency 8 --max-tokens 32 --speculative-config none
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROMPTS = [
+    "Explain how a rainbow forms.", "Write a short poem about autumn leaves.", "What is the capital of Australia?",
+    "Give three tips for learning a new language.", "Describe the water cycle in simple terms.",
+    "Why is the sky blue?", "Write a Python function that reverses a string.", "What causes the seasons on Earth?",
+    "Summarise the plot of Romeo and Juliet.", "How do vaccines work?", "List four planets in the solar system.",
+    "What is photosynthesis?", "Suggest a name for a friendly robot.", "How does a bicycle stay upright?",
+    "What is the difference between weather and climate?", "Tell me a fun fact about octopuses.",
+]
+
+
+def messages(i: int) -> list[dict]:
+    return [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------------------------------------
+
+
+def run_direct(engine, concurrency: int, total: int, max_tokens: int) -> tuple[float, int]:
+    """(wall seconds, output tokens) with `concurrency` requests kept in flight on the engine itself, stepped in a
+    worker thread exactly as the server steps it (torch's intra-op threading behaves differently in the main
+    thread, which would make the comparison about threads rather than HTTP)."""
+    import threading
+
+    result = []
+    t = threading.Thread(target=lambda: result.append(_direct(engine, concurrency, total, max_tokens)))
+    t.start()
+    t.join()
+    return result[0]
+
+
+def _direct(engine, concurrency: int, total: int, max_tokens: int) -> tuple[float, int]:
+    import torch
+
+    torch.set_grad_enabled(False)
+    from peagle.engine import SamplingParams
+
+    params = lambda: SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)  # noqa: E731
+    sent = done = tokens = 0
+    t0 = time.perf_counter()
+    while sent < min(concurrency, total):
+        engine.add_request(messages(sent), params(), chat=True)
+        sent += 1
+    while done < total:
+        for out in engine.step():
+            if out.finished:
+                done += 1
+                tokens += out.num_output_tokens
+                if sent < total:
+                    engine.add_request(messages(sent), params(), chat=True)
+                    sent += 1
+    return time.perf_counter() - t0, tokens
+
+
+async def run_http(url: str, concurrency: int, total: int, max_tokens: int) -> tuple[float, int]:
+    import httpx
+
+    counter = iter(range(total))
+    tokens = 0
+
+    async def client(http: httpx.AsyncClient):
+        nonlocal tokens
+        for i in counter:
+            body = {"messages": messages(i), "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            async with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {") and '"usage":{' in line:
+                        tokens += json.loads(line[6:])["usage"]["completion_tokens"]
+
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(http) for _ in range(concurrency)))
+        return time.perf_counter() - t0, tokens
+
+
+def start_server(args, spec_json: str | None, port: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "peagle.cli", "serve", *([args.model] if args.model else []), "--port", str(port),
+           "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
+           "--dtype", args.dtype, "--max-waiting", "1000", "--no-baseline", "--disable-uvicorn-access-log",
+           "--log-level", "warning", "--speculative-config", spec_json or "none"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    import httpx
+
+    end = time.time() + 600
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"server failed to start:\n{proc.stderr.read()}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if time.time() > end:
+            raise SystemExit("server did not start in 600 s")
+        time.sleep(0.3)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="target (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--speculative-config", help="JSON, or 'none' (default: the bundled P-EAGLE head if installed)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--requests", type=int, help="requests per level (default: max(4, 2 x concurrency))")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--out", help="also write the results as JSON here")
+    args = p.parse_args()
+
+    import torch
+
+    from peagle.config import SpeculativeConfig
+    from peagle.engine import LLMEngine
+    from peagle.model.heads import default_speculative_config
+
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    if args.speculative_config is None:
+        spec = default_speculative_config(args.model)
+    elif args.speculative_config.lower() == "none":
+        spec = None
+    else:
+        spec = SpeculativeConfig.parse(args.speculative_config)
+    spec_json = spec.to_json() if spec is not None else None
+    print(f"model {args.model or 'SmolLM2-135M-Instruct (embedded)'}; speculative config {spec_json or 'none'}; "
+          f"max_tokens {args.max_tokens}; max_num_seqs {args.max_num_seqs}; torch threads {torch.get_num_threads()}",
+          flush=True)
+
+    results = []
+    # the server (its own process) and the engine driven directly (this process), same configuration
+    port = free_port()
+    proc = start_server(args, spec_json, port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        engine = LLMEngine.from_pretrained(args.model, spec_json, max_num_seqs=args.max_num_seqs,
+                                           max_model_len=args.max_model_len, device="cpu", dtype=args.dtype)
+        run_direct(engine, 2, 2, 4)  # warm-up
+        asyncio.run(run_http(url, 2, 2, 4))
+        for c in args.concurrency:  # back to back per level, so both see the same machine load
+            n = args.requests or max(4, 2 * c)
+            d_wall, d_toks = run_direct(engine, c, n, args.max_tokens)
+            print(f"direct  c={c:<3} {n:>3} req  {n / d_wall:7.3f} req/s  {d_toks / d_wall:8.1f} tok/s", flush=True)
+            wall, toks = asyncio.run(run_http(url, c, n, args.max_tokens))
+            overhead = (d_toks / d_wall - toks / wall) / (d_toks / d_wall) * 100
+            print(f"http    c={c:<3} {n:>3} req  {n / wall:7.3f} req/s  {toks / wall:8.1f} tok/s  "
+                  f"(HTTP cost {overhead:+.1f}%)", flush=True)
+            results.append({"concurrency": c, "requests": n, "direct_req_s": n / d_wall,
+                            "direct_tok_s": d_toks / d_wall, "http_req_s": n / wall, "http_tok_s": toks / wall,
+                            "http_cost_pct": overhead})
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+    print("\n| concurrency | requests | direct req/s | HTTP req/s | direct tok/s | HTTP tok/s | HTTP cost |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['concurrency']} | {r['requests']} | {r['direct_req_s']:.3f} | {r['http_req_s']:.3f} | "
+              f"{r['direct_tok_s']:.1f} | {r['http_tok_s']:.1f} | {r['http_cost_pct']:+.1f}% |")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
