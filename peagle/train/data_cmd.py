@@ -44,6 +44,7 @@ def register(name: str, parser) -> None:
     p.add_argument("--backend", choices=("auto", "engine", "transformers"), default="auto",
                    help="regeneration backend (auto: peagle's engine when it supports the target)")
     p.add_argument("--max-model-len", type=int, default=4096, help="regeneration context limit")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="sequences the engine decodes at once")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.set_defaults(func=run)
@@ -65,7 +66,8 @@ def run(args) -> int:
         kept = _guarded(convs, guard, report, args.limit)
         if args.regenerate:
             gen = make_generator(target_dir, tokenizer, args.temperature, args.max_new_tokens,
-                                 args.speculative_config, args.backend, args.max_model_len, args.seed, args.device)
+                                 args.speculative_config, args.backend, args.max_model_len, args.seed, args.device,
+                                 args.max_num_seqs)
             kept = regenerate(kept, gen, tokenizer, out / "regenerated.jsonl", args.batch_size,
                               args.max_model_len - args.max_new_tokens)
         rows = list(build_rows(kept, tokenizer, args.max_seq_len, None, report))  # fills `report`
@@ -116,7 +118,7 @@ def engine_supports(target_dir: Path) -> bool:
 
 def make_generator(target_dir: Path, tokenizer, temperature: float = 0.0, max_new_tokens: int = 512,
                    speculative_config: str | None = None, backend: str = "auto", max_model_len: int = 4096,
-                   seed: int = 0, device: str | None = None) -> Generator:
+                   seed: int = 0, device: str | None = None, max_num_seqs: int = 16) -> Generator:
     """A function answering a batch of chat prompts with the target: peagle's engine for its model families (with
     speculation when a speculative config is given), transformers' generate() otherwise."""
     use_engine = backend == "engine" or (backend == "auto" and engine_supports(target_dir))
@@ -129,7 +131,8 @@ def make_generator(target_dir: Path, tokenizer, temperature: float = 0.0, max_ne
             print(f"peagle data: engine unavailable ({e}); regenerating with transformers", file=sys.stderr)
         else:
             engine = LLMEngine.from_pretrained(str(target_dir), speculative_config=speculative_config,
-                                               max_model_len=max_model_len, device=device)
+                                               max_model_len=max_model_len, device=device,
+                                               max_num_seqs=max_num_seqs)
             counter = [0]
 
             def gen_engine(prompts: list[list[dict]]) -> list[str]:
