@@ -122,3 +122,26 @@ def test_ttt_steps_match_draft_chain():
         for k in range(K):
             torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-4)
             assert int(d.to_target_ids(d.logits(got[k]).argmax(-1))) == int(drafts[k])
+
+
+@pytest.mark.parametrize("kl", [True, False])
+def test_fused_head_loss_equals_autograd(kl):
+    from peagle.train.objective import head_loss
+
+    d = tiny_drafter(num_layers=1)
+    seq = random_seq(40, d)
+    h = torch.randn(33, d.config.hidden_size, requires_grad=True)
+    rows = torch.randint(0, 40, (33,))
+    loss, drafts = head_loss(d, h, seq, rows, kl=kl, chunk=7)
+    loss.backward()
+    got = (h.grad.clone(), d.lm_head.weight.grad.clone(), d.norm.weight.grad.clone())
+    h.grad = None
+    d.zero_grad()
+    logq = d.logits(h).log_softmax(-1)
+    lab = seq.logp[rows]
+    ref = (lab.exp() * (lab - logq)).sum() if kl else -logq.gather(-1, lab.argmax(-1, keepdim=True)).sum()
+    ref.backward()
+    torch.testing.assert_close(loss, ref)
+    for a, b in zip(got, (h.grad, d.lm_head.weight.grad, d.norm.weight.grad)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert torch.equal(drafts, d.to_target_ids(d.logits(h).argmax(-1)))

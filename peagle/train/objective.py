@@ -13,8 +13,9 @@ unroll costs K passes over the anchors, computed in anchor chunks so attention n
 Step k's loss is weighted 0.8^k.
 
 Loss: forward KL from the teacher's draft-vocab distribution (or cross-entropy on its argmax), summed over
-supervised elements; the caller divides by the global count. Logits are computed in checkpointed chunks, so the
-[elements x Vd] logits never all live at once.
+supervised elements; the caller divides by the global count. The LM head and the loss are fused and chunked: each
+chunk's logits produce the loss and the gradients at once, so [elements x Vd] logits never all live at once and
+are never recomputed.
 """
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from peagle.model.drafter import Drafter
 from peagle.model.layers import BatchLayout, apply_rope
@@ -93,31 +93,63 @@ def element_inputs(drafter: Drafter, seq: TeacherSeq, el: Elements):
     return tokens, feats, el.position
 
 
-def _chunk_loss(drafter: Drafter, h: torch.Tensor, label_logp: torch.Tensor, kl: bool):
-    logits = drafter.logits(h)
-    logq = logits.log_softmax(-1)
-    if kl:
-        loss = (label_logp.exp() * (label_logp - logq)).sum()
-    else:
-        loss = -logq.gather(-1, label_logp.argmax(-1, keepdim=True)).sum()
-    return loss, logits.argmax(-1)
+class _FusedHeadLoss(torch.autograd.Function):
+    """Summed KL (or CE) of lm_head logits against teacher rows, computed chunk by chunk with the gradients made in
+    the same pass (the loss is linear in its upstream gradient), so neither logits nor a recompute are ever kept:
+    d loss / d logits = softmax(logits) - p (p: the label distribution, or one-hot for CE)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, logp_all, rows, kl: bool, chunk: int, cdt: torch.dtype):
+        need = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        with torch.autocast(x.device.type, enabled=False):
+            W = weight.to(cdt)
+            gx = torch.empty(x.shape, dtype=torch.float32, device=x.device) if need else None
+            gw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need else None
+            total = torch.zeros((), dtype=torch.float32, device=x.device)
+            preds = []
+            for a in range(0, x.shape[0], chunk):
+                xc = x[a:a + chunk].to(cdt)
+                logits = (xc @ W.t()).float()
+                logq = logits.log_softmax(-1)
+                lab = logp_all[rows[a:a + chunk]]
+                if kl:
+                    p = lab.exp()
+                    total += (p * (lab - logq)).sum()
+                    g = logq.exp_() - p if need else None
+                else:
+                    tgt = lab.argmax(-1)
+                    total -= logq.gather(-1, tgt[:, None]).sum()
+                    if need:
+                        g = logq.exp_()
+                        g[torch.arange(tgt.numel(), device=g.device), tgt] -= 1
+                preds.append(logits.argmax(-1))
+                if need:
+                    gc = g.to(cdt)
+                    gx[a:a + chunk] = (gc @ W).float()
+                    gw += (gc.t() @ xc).float()
+        pred = torch.cat(preds) if preds else rows.new_zeros(0)
+        ctx.mark_non_differentiable(pred)
+        ctx.dtypes = (x.dtype, weight.dtype)
+        ctx.save_for_backward(gx, gw)
+        return total, pred
+
+    @staticmethod
+    def backward(ctx, g_loss, _g_pred):
+        gx, gw = ctx.saved_tensors
+        gx = None if gx is None or not ctx.needs_input_grad[0] else (gx * g_loss).to(ctx.dtypes[0])
+        gw = None if gw is None or not ctx.needs_input_grad[1] else (gw * g_loss).to(ctx.dtypes[1])
+        return gx, gw, None, None, None, None, None
 
 
 def head_loss(drafter: Drafter, h: torch.Tensor, seq: TeacherSeq, label_rows: torch.Tensor, kl: bool = True,
               chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed loss over rows `h` [M, H] against the teacher rows `label_rows`, and the drafts as target ids."""
-    total = h.new_zeros((), dtype=torch.float32)
-    preds = []
-    for a in range(0, h.shape[0], chunk):
-        hc, lab = h[a:a + chunk], seq.logp[label_rows[a:a + chunk]]
-        if torch.is_grad_enabled() and hc.requires_grad:
-            loss, pred = checkpoint(_chunk_loss, drafter, hc, lab, kl, use_reentrant=False)
-        else:
-            loss, pred = _chunk_loss(drafter, hc, lab, kl)
-        total = total + loss
-        preds.append(pred)
-    pred = torch.cat(preds) if preds else label_rows.new_zeros(0)
-    return total, drafter.to_target_ids(pred)
+    """Summed loss of rows `h` [M, H] (pre-norm) against the teacher rows `label_rows`, and the drafts as target
+    ids. Equal to summing `(p * (log p - log_softmax(drafter.logits(h)))).sum(-1)`, at the cost of one pass."""
+    x = drafter.norm(h)
+    dev = x.device.type
+    cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else drafter.lm_head.weight.dtype
+    loss, pred = _FusedHeadLoss.apply(x, drafter.lm_head.weight, seq.logp, label_rows, kl, chunk, cdt)
+    return loss, drafter.to_target_ids(pred)
 
 
 @dataclass

@@ -357,6 +357,7 @@ class Trainer:
         D = cfg.num_depths
         loss_sum, correct, total = 0.0, torch.zeros(D, dtype=torch.long), torch.zeros(D, dtype=torch.long)
         seq, seq_of = None, -1
+        teacher_s = 0.0
         if not units:
             units = [(None, None)]
         for u, (w, seg) in enumerate(units):
@@ -369,7 +370,9 @@ class Trainer:
                 else:
                     if seq_of != w:
                         seq, seq_of = None, w
+                        t1 = time.time()
                         seq = self._teacher_seq(work[w][0])
+                        teacher_s += time.time() - t1
                     with self._autocast():
                         loss, stats = self.model(seq, work[w][1], seg)
                 (loss * scale).backward()
@@ -389,7 +392,8 @@ class Trainer:
         acc = (red[1:1 + D] / red[1 + D:].clamp(min=1)).tolist()
         return {"step": self.step, "loss": float(red[0]) / max(global_count, 1.0), "acc": acc,
                 "lr": self.scheduler.get_last_lr()[0], "grad_norm": float(grad_norm), "tokens": int(totals[1]),
-                "seconds": dt, "tokens_per_s": float(totals[1]) / dt, "peak_mem_gib": peak_memory_gib(self.device)}
+                "seconds": dt, "teacher_seconds": teacher_s, "units": len(units),
+                "tokens_per_s": float(totals[1]) / dt, "peak_mem_gib": peak_memory_gib(self.device)}
 
     # -- evaluation ----------------------------------------------------------------------------------------------
     @torch.no_grad()
