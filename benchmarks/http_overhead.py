@@ -17,6 +17,7 @@ import asyncio
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -105,6 +106,28 @@ async def run_http(url: str, concurrency: int, total: int, max_tokens: int) -> t
         return time.perf_counter() - t0, tokens
 
 
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of a process, from /proc."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            raw = (task / "stat").read_text()
+        except OSError:
+            continue
+        fields = raw[raw.rindex(")") + 2:].split()
+        out[int(task.name)] = (int(fields[11]) + int(fields[12])) / ticks
+    return out
+
+
+def cpu_split(pid: int, before: dict[int, float], after: dict[int, float]) -> tuple[float, float]:
+    """(event-loop thread, engine threads) CPU seconds between two snapshots of the server. The server's main thread
+    runs the event loop (HTTP, JSON, SSE, tokenisation); the engine thread and torch's worker threads do the rest."""
+    delta = {tid: after[tid] - before.get(tid, 0.0) for tid in after}
+    loop = delta.pop(pid, 0.0)
+    return loop, sum(delta.values())
+
+
 def start_server(args, spec_json: str | None, port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "peagle.cli", "serve", *([args.model] if args.model else []), "--port", str(port),
            "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
@@ -135,6 +158,7 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--requests", type=int, help="requests per level (default: max(4, 2 x concurrency))")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per level; medians are reported")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--dtype", default="bfloat16")
@@ -169,26 +193,48 @@ def main() -> int:
                                            max_model_len=args.max_model_len, device="cpu", dtype=args.dtype)
         run_direct(engine, 2, 2, 4)  # warm-up
         asyncio.run(run_http(url, 2, 2, 4))
-        for c in args.concurrency:  # back to back per level, so both see the same machine load
+        for c in args.concurrency:
             n = args.requests or max(4, 2 * c)
-            d_wall, d_toks = run_direct(engine, c, n, args.max_tokens)
-            print(f"direct  c={c:<3} {n:>3} req  {n / d_wall:7.3f} req/s  {d_toks / d_wall:8.1f} tok/s", flush=True)
-            wall, toks = asyncio.run(run_http(url, c, n, args.max_tokens))
-            overhead = (d_toks / d_wall - toks / wall) / (d_toks / d_wall) * 100
-            print(f"http    c={c:<3} {n:>3} req  {n / wall:7.3f} req/s  {toks / wall:8.1f} tok/s  "
-                  f"(HTTP cost {overhead:+.1f}%)", flush=True)
-            results.append({"concurrency": c, "requests": n, "direct_req_s": n / d_wall,
-                            "direct_tok_s": d_toks / d_wall, "http_req_s": n / wall, "http_tok_s": toks / wall,
-                            "http_cost_pct": overhead})
+            d_runs, h_runs, cpu_runs = [], [], []
+            for r in range(args.rounds):
+                # interleaved, alternating which goes first, so both see the same (shared) machine
+                order = ("direct", "http") if r % 2 == 0 else ("http", "direct")
+                for mode in order:
+                    if mode == "direct":
+                        wall, toks = run_direct(engine, c, n, args.max_tokens)
+                        d_runs.append((n / wall, toks / wall))
+                    else:
+                        before, client0 = thread_cpu(proc.pid), time.process_time()
+                        wall, toks = asyncio.run(run_http(url, c, n, args.max_tokens))
+                        loop_cpu, engine_cpu = cpu_split(proc.pid, before, thread_cpu(proc.pid))
+                        client_cpu = time.process_time() - client0
+                        h_runs.append((n / wall, toks / wall))
+                        cpu_runs.append(((loop_cpu + client_cpu) / engine_cpu * 100, loop_cpu / engine_cpu * 100))
+                    print(f"  {mode:<6} c={c:<3} round {r}: {n / wall:7.3f} req/s  {toks / wall:8.1f} tok/s",
+                          flush=True)
+            d_req, d_tok = (statistics.median(x) for x in zip(*d_runs))
+            h_req, h_tok = (statistics.median(x) for x in zip(*h_runs))
+            overhead = (d_tok - h_tok) / d_tok * 100
+            cpu_total, cpu_loop = (statistics.median(x) for x in zip(*cpu_runs))
+            print(f"c={c}: direct {d_tok:.1f} tok/s, http {h_tok:.1f} tok/s (median of {args.rounds}); "
+                  f"HTTP cost {overhead:+.1f}% wall; HTTP CPU {cpu_total:.1f}% of engine CPU "
+                  f"(server event loop {cpu_loop:.1f}%)", flush=True)
+            results.append({"concurrency": c, "requests": n, "rounds": args.rounds, "direct_req_s": d_req,
+                            "direct_tok_s": d_tok, "http_req_s": h_req, "http_tok_s": h_tok,
+                            "http_cost_pct": overhead, "http_cpu_pct": cpu_total, "loop_cpu_pct": cpu_loop,
+                            "direct_runs": d_runs, "http_runs": h_runs})
     finally:
         proc.terminate()
         proc.wait(30)
 
-    print("\n| concurrency | requests | direct req/s | HTTP req/s | direct tok/s | HTTP tok/s | HTTP cost |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"\nload average at the end: {os.getloadavg()[0]:.1f} (1 min), on {os.cpu_count()} CPUs")
+    print("\n| concurrency | requests | direct req/s | HTTP req/s | direct tok/s | HTTP tok/s | HTTP cost (wall) "
+          "| HTTP CPU / engine CPU |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['concurrency']} | {r['requests']} | {r['direct_req_s']:.3f} | {r['http_req_s']:.3f} | "
-              f"{r['direct_tok_s']:.1f} | {r['http_tok_s']:.1f} | {r['http_cost_pct']:+.1f}% |")
+              f"{r['direct_tok_s']:.1f} | {r['http_tok_s']:.1f} | {r['http_cost_pct']:+.1f}% | "
+              f"{r['http_cpu_pct']:.1f}% (loop {r['loop_cpu_pct']:.1f}%) |")
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
     return 0

@@ -381,3 +381,24 @@ def test_full_queue_gets_503_with_retry_after(small_server):
                    timeout=60)
     assert r.status_code == 200
     assert "peagle:requests_rejected_total" in httpx.get(url + "/metrics", headers=headers).text
+
+
+def test_drain_deadline_aborts_what_is_left(tiny):
+    """Draining refuses new work at once, and requests still running at the deadline are aborted (their stream
+    ends with finish_reason "abort")."""
+    with make_server(*tiny, baseline=False) as srv:
+        body = {"messages": CHAT, "max_tokens": 400, "temperature": 0, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            while srv.aengine.num_running < 1:
+                next(lines)
+            drained = asyncio.run_coroutine_threadsafe(srv.aengine.drain(0.5), srv.aengine._loop)
+            time.sleep(0.1)
+            refused = httpx.post(srv.url + "/v1/chat/completions", json={**body, "stream": False}, timeout=10)
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
+            assert "Retry-After" in refused.headers
+            assert httpx.get(srv.url + "/health").status_code == 503
+            rest = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
+            drained.result(timeout=30)
+        assert rest[-1]["choices"][0]["finish_reason"] == "abort"
+        assert srv.aengine.num_running == 0 and not srv.aengine.healthy

@@ -419,7 +419,8 @@ async def _completion_events(state: ServerState, req: CompletionRequest, streams
         c = {"id": rid, "object": "text_completion", "created": created, "model": model,
              "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}]}
         if include_usage:
-            c["usage"] = _usage(prompt_tokens, sum(o.num_output_tokens for o in latest.values())) if continuous else None
+            done = sum(o.num_output_tokens for o in latest.values())
+            c["usage"] = _usage(prompt_tokens, done) if continuous else None
         if extra:
             c["speculative_decoding"] = spec_stats(state, _merged_stats(extra), req.speculation)
             c["metrics"] = request_metrics(extra)

@@ -183,11 +183,13 @@ class AsyncEngine:
         streams = []
         try:
             for prompt_ids, params, rid in items:
+                engine.add_request(prompt_ids, params, request_id=rid)
+                # Registered after the engine took it; no report can arrive before: reports are delivered on
+                # this (the event loop's) thread.
                 stream = RequestStream(rid, engine, self)
                 self._streams[rid] = stream
                 self._waiting += 1
                 streams.append(stream)
-                engine.add_request(prompt_ids, params, request_id=rid)
         except RequestError as e:
             for s in streams:
                 self.abort(s.request_id)

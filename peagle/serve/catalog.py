@@ -91,7 +91,8 @@ ALIASES = {
     "gpt-oss-120b": "gpt-oss-120b", "openai/gpt-oss-120b": "gpt-oss-120b",
     "gpt-oss-20b": "gpt-oss-20b", "openai/gpt-oss-20b": "gpt-oss-20b",
     "qwen3-coder-30b-a3b-instruct": "qwen3-coder-30b-a3b-instruct",
-    "qwen/qwen3-coder-30b-a3b-instruct": "qwen3-coder-30b-a3b-instruct", "qwen3-coder-30b": "qwen3-coder-30b-a3b-instruct",
+    "qwen/qwen3-coder-30b-a3b-instruct": "qwen3-coder-30b-a3b-instruct",
+    "qwen3-coder-30b": "qwen3-coder-30b-a3b-instruct",
     "gemma-4-31b-it": "gemma-4-31b-it", "google/gemma-4-31b-it": "gemma-4-31b-it",
 }
 

@@ -131,8 +131,9 @@ def resolve(args) -> dict:
         try:
             spec = SpeculativeConfig.parse(text)
         except SpeculativeConfigError as e:
-            raise ServeError(f"{e}\n  (from {'--speculative-config' if _from_cli('--speculative-config') else 'SM_VLLM_SPECULATIVE_CONFIG'})")
-    elif text is None and preset is not None:
+            source = "--speculative-config" if _from_cli("--speculative-config") else "SM_VLLM_SPECULATIVE_CONFIG"
+            raise ServeError(f"{e}\n  (from {source})")
+    elif text is None and preset is not None and preset.model is not None:
         spec = SpeculativeConfig.parse(preset.speculative_config)
         if not preset.verified:
             notes.append(f"warning: preset {preset.name}'s head id {preset.head!r} is unverified ({preset.notes})")
