@@ -50,6 +50,10 @@ class Elements:
     def select(self, idx: torch.Tensor) -> "Elements":
         return Elements(self.anchor[idx], self.depth[idx], self.supervised[idx], self.doc[idx])
 
+    def to(self, device) -> "Elements":
+        return Elements(self.anchor.to(device), self.depth.to(device), self.supervised.to(device),
+                        self.doc.to(device))
+
     @property
     def num_supervised(self) -> int:
         return int(self.supervised.sum())

@@ -160,6 +160,7 @@ class Stats:
 
 
 def _depth_counts(depth: torch.Tensor, ok: torch.Tensor, D: int):
+    depth, ok = depth.cpu(), ok.cpu()
     correct = torch.bincount(depth[ok], minlength=D)[:D]
     total = torch.bincount(depth, minlength=D)[:D]
     return correct.cpu(), total.cpu()
@@ -170,6 +171,7 @@ def _depth_counts(depth: torch.Tensor, ok: torch.Tensor, D: int):
 # ---------------------------------------------------------------------------------------------------------------
 def cod_forward(drafter: Drafter, seq: TeacherSeq, el: Elements) -> torch.Tensor:
     """Pre-norm hidden [E, H] of elements `el` (which must hold every element they attend to)."""
+    el = el.to(seq.input_ids.device)
     tokens, feats, pos = element_inputs(drafter, seq, el)
     layout = BatchLayout.dense(pos[None], cod_mask(el)[None])
     return drafter(tokens[None], feats[None], layout, None)[0]
@@ -177,9 +179,10 @@ def cod_forward(drafter: Drafter, seq: TeacherSeq, el: Elements) -> torch.Tensor
 
 def cod_segment_loss(drafter: Drafter, seq: TeacherSeq, el: Elements, seg: Segment, num_depths: int,
                      kl: bool = True, chunk: int = 1024) -> tuple[torch.Tensor, Stats]:
-    sub = el.select(seg.rows)
+    dev = seq.input_ids.device
+    sub = el.select(seg.rows).to(dev)
     hidden = cod_forward(drafter, seq, sub)
-    sel = seg.own & sub.supervised
+    sel = seg.own.to(dev) & sub.supervised
     rows = (sub.anchor + sub.depth + 1)[sel]
     loss, drafts = head_loss(drafter, hidden[sel], seq, rows, kl, chunk)
     correct, total = _depth_counts(sub.depth[sel], drafts == seq.argmax[rows], num_depths)
@@ -244,6 +247,7 @@ def ttt_forward(drafter: Drafter, seq: TeacherSeq, el: Elements, chunk: int = 20
     anchors)` overrides the ground-truth tokens fed at step k >= 1 (tests feed the chain's own drafts)."""
     ids = seq.input_ids
     n = ids.numel()
+    el = el.to(ids.device)
     a0 = el.anchor[el.depth == 0]
     if a0.numel() != n - 1 or not bool((a0 == torch.arange(n - 1, device=a0.device)).all()):
         raise ValueError("the TTT unroll needs every real row at step 0")
@@ -295,7 +299,7 @@ def ttt_loss(drafter: Drafter, seq: TeacherSeq, el: Elements, num_steps: int, de
     raw = torch.zeros((), dtype=torch.float32)
     correct = torch.zeros(num_steps, dtype=torch.long)
     count = torch.zeros(num_steps, dtype=torch.long)
-    sup0 = el.supervised[el.depth == 0]
+    sup0 = el.supervised[el.depth == 0].to(seq.input_ids.device)
     for k, A, h in ttt_forward(drafter, seq, el, attn_chunk):
         sel = sup0 if k == 0 else torch.ones_like(A, dtype=torch.bool)
         rows = (A + k + 1)[sel]

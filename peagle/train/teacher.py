@@ -63,14 +63,19 @@ class Teacher:
     """A frozen Hugging Face causal LM producing features and labels for the drafter."""
 
     def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, device="cpu",
-                 feature_layer_ids: tuple[int, ...] | None = None, logits_chunk: int = 4096):
+                 feature_layer_ids: tuple[int, ...] | None = None, logits_chunk: int = 4096,
+                 device_map: str | dict | None = None):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.model_dir = Path(model_dir)
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).to(device)
+        if device_map is not None:  # a target too big for one device: layers spread over several (accelerate)
+            self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype, device_map=device_map)
+            self.device = self.model.get_input_embeddings().weight.device
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).to(device)
+            self.device = torch.device(device)
         self.model.eval().requires_grad_(False)
-        self.device = torch.device(device)
         L = num_layers_of(self.hf_config)
         self.feature_layer_ids = tuple(feature_layer_ids or default_feature_layer_ids(L))
         if max(self.feature_layer_ids) > L or min(self.feature_layer_ids) < 0:

@@ -44,6 +44,9 @@ def register(name: str, parser) -> None:
                    help="compute dtype (bf16 autocast with fp32 master weights, or fp32)")
     p.add_argument("--target-dtype", choices=("bf16", "fp32", "fp16"), default=None,
                    help="dtype of the frozen target [same as --dtype]")
+    p.add_argument("--target-device-map", default=None,
+                   help="load the frozen target with this transformers device_map (e.g. auto) to spread a target "
+                        "too large for one GPU over the GPUs this process sees")
     p.add_argument("--cod-ratio", type=float, default=0.8, help="COD retention r: depth d keeps ~N*max(r^d, r_min)")
     p.add_argument("--cod-min-ratio", type=float, default=0.2, help="COD floor r_min")
     p.add_argument("--loss", choices=("kl", "ce"), default="kl",
@@ -81,7 +84,7 @@ def config_from_args(args) -> TrainConfig:
         max_seq_len=args.max_seq_len, partitions=args.partitions, epochs=args.epochs, max_steps=args.max_steps,
         batch_size=args.batch_size, lr=args.lr, warmup_ratio=args.warmup_ratio, min_lr_ratio=args.min_lr_ratio,
         weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, dtype=args.dtype,
-        target_dtype=args.target_dtype, cod_ratio=args.cod_ratio, cod_min_ratio=args.cod_min_ratio, loss=args.loss,
+        target_dtype=args.target_dtype, target_device_map=args.target_device_map, cod_ratio=args.cod_ratio, cod_min_ratio=args.cod_min_ratio, loss=args.loss,
         ttt_decay=args.ttt_decay, mask_token_id=args.mask_token_id, eval_fraction=args.eval_fraction,
         eval_data=args.eval_data, eval_every=args.eval_every, eval_samples=args.eval_samples,
         eval_anchors=args.eval_anchors, eval_depths=args.eval_depths, save_every=args.save_every,

@@ -56,6 +56,7 @@ class TrainConfig:
     max_grad_norm: float = 0.5
     dtype: str = "bf16"  # drafter compute (autocast; master weights stay fp32)
     target_dtype: str | None = None  # default: same as dtype
+    target_device_map: str | None = None  # e.g. "auto": split a large frozen target over this process's GPUs
     cod_ratio: float = 0.8
     cod_min_ratio: float = 0.2
     loss: str = "kl"  # kl: forward KL to the teacher's draft-vocab distribution; ce: cross-entropy on its argmax
@@ -125,7 +126,7 @@ class Trainer:
         self.target_dir = resolve_model(cfg.target)
         self.tokenizer = self._load_tokenizer()
         tdtype = _dtype(cfg.target_dtype or cfg.dtype)
-        self.teacher = Teacher(self.target_dir, dtype=tdtype, device=self.device)
+        self.teacher = Teacher(self.target_dir, dtype=tdtype, device=self.device, device_map=cfg.target_device_map)
         self._load_data()
         self._build_head()
         self._build_optimizer()
@@ -318,7 +319,8 @@ class Trainer:
 
     def _teacher_seq(self, ids: torch.Tensor) -> TeacherSeq:
         feats, logp, argmax = self.teacher(ids)
-        return TeacherSeq(ids.to(self.device), feats, logp, argmax)
+        d = self.device
+        return TeacherSeq(ids.to(d), feats.to(d), logp.to(d), argmax.to(d))
 
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         if self.world > 1:
@@ -423,15 +425,17 @@ class Trainer:
                         sub = el.select(seg.rows)
                         hidden = cod_forward(self.drafter, seq, sub)
                         want = seg.own & torch.isin(sub.anchor, chosen)
-                        d = self.drafter.to_target_ids(self.drafter.logits(hidden[want]).argmax(-1)).cpu()
+                        d = self.drafter.logits(hidden[want.to(hidden.device)]).argmax(-1)
+                        d = self.drafter.to_target_ids(d).cpu()
                         drafts[torch.searchsorted(chosen, sub.anchor[want]), sub.depth[want]] = d
                 else:
                     for k, A, h in ttt_forward(self.drafter, seq, el, cfg.attn_chunk):
                         if k >= K:
                             break
+                        A = A.cpu()
                         sel = torch.isin(A, chosen)
-                        d = self.drafter.to_target_ids(self.drafter.logits(h[sel]).argmax(-1)).cpu()
-                        drafts[torch.searchsorted(chosen, A[sel]), k] = d
+                        d = self.drafter.logits(h[sel.to(h.device)]).argmax(-1)
+                        drafts[torch.searchsorted(chosen, A[sel]), k] = self.drafter.to_target_ids(d).cpu()
             truth = seq.argmax.cpu()[chosen[:, None] + torch.arange(K)[None, :] + 1]
             ok = drafts == truth
             accepted += ok.long().cumprod(1).sum(0).double()
