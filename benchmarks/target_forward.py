@@ -17,15 +17,20 @@ import time
 import torch
 
 
-def median_ms(fn, iters: int, warmup: int) -> float:
+def median_ms(fns: dict, iters: int, warmup: int) -> dict:
+    """Median ms per call of each function, calls interleaved (a, b, b, a, ...) so that load from other processes
+    on a shared machine hits all of them alike."""
     for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
+    order = list(fns)
+    for i in range(iters):
+        for name in (order if i % 2 == 0 else order[::-1]):
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
 def main(argv=None) -> None:
@@ -82,8 +87,7 @@ def main(argv=None) -> None:
             layout = BatchLayout.build(slots, positions)
             return ours(tokens, layout, cache, num_logits=None)
 
-        t_ours = median_ms(step_ours, args.iters, args.warmup)
-        line = f"{T:>5} {t_ours:>10.1f} {weight_bytes / t_ours / 1e6:>6.1f}"
+        fns = {"ours": step_ours}
         if hf is not None:
             def step_hf():
                 with torch.inference_mode():
@@ -91,8 +95,11 @@ def main(argv=None) -> None:
                 hf_cache.crop(-T)
                 return out
 
-            t_hf = median_ms(step_hf, args.iters, args.warmup)
-            line += f" {t_hf:>16.1f} {weight_bytes / t_hf / 1e6:>6.1f} {t_hf / t_ours:>8.2f}x"
+            fns["hf"] = step_hf
+        ms = median_ms(fns, args.iters, args.warmup)
+        line = f"{T:>5} {ms['ours']:>10.1f} {weight_bytes / ms['ours'] / 1e6:>6.1f}"
+        if hf is not None:
+            line += f" {ms['hf']:>16.1f} {weight_bytes / ms['hf'] / 1e6:>6.1f} {ms['hf'] / ms['ours']:>8.2f}x"
         print(line, flush=True)
         if args.profile:
             from torch.profiler import ProfilerActivity, profile

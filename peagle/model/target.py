@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from peagle.model.layers import BatchLayout, DecoderLayer, KVCache, RMSNorm, RotaryEmbedding, rope_inv_freq
+from peagle.model import kernels
+from peagle.model.layers import BatchLayout, DecoderLayer, KVCache, RMSNorm, RotaryEmbedding, linear, rope_inv_freq
 
 SUPPORTED_ARCHITECTURES = {"llama": "Llama 2/3, SmolLM2", "mistral": "Mistral", "qwen2": "Qwen2/2.5", "qwen3": "Qwen3"}
 
@@ -104,6 +105,7 @@ class TargetModel(nn.Module):
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(*rope_inv_freq(c.rope_parameters, c.head_dim, hf_config))
         self.feature_layer_ids = c.feature_layer_ids
+        self.lm_head_packed = None  # set by fuse_() where the AMX kernel is available
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -130,7 +132,7 @@ class TargetModel(nn.Module):
             h = h.gather(1, logit_index[..., None].expand(*logit_index.shape, h.shape[-1]))
         elif num_logits is not None:
             h = h[:, -num_logits:]
-        logits = torch.nn.functional.linear(self.norm(h), self.lm_head_weight).float()
+        logits = linear(self.norm(h), self.lm_head_weight, packed=self.lm_head_packed).float()
         return TargetOutput(logits, torch.cat([feats[i] for i in self.feature_layer_ids], dim=-1))
 
     @classmethod
@@ -153,4 +155,18 @@ class TargetModel(nn.Module):
             state.pop("lm_head.weight", None)
         model.load_state_dict(state, strict=True, assign=True)
         model.rotary = RotaryEmbedding(*rope_inv_freq(config.rope_parameters, config.head_dim, hf_config)).to(device)
-        return model.eval().requires_grad_(False)
+        return model.eval().requires_grad_(False).fuse_()
+
+    @torch.no_grad()
+    def fuse_(self) -> "TargetModel":
+        """Inference layout (from_pretrained does it): q/k/v and gate/up projections each become one matrix (the
+        original parameters become views, so memory and state_dict names are unchanged), and on CPUs with AMX every
+        projection and the LM head are also packed once for peagle's batch-invariant kernel (kernels.py; a packed
+        copy of the weights, so the model takes twice the weight memory). The frozen target never changes after."""
+        for layer in self.layers:
+            layer.self_attn.fuse_()
+            layer.mlp.fuse_()
+            layer.self_attn.pack_()
+            layer.mlp.pack_()
+        self.lm_head_packed = kernels.PackedWeight.pack(self.lm_head_weight)
+        return self
