@@ -63,6 +63,8 @@ def _direct(engine, concurrency: int, total: int, max_tokens: int) -> tuple[floa
     import torch
 
     torch.set_grad_enabled(False)
+    if os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     from peagle.engine import SamplingParams
 
     params = lambda: SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)  # noqa: E731
@@ -162,6 +164,8 @@ def main() -> int:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--threads", type=int, help="torch intra-op threads for both sides (OMP_NUM_THREADS for the "
+                   "server; default: torch's own choice)")
     p.add_argument("--out", help="also write the results as JSON here")
     args = p.parse_args()
 
@@ -171,7 +175,9 @@ def main() -> int:
     from peagle.engine import LLMEngine
     from peagle.model.heads import default_speculative_config
 
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    if args.threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the server process inherits it
+        torch.set_num_threads(args.threads)
     if args.speculative_config is None:
         spec = default_speculative_config(args.model)
     elif args.speculative_config.lower() == "none":
@@ -214,10 +220,11 @@ def main() -> int:
                           flush=True)
             d_req, d_tok = (statistics.median(x) for x in zip(*d_runs))
             h_req, h_tok = (statistics.median(x) for x in zip(*h_runs))
-            overhead = (d_tok - h_tok) / d_tok * 100
+            # paired: round r's HTTP run against round r's direct run (they ran back to back), median over rounds
+            overhead = statistics.median((d[1] - h[1]) / d[1] * 100 for d, h in zip(d_runs, h_runs))
             cpu_total, cpu_loop = (statistics.median(x) for x in zip(*cpu_runs))
             print(f"c={c}: direct {d_tok:.1f} tok/s, http {h_tok:.1f} tok/s (median of {args.rounds}); "
-                  f"HTTP cost {overhead:+.1f}% wall; HTTP CPU {cpu_total:.1f}% of engine CPU "
+                  f"HTTP cost {overhead:+.1f}% wall (median of paired rounds); HTTP CPU {cpu_total:.1f}% of engine CPU "
                   f"(server event loop {cpu_loop:.1f}%)", flush=True)
             results.append({"concurrency": c, "requests": n, "rounds": args.rounds, "direct_req_s": d_req,
                             "direct_tok_s": d_tok, "http_req_s": h_req, "http_tok_s": h_tok,
