@@ -36,7 +36,7 @@ class SpeculativeConfig(BaseModel):
     @classmethod
     def _k_range(cls, k: int) -> int:
         if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"num_speculative_tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}, got {k}")
+            raise ValueError(f"must be between 1 and {MAX_SPECULATIVE_TOKENS}, got {k}")
         return k
 
     @field_validator("draft_tensor_parallel_size")
@@ -58,7 +58,7 @@ class SpeculativeConfig(BaseModel):
     @classmethod
     def _unsupported(cls, v, info):
         if v is not None:
-            raise ValueError(f"{info.field_name} is not supported by peagle's engine; leave it unset")
+            raise ValueError("not supported by peagle's engine; leave it unset")
         return v
 
     @model_validator(mode="after")

@@ -72,7 +72,7 @@ def test_sagemaker_defaults_and_no_bundled_head_note(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("how, text, message", [
-    ("flag", '{"method": "eagle3", "num_speculative_tokens": 99}', "num_speculative_tokens must be between 1 and"),
+    ("flag", '{"method": "eagle3", "num_speculative_tokens": 99}', "num_speculative_tokens: must be between 1 and"),
     ("env", '{"method": "eagle3", "num_speculative_tokens": 3', "not valid JSON"),
 ])
 def test_bad_speculative_config_refused_at_start(tiny, how, text, message):

@@ -1,14 +1,16 @@
 """The playground page in headless Chromium (Debian's `chromium`, driven over the DevTools protocol): load `/`,
 send a prompt, see the output and the stats, run the side-by-side comparison, and keep a screenshot in
-docs/playground.png. Uses the embedded SmolLM2 with its bundled P-EAGLE head when that head is installed (real
+a screenshot (see SCREENSHOT). Uses the embedded SmolLM2 with its bundled P-EAGLE head when that head is installed (real
 text, real acceptance), else the tiny random model with a random head."""
 from __future__ import annotations
 
 import base64
 import json
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,7 +22,9 @@ from serve_util import LiveServer, build_tiny, make_server  # noqa: E402
 
 CHROMIUM = next((shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs a Chromium binary: `apt-get install -y chromium`")
-SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "playground.png"
+# The run's screenshot; `PEAGLE_SCREENSHOT=docs/playground.png pytest tests/test_serve_playground.py` refreshes
+# the one in the docs (a plain run leaves the tree untouched).
+SCREENSHOT = Path(os.environ.get("PEAGLE_SCREENSHOT", Path(tempfile.gettempdir()) / "peagle-playground.png"))
 
 
 class Browser:
