@@ -78,6 +78,7 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
                         "threads waiting for busy cores)")
     g.add_argument("--warmup", type=int, default=1, help="warm-up requests per configuration (default 1)")
     g.add_argument("--no-estimate", action="store_true", help="skip the calibration that estimates the sweep time")
+    g.add_argument("--estimate-only", action="store_true", help="calibrate, print the estimate and stop")
     g.add_argument("--out", default="bench-out", help="output folder (default bench-out)")
     g.add_argument("--note", action="append", default=[], help="a note to print in the report (repeatable)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -179,9 +180,17 @@ def machine() -> dict:
     d = {"cpu": cpu, "cpu_count": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
          "transformers": transformers.__version__, "python": platform.python_version(),
          "platform": platform.platform(), "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    d["load_average"] = _loadavg()
     d["summary"] = (f"{d['cuda'] or cpu}, {d['cpu_count']} CPU cores, torch {d['torch']} ({d['torch_threads']} "
                     f"threads), transformers {d['transformers']}, Python {d['python']}")
     return d
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (OSError, AttributeError):
+        return None
 
 
 def _head_untrained(path: Path) -> bool:
@@ -214,13 +223,14 @@ def make_plan(args, target_holder: "TargetHolder") -> Plan:
     mode = "url" if args.url else "offline" if args.offline else "server"
 
     model_path = None
-    try:
-        from peagle.model.loading import resolve_model
+    if mode != "url" or args.model:  # with --url, a local copy of the model is optional (tokenizer, transformers)
+        try:
+            from peagle.model.loading import resolve_model
 
-        model_path = resolve_model(args.model)
-    except FileNotFoundError as e:
-        if mode != "url":
-            raise BenchError(str(e)) from None
+            model_path = resolve_model(args.model)
+        except FileNotFoundError as e:
+            if mode != "url":
+                raise BenchError(str(e)) from None
     tokenizer = target_holder.tokenizer(model_path) if model_path else None
 
     chat = args.chat
@@ -491,6 +501,8 @@ def _run(args) -> int:
         print(f"peagle bench: note: {note}", file=log, flush=True)
 
     estimate = None
+    if args.estimate_only and (args.no_estimate or plan.mode == "url"):
+        raise BenchError("--estimate-only calibrates in this process: not with --no-estimate or --url")
     if not args.no_estimate and plan.mode != "url":
         t0 = time.perf_counter()
         print("peagle bench: calibrating (a few tokens per configuration) to estimate the sweep time...", file=log,
@@ -504,12 +516,20 @@ def _run(args) -> int:
             estimate += starts * (server_import_s(args.threads) + holder.load_s)
         print(f"peagle bench: calibration took {cal_s:.0f} s. Estimated sweep time: about {_fmt_s(estimate)} "
               f"(every request running to --max-tokens; less when requests stop early)", file=log, flush=True)
+        if args.estimate_only:
+            per_run = {f"{cfg.label} c={c}": round(estimate_run(cal, plan, cfg, c, n, args.max_tokens), 1)
+                       for cfg, c in runs_planned}
+            print(json.dumps({"estimate_s": round(estimate, 1), "calibration_s": round(cal_s, 1),
+                              "runs_s": per_run}, indent=1))
+            return 0
 
+    t_sweep = time.perf_counter()
     bar = _progress_bar(total_requests, args.no_progress)
     meta = {"command": canonical_command(args), "dataset": args.dataset, "num_prompts": n,
             "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "temperature": args.temperature,
             "seed": args.seed, "chat": plan.chat, "mode": plan.mode, "concurrency": plan.concurrencies,
-            "model": str(args.model or f"embedded SmolLM2-135M-Instruct ({plan.model_path})"),
+            "model": str(args.model or (f"served at {args.url}" if args.url else
+                                        f"embedded SmolLM2-135M-Instruct ({plan.model_path})")),
             "max_model_len": plan.max_model_len, "heads": plan.heads, "notes": plan.notes,
             "started": started.isoformat(timespec="seconds"), "machine": machine(),
             "estimate_s": round(estimate, 1) if estimate else None}
@@ -524,8 +544,11 @@ def _run(args) -> int:
     finally:
         bar.close()
     wall = time.perf_counter() - t_start
+    sweep = time.perf_counter() - t_sweep
+    meta["sweep_s"] = round(sweep, 1)
     if plan.server_startup_s:
         meta["server_startup_s"] = plan.server_startup_s
+    meta["machine"]["load_average_end"] = _loadavg()
     meta["wall_time"] = _fmt_s(wall)
     meta["wall_time_s"] = round(wall, 1)
     from peagle.bench.report import build_report, otps_table, targets_table, write_all
@@ -535,8 +558,8 @@ def _run(args) -> int:
     print(otps_table(report))
     print()
     print(targets_table(report))
-    print(f"\npeagle bench: done in {_fmt_s(wall)}" + (f" (estimated {_fmt_s(estimate)})" if estimate else "") +
-          f"; table {paths['markdown']}, JSON {paths['json']}, plots in {out}", file=log, flush=True)
+    print(f"\npeagle bench: done in {_fmt_s(wall)}; the sweep itself took {_fmt_s(sweep)}" +
+          (f" (estimated {_fmt_s(estimate)})" if estimate else "") + f"; table {paths['markdown']}, JSON {paths['json']}, plots in {out}", file=log, flush=True)
     return 0
 
 

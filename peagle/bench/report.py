@@ -53,7 +53,7 @@ def pooled_acceptance(runs: list[RunMetrics]) -> dict[tuple[str, int], dict]:
     return {key: finish_spec(v) for key, v in out.items()}
 
 
-def evaluate_targets(runs: list[RunMetrics], dataset: str) -> list[dict]:
+def evaluate_targets(runs: list[RunMetrics], dataset: str, heads: dict | None = None) -> list[dict]:
     acc = pooled_acceptance(runs)
     out = []
     for t in TARGETS:
@@ -70,6 +70,11 @@ def evaluate_targets(runs: list[RunMetrics], dataset: str) -> list[dict]:
         else:
             entry["status"] = "met" if r >= t["min_ratio"] else "missed"
             entry["why"] = _why(entry, acc) if entry["status"] == "missed" else ""
+        untrained = [METHOD_NAMES[m] for m in ("peagle", t["against"]) if (heads or {}).get(m, {}).get("untrained")]
+        if untrained and entry["status"] != "not measured":
+            entry["why"] = (entry["why"] + "; " if entry["why"] else "") + \
+                f"{' and '.join(untrained)} head(s) UNTRAINED: this compares the cost of drafting, not what " \
+                "speculation gains"
         if dataset.split(":")[0].lower() != TARGET_DATASET:
             entry["why"] = (entry["why"] + " " if entry["why"] else "") + \
                 f"(measured on {dataset}; the target is defined on HumanEval)"
@@ -112,7 +117,7 @@ def build_report(runs: list[RunMetrics], meta: dict) -> dict:
         "meta": meta,
         "table": rows,
         "acceptance": [{"method": m, "k": k, "label": config_label(m, k), **a} for (m, k), a in acc.items()],
-        "targets": evaluate_targets(runs, meta.get("dataset", "?")),
+        "targets": evaluate_targets(runs, meta.get("dataset", "?"), meta.get("heads")),
         "runs": [r.as_dict() for r in runs],
     }
 
@@ -229,29 +234,54 @@ def latency_table(report: dict) -> str:
 
 
 def markdown(report: dict, plots: dict[str, str] | None = None) -> str:
+    return "# peagle bench\n\n" + results_section(report, plots)
+
+
+def results_section(report: dict, plots: dict[str, str] | None = None, level: int = 2, image_prefix: str = "") -> str:
+    """Everything but the title: run facts, the OTPS table, targets, acceptance, latency and plots."""
     m = report["meta"]
-    lines = ["# peagle bench", ""]
+    h = "#" * level
+    lines = []
     facts = [("dataset", m.get("dataset")), ("prompts", m.get("num_prompts")), ("max tokens", m.get("max_tokens")),
              ("temperature", m.get("temperature")), ("chat template", m.get("chat")), ("mode", m.get("mode")),
-             ("model", m.get("model")), ("started", m.get("started")), ("wall time", m.get("wall_time")),
-             ("machine", m.get("machine", {}).get("summary"))]
+             ("model", m.get("model")), ("started", m.get("started")), ("wall time", _wall(m)),
+             ("machine", m.get("machine", {}).get("summary")), ("load average (1/5/15 min) at start / end",
+                                                                _load(m.get("machine", {})))]
     lines += [f"- {k}: {v}" for k, v in facts if v is not None]
-    for method, h in (m.get("heads") or {}).items():
-        state = "UNTRAINED: random weights, its drafts are almost never accepted" if h.get("untrained") \
+    for method, hd in (m.get("heads") or {}).items():
+        state = "UNTRAINED: random weights, its drafts are almost never accepted" if hd.get("untrained") \
             else "trained"
-        lines.append(f"- {METHOD_NAMES.get(method, method)} head: `{h.get('path')}` ({state})")
+        lines.append(f"- {METHOD_NAMES.get(method, method)} head: `{hd.get('path')}` ({state})")
     for note in m.get("notes") or []:
         lines.append(f"- note: {note}")
     if m.get("command"):
         lines += ["", "```", m["command"], "```"]
-    lines += ["", "## Output tokens/s", "",
+    lines += ["", f"{h} Output tokens/s", "",
               "Output tokens/s = total generated tokens / wall time, N clients each sending its next prompt when its "
               "last one ends. Bold: the best K of a method at that concurrency.", "", otps_table(report), "",
-              "## Targets (issue 7)", "", targets_table(report), "", "## Acceptance", "", acceptance_tables(report),
-              "", "## Latency", "", latency_table(report), ""]
+              f"{h} Targets (issue 7)", "", targets_table(report), "", f"{h} Acceptance", "",
+              acceptance_tables(report), "", f"{h} Latency", "", latency_table(report), ""]
+    plots = plots if plots is not None else report.get("plots")
     if plots:
-        lines += ["## Plots", ""] + [f"![{name}]({path})" for name, path in plots.items()] + [""]
+        lines += [f"{h} Plots", ""] + [f"![{name}]({image_prefix}{path})" for name, path in plots.items()] + [""]
     return "\n".join(lines)
+
+
+def _load(machine: dict) -> str | None:
+    a, b = machine.get("load_average"), machine.get("load_average_end")
+    if not a:
+        return None
+    return " / ".join("/".join(f"{x:.1f}" for x in v) for v in (a, b) if v)
+
+
+def _wall(m: dict) -> str | None:
+    if m.get("wall_time") is None:
+        return None
+    parts = [m["wall_time"]]
+    if m.get("sweep_s") is not None:
+        parts.append(f"sweep {m['sweep_s']:.0f} s" + (f", estimated beforehand {m['estimate_s']:.0f} s"
+                                                      if m.get("estimate_s") else ""))
+    return parts[0] + (f" ({parts[1]})" if len(parts) > 1 else "")
 
 
 # -- plots --------------------------------------------------------------------------------------------------------
