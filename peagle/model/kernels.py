@@ -100,6 +100,140 @@ void peagle_rope_bf16(uint16_t *x, const uint16_t *cos_, const uint16_t *sin_, i
     }
 }
 
+static inline __m512 bf16x16_to_f32(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+/* e^x for x <= 0 (softmax arguments), ~1 ulp: 2^n * p(r), r = x - n ln2 */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+    __m512 r2 = _mm512_mul_ps(r, r);
+    p = _mm512_fmadd_ps(p, r2, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+
+#define SHUF4(a, b, i) _mm512_shuffle_f32x4(a, b, i)
+#define PAIR1(a, b) _mm512_add_ps(SHUF4(a, b, 0x44), SHUF4(a, b, 0xEE))
+#define PAIR2(a, b) _mm512_add_ps(SHUF4(a, b, 0x88), SHUF4(a, b, 0xDD))
+#define PAIR3(a, b) _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE))
+#define PAIR4(a, b) _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD))
+/* The 16 horizontal sums of v0..v15, in order, each by the same fixed tree. */
+static inline __attribute__((always_inline)) __m512 reduce16(
+        __m512 v0, __m512 v1, __m512 v2, __m512 v3, __m512 v4, __m512 v5, __m512 v6, __m512 v7,
+        __m512 v8, __m512 v9, __m512 v10, __m512 v11, __m512 v12, __m512 v13, __m512 v14, __m512 v15) {
+    __m512 w0 = PAIR1(v0, v1), w1 = PAIR1(v2, v3), w2 = PAIR1(v4, v5), w3 = PAIR1(v6, v7);
+    __m512 w4 = PAIR1(v8, v9), w5 = PAIR1(v10, v11), w6 = PAIR1(v12, v13), w7 = PAIR1(v14, v15);
+    __m512 x0 = PAIR2(w0, w1), x1 = PAIR2(w2, w3), x2 = PAIR2(w4, w5), x3 = PAIR2(w6, w7);
+    __m512 y0 = PAIR3(x0, x1), y1 = PAIR3(x2, x3);
+    __m512 z = PAIR4(y0, y1);
+    const __m512i idx = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    return _mm512_permutexvar_ps(idx, z);
+}
+
+/* Scores of one query (bf16, D = 32 * nd2) against keys j0..j0+15 of K (rows of D), via bf16 dot products:
+   always the same instruction sequence per (query, key), so a score never depends on its neighbours. */
+static inline __m512 scores16(const uint16_t *qv, const uint16_t *K, int j0, int nvalid, int D) {
+    __m512 a[16];
+    for (int jj = 0; jj < 16; jj++) {
+        a[jj] = _mm512_setzero_ps();
+        if (jj < nvalid)
+            for (int c = 0; c < D; c += 32)
+                a[jj] = _mm512_dpbf16_ps(a[jj], (__m512bh)_mm512_loadu_si512(K + (size_t)(j0 + jj) * D + c),
+                                         (__m512bh)_mm512_loadu_si512(qv + c));
+    }
+    return reduce16(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15]);
+}
+
+#define MAXG 8  /* query heads per kv head handled together */
+
+/* Causal attention over a per-row KV cache, each query row on its own (the result never depends on which other
+   rows share the call): out[b, t, h] = softmax_j<=pos(q[b, t, h] . K[slot_b, g, j] * scale) V[slot_b, g, j],
+   g = h / (nh / nkv). q rows: q + (b*T + t) * q_stride, heads contiguous (D each). Cache: [slots, nkv, max_len, D].
+   out: [B, T, nh, D] contiguous. D must be a multiple of 32 (<= 256). */
+void peagle_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *kc, const uint16_t *vc,
+                           const int64_t *slots, const int64_t *positions, uint16_t *out, int B, int T, int nh,
+                           int nkv, int D, int max_len, float scale, int nthreads) {
+    int G = nh / nkv;
+    int nd = D / 16;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        float *scores = aligned_alloc(64, (size_t)MAXG * ((max_len + 15) / 16 * 16) * 4);
+        #pragma omp for schedule(dynamic, 1) collapse(2)
+        for (int bt = 0; bt < B * T; bt++)
+            for (int g = 0; g < nkv; g++) {
+                int b = bt / T;
+                long pos = positions[bt];
+                int n = (int)pos + 1;
+                const uint16_t *K = kc + ((size_t)slots[b] * nkv + g) * (size_t)max_len * D;
+                const uint16_t *V = vc + ((size_t)slots[b] * nkv + g) * (size_t)max_len * D;
+                int gh = G < MAXG ? G : MAXG;
+                for (int h0 = 0; h0 < G; h0 += gh) {
+                    int hn = G - h0 < gh ? G - h0 : gh;
+                    for (int i = 0; i < hn; i++) {
+                        const uint16_t *qv = q + (size_t)bt * q_stride + (size_t)(g * G + h0 + i) * D;
+                        float *s = scores + (size_t)i * max_len;
+                        __m512 sc = _mm512_set1_ps(scale);
+                        for (int j0 = 0; j0 < n; j0 += 16) {
+                            int nv = n - j0 < 16 ? n - j0 : 16;
+                            __m512 v = _mm512_mul_ps(scores16(qv, K, j0, nv, D), sc);
+                            _mm512_mask_storeu_ps(s + j0, (__mmask16)((1u << nv) - 1u), v);
+                        }
+                    }
+                    float inv[MAXG];
+                    for (int i = 0; i < hn; i++) {
+                        float *s = scores + (size_t)i * max_len;
+                        float m = -INFINITY;
+                        for (int j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
+                        __m512 mv = _mm512_set1_ps(m), sum = _mm512_setzero_ps();
+                        int j = 0;
+                        for (; j + 16 <= n; j += 16) {
+                            __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
+                            _mm512_storeu_ps(s + j, e);
+                            sum = _mm512_add_ps(sum, e);
+                        }
+                        if (j < n) {
+                            __mmask16 mk = (__mmask16)((1u << (n - j)) - 1u);
+                            __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s + j), mv));
+                            e = _mm512_maskz_mov_ps(mk, e);
+                            _mm512_mask_storeu_ps(s + j, mk, e);
+                            sum = _mm512_add_ps(sum, e);
+                        }
+                        inv[i] = 1.0f / _mm512_reduce_add_ps(sum);
+                    }
+                    __m512 acc[MAXG][16];
+                    for (int i = 0; i < hn; i++) for (int c = 0; c < nd; c++) acc[i][c] = _mm512_setzero_ps();
+                    for (int j = 0; j < n; j++) {
+                        __m512 vv[16];
+                        for (int c = 0; c < nd; c++) vv[c] = bf16x16_to_f32(V + (size_t)j * D + c * 16);
+                        for (int i = 0; i < hn; i++) {
+                            __m512 p = _mm512_set1_ps(scores[(size_t)i * max_len + j]);
+                            for (int c = 0; c < nd; c++) acc[i][c] = _mm512_fmadd_ps(p, vv[c], acc[i][c]);
+                        }
+                    }
+                    for (int i = 0; i < hn; i++) {
+                        uint16_t *o = out + ((size_t)bt * nh + g * G + h0 + i) * D;
+                        __m512 iv = _mm512_set1_ps(inv[i]);
+                        for (int c = 0; c < nd; c++) {
+                            float tmp[16];
+                            _mm512_storeu_ps(tmp, _mm512_mul_ps(acc[i][c], iv));
+                            for (int e = 0; e < 16; e++) o[c * 16 + e] = f2bf(tmp[e]);
+                        }
+                    }
+                }
+            }
+        free(scores);
+    }
+}
+
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -205,7 +339,8 @@ void peagle_amx_gemm(const uint16_t *x, int ldx, const uint16_t *wp, uint16_t *y
 }
 """
 
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mamx-tile", "-mamx-bf16", "-fPIC", "-shared"]
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fPIC",
+          "-shared"]
 _LIBS = ["-lm"]
 
 _lock = threading.Lock()
@@ -263,7 +398,8 @@ def library():
             return _lib
         try:
             flags = _cpu_flags()
-            if os.environ.get("PEAGLE_CPU_KERNELS", "1") != "0" and {"avx512f", "avx512bw", "avx512vl"} <= flags:
+            if os.environ.get("PEAGLE_CPU_KERNELS", "1") != "0" and {"avx512f", "avx512bw", "avx512vl",
+                                                                      "avx512_bf16"} <= flags:
                 path = _build()
                 if path is not None:
                     lib = ctypes.CDLL(str(path))
@@ -274,7 +410,9 @@ def library():
                             ("peagle_amx_init", [], ctypes.c_int),
                             ("peagle_amx_packed_size", [i, i], ctypes.c_size_t),
                             ("peagle_amx_pack", [p, i, i, p], None),
-                            ("peagle_amx_gemm", [p, i, p, p, i, i, i, i, i], None)):
+                            ("peagle_amx_gemm", [p, i, p, p, i, i, i, i, i], None),
+                            ("peagle_attention_bf16", [p, ctypes.c_long, p, p, p, p, p, i, i, i, i, i, i, f, i],
+                             None)):
                         fn = getattr(lib, name)
                         fn.argtypes, fn.restype = args, res
                     _amx = {"amx_tile", "amx_bf16"} <= flags and bool(lib.peagle_amx_init())
@@ -363,3 +501,25 @@ def rope_bf16_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int
         return False
     _lib.peagle_rope_bf16(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), B * T, heads_total, heads, D)
     return True
+
+
+def attention_bf16(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor,
+                   positions: torch.Tensor) -> torch.Tensor | None:
+    """Causal attention of q [B, T, nh, D] (heads contiguous, rows evenly strided) over the per-row cache
+    [slots, nkv, max_len, D]: row (b, t) attends to keys 0..positions[b, t] of slot slots[b]. Each row is computed
+    alone, so the result never depends on T or B (batch invariance). None when the kernel does not apply."""
+    if not _usable(q, cache_k, cache_v) or not (cache_k.is_contiguous() and cache_v.is_contiguous()):
+        return None
+    B, T, nh, D = q.shape
+    S, nkv, max_len, Dc = cache_k.shape
+    if Dc != D or D % 32 or D > 256 or nh % nkv:
+        return None
+    if q.stride(3) != 1 or q.stride(2) != D or q.stride(0) != T * q.stride(1):
+        q = q.contiguous()
+    slots = slots.to(torch.int64).contiguous()
+    positions = positions.to(torch.int64).contiguous()
+    out = torch.empty(B, T, nh, D, dtype=torch.bfloat16)
+    _lib.peagle_attention_bf16(q.data_ptr(), q.stride(1), cache_k.data_ptr(), cache_v.data_ptr(), slots.data_ptr(),
+                               positions.data_ptr(), out.data_ptr(), B, T, nh, nkv, D, max_len, D ** -0.5,
+                               torch.get_num_threads())
+    return out

@@ -212,11 +212,9 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q.transpose(1, 2), *rope), apply_rope(k.transpose(1, 2), *rope)
             v = v.transpose(1, 2)  # all [B, heads, T, D] from here
-        if cache_k is None:
-            keys, values = k, v
-        else:
+        out = None
+        if cache_k is not None:
             # Write this step's keys/values into each row's slot at its positions, then attend over the slot.
-            L = layout.kv_len
             ranges = layout.row_ranges
             if ranges is not None and layout.contiguous and all(r[1] == ranges[0][1] for r in ranges):
                 start = ranges[0][1]
@@ -230,16 +228,26 @@ class Attention(nn.Module):
                 slot_idx = layout.slots[:, None].expand(B, T)
                 cache_k[slot_idx, :, layout.positions] = k.transpose(1, 2).to(cache_k.dtype)
                 cache_v[slot_idx, :, layout.positions] = v.transpose(1, 2).to(cache_v.dtype)
-            if layout.contiguous:
-                keys, values = cache_k[:B, :, :L], cache_v[:B, :, :L]
+            # peagle's kernel computes every row on its own, so a verify window computes each token exactly as a
+            # one-row decode step does (speculation stays token-for-token lossless); PyTorch's flash attention
+            # rounds differently for one query row than for several.
+            out = kernels.attention_bf16(q.transpose(1, 2), cache_k, cache_v, layout.slots, layout.positions)
+        if out is None:
+            if cache_k is None:
+                keys, values = k, v
+            elif layout.contiguous:
+                keys, values = cache_k[:B, :, :layout.kv_len], cache_v[:B, :, :layout.kv_len]
             else:
-                keys, values = cache_k[layout.slots, :, :L], cache_v[layout.slots, :, :L]
-        if cache_k is None or T == 1:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=layout.mask, enable_gqa=nkv != nh)
-            out = out.transpose(1, 2)  # [B, T, nh, D]
-        else:
-            out = _attend_rows(q, keys, values, layout.mask, nkv != nh)
+                keys, values = cache_k[layout.slots, :, :layout.kv_len], cache_v[layout.slots, :, :layout.kv_len]
+            if cache_k is None or T == 1 or T > ROW_ATTENTION_MAX_ROWS:
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=layout.mask, enable_gqa=nkv != nh)
+                out = out.transpose(1, 2)  # [B, T, nh, D]
+            else:
+                out = _attend_rows(q, keys, values, layout.mask, nkv != nh)
         return linear(out.reshape(B, T, -1), self.o_proj.weight, self.o_proj.bias, self.o_packed)
+
+
+ROW_ATTENTION_MAX_ROWS = 32  # without peagle's kernel: verify windows row by row, prefill-sized forwards batched
 
 
 def _attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
