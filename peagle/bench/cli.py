@@ -537,12 +537,23 @@ def _run(args) -> int:
     try:
         for cfg in plan.configs:
             cs = plan.concurrencies_for(cfg)
-            for r in _run_config(args, plan, cfg, cs, holder, hf_holder, bar, out):
-                results.append(r)
-                bar.set_postfix_str(f"{r.label} c={r.concurrency}: {r.otps:.1f} tok/s")
-                _save_partial(results, meta, out)
+            try:
+                for r in _run_config(args, plan, cfg, cs, holder, hf_holder, bar, out):
+                    results.append(r)
+                    bar.set_postfix_str(f"{r.label} c={r.concurrency}: {r.otps:.1f} tok/s")
+                    _save_partial(results, meta, out)
+            except BenchError as e:
+                if plan.mode == "url":
+                    raise
+                # One broken configuration must not cost the rest of a long sweep: note it and go on.
+                plan.notes.append(f"{cfg.label} was not measured: {str(e).splitlines()[0]}")
+                print(f"\npeagle bench: {cfg.label} failed, skipping it: {e}", file=log, flush=True)
+                bar.update(len(plan.prompts) * len(cs) - sum(1 for r in results if r.label == cfg.label) *
+                           len(plan.prompts))
     finally:
         bar.close()
+    if not results:
+        raise BenchError("no configuration could be measured (see above)")
     wall = time.perf_counter() - t_start
     sweep = time.perf_counter() - t_sweep
     meta["sweep_s"] = round(sweep, 1)

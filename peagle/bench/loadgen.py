@@ -442,7 +442,9 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 self._log.flush()
                 tail = self.log_path.read_text(errors="replace")[-3000:]
-                raise ServerError(f"peagle serve exited with code {self.proc.returncode} before it was ready:\n{tail}")
+                errors = [ln.strip() for ln in tail.splitlines() if "error" in ln.lower()]
+                raise ServerError(f"peagle serve exited with code {self.proc.returncode} before it was ready"
+                                  f"{': ' + errors[-1] if errors else ''}\n{tail}")
             try:
                 if http_get(self.url, "/health", timeout=2.0).status_code == 200:
                     break
