@@ -49,9 +49,9 @@ def test_every_family_produces_features_and_trains(tmp_path, family):
     target = make_tiny_model(tmp_path / family, family, num_hidden_layers=8, vocab_size=128, **FAMILIES[family])
     save_rows(_random_rows(6, 40, 128), tmp_path / "data", {})
     tr = Trainer(_cfg(tmp_path, target, tmp_path / "data", max_steps=3))
-    feats, logp, argmax = tr.teacher(torch.arange(3, 30))
+    feats, labels, argmax = tr.teacher(torch.arange(3, 30))
     H = tr.teacher.hf_config.hidden_size
-    assert feats.shape == (27, 3 * H) and logp.shape == (27, tr.drafter.config.draft_vocab_size)
+    assert feats.shape == (27, 3 * H) and labels.shape == (27, tr.drafter.config.draft_vocab_size)
     assert tr.teacher.feature_layer_ids == (2, 4, 5)
     before = {k: v.clone() for k, v in tr.head.state_dict().items()}
     losses = [tr.train_step()["loss"] for _ in range(3)]

@@ -106,7 +106,7 @@ def test_ttt_steps_match_draft_chain():
         # the chain feeds its own drafts; training feeds ground truth, so make the ground truth those drafts
         ids = seq.input_ids.clone()
         ids[p + 2:p + 1 + K] = drafts[:K - 1]
-        s2 = type(seq)(ids, seq.features, seq.logp, seq.argmax)
+        s2 = type(seq)(ids, seq.features, seq.labels, seq.argmax)
         el = sample_cod(torch.ones(n, dtype=torch.bool), K, keep_all=True)
         # reference hidden states of the chain, computed the way draft_chain does
         cache = d.new_cache(1, 128)
@@ -138,7 +138,7 @@ def test_fused_head_loss_equals_autograd(kl):
     h.grad = None
     d.zero_grad()
     logq = d.logits(h).log_softmax(-1)
-    lab = seq.logp[rows]
+    lab = seq.labels[rows].log_softmax(-1)
     ref = (lab.exp() * (lab - logq)).sum() if kl else -logq.gather(-1, lab.argmax(-1, keepdim=True)).sum()
     ref.backward()
     torch.testing.assert_close(loss, ref)

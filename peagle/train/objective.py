@@ -36,7 +36,8 @@ class TeacherSeq:
 
     input_ids: torch.Tensor  # [n] long
     features: torch.Tensor  # [n, 3Ht]
-    logp: torch.Tensor  # [n, Vd] fp32: label distribution for the token after position t
+    labels: torch.Tensor  # [n, Vd]: target logits at position t over the draft vocab (any dtype; the loss
+    #                       renormalises them in fp32): the label of the element predicting token t+1
     argmax: torch.Tensor  # [n] long: the target's full-vocab argmax at position t
 
 
@@ -99,7 +100,7 @@ class _FusedHeadLoss(torch.autograd.Function):
     d loss / d logits = softmax(logits) - p (p: the label distribution, or one-hot for CE)."""
 
     @staticmethod
-    def forward(ctx, x, weight, logp_all, rows, kl: bool, chunk: int, cdt: torch.dtype):
+    def forward(ctx, x, weight, labels, rows, kl: bool, chunk: int, cdt: torch.dtype):
         need = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         with torch.autocast(x.device.type, enabled=False):
             W = weight.to(cdt)
@@ -111,7 +112,7 @@ class _FusedHeadLoss(torch.autograd.Function):
                 xc = x[a:a + chunk].to(cdt)
                 logits = (xc @ W.t()).float()
                 logq = logits.log_softmax(-1)
-                lab = logp_all[rows[a:a + chunk]]
+                lab = labels[rows[a:a + chunk]].float().log_softmax(-1)
                 if kl:
                     p = lab.exp()
                     total += (p * (lab - logq)).sum()
@@ -144,11 +145,12 @@ class _FusedHeadLoss(torch.autograd.Function):
 def head_loss(drafter: Drafter, h: torch.Tensor, seq: TeacherSeq, label_rows: torch.Tensor, kl: bool = True,
               chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed loss of rows `h` [M, H] (pre-norm) against the teacher rows `label_rows`, and the drafts as target
-    ids. Equal to summing `(p * (log p - log_softmax(drafter.logits(h)))).sum(-1)`, at the cost of one pass."""
+    ids. Equal to summing `(p * (log p - log_softmax(drafter.logits(h)))).sum(-1)` with
+    log p = log_softmax(seq.labels[label_rows]), at the cost of one pass."""
     x = drafter.norm(h)
     dev = x.device.type
     cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else drafter.lm_head.weight.dtype
-    loss, pred = _FusedHeadLoss.apply(x, drafter.lm_head.weight, seq.logp, label_rows, kl, chunk, cdt)
+    loss, pred = _FusedHeadLoss.apply(x, drafter.lm_head.weight, seq.labels, label_rows, kl, chunk, cdt)
     return loss, drafter.to_target_ids(pred)
 
 
@@ -295,7 +297,7 @@ def ttt_forward(drafter: Drafter, seq: TeacherSeq, el: Elements, chunk: int = 20
 def ttt_loss(drafter: Drafter, seq: TeacherSeq, el: Elements, num_steps: int, decay: float = 0.8, kl: bool = True,
              chunk: int = 1024, attn_chunk: int = 2048) -> tuple[torch.Tensor, Stats]:
     """Sum over steps of decay^k * (summed loss of step k's supervised rows)."""
-    total = torch.zeros((), dtype=torch.float32, device=seq.logp.device)
+    total = torch.zeros((), dtype=torch.float32, device=seq.labels.device)
     raw = torch.zeros((), dtype=torch.float32)
     correct = torch.zeros(num_steps, dtype=torch.long)
     count = torch.zeros(num_steps, dtype=torch.long)

@@ -1,9 +1,9 @@
 """The frozen target as a teacher: any transformers causal LM, run with `output_hidden_states`.
 
 For a sequence it returns the drafter's input features (Hugging Face `hidden_states[i]` for the vLLM ids
-(2, L//2, L-3), concatenated) and the label distribution: the target's next-token distribution at every position
-restricted to the draft vocab and renormalised (as log-probabilities), plus the target's argmax over its full vocab
-(for accuracy and acceptance).
+(2, L//2, L-3), concatenated), the labels (the target's logits at every position restricted to the draft vocab; the
+loss renormalises them, so the label is the target's distribution restricted and renormalised) and the target's
+argmax over its full vocab (for accuracy and acceptance).
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ class Teacher:
     """A frozen Hugging Face causal LM producing features and labels for the drafter."""
 
     def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, device="cpu",
-                 feature_layer_ids: tuple[int, ...] | None = None, logits_chunk: int = 4096,
+                 feature_layer_ids: tuple[int, ...] | None = None, logits_chunk: int = 2048,
                  device_map: str | dict | None = None):
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -83,6 +83,7 @@ class Teacher:
         self.vocab_size = int(self.hf_config.vocab_size)
         self.logits_chunk = logits_chunk
         self.used: torch.Tensor | None = None  # draft vocab (target ids, ascending)
+        self._plain_head: bool | None = None
 
     # -- weights the head starts from ------------------------------------------------------------------------
     def input_embeddings(self) -> torch.Tensor:
@@ -105,27 +106,56 @@ class Teacher:
         return w
 
     # -- per sequence ----------------------------------------------------------------------------------------
+    def _head_is_plain(self) -> bool:
+        """Whether logits == output_embeddings(last hidden state) for this model (no soft-capping or scaling), so
+        the target can skip materialising full-vocab logits for every position. Checked once, numerically."""
+        if self._plain_head is None:
+            head = self.model.get_output_embeddings()
+            ok = False
+            # logit soft-capping or scaling (Gemma 2/3, Cohere, Granite...) happens outside the head module
+            scaled = any(getattr(self.hf_config, a, None) not in (None, 1, 1.0) for a in (
+                "final_logit_softcapping", "logit_scale", "logits_scaling", "output_logits_scale"))
+            if head is not None and not scaled:
+                ids = torch.arange(3, 11, device=self.device)[None] % self.vocab_size
+                try:
+                    with torch.no_grad():
+                        full = self.model(input_ids=ids, output_hidden_states=True, use_cache=False)
+                        last = self.model(input_ids=ids, output_hidden_states=True, use_cache=False,
+                                          logits_to_keep=1)
+                        mine = head(full.hidden_states[-1][0]).float()
+                    ok = (last.logits.shape[1] == 1
+                          and torch.allclose(mine, full.logits[0].float(), rtol=1e-2, atol=1e-2)
+                          and torch.allclose(mine[-1], last.logits[0, -1].float(), rtol=1e-2, atol=1e-2))
+                except (TypeError, ValueError, RuntimeError):
+                    ok = False
+            self._plain_head = ok
+        return self._plain_head
+
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """input_ids [n] -> (features [n, 3H] in the target's dtype, label log-probs [n, Vd] fp32 over the draft
-        vocab, full-vocab argmax [n])."""
+        """input_ids [n] -> (features [n, 3H], label logits [n, Vd] over the draft vocab, full-vocab argmax [n]),
+        features and labels in the target's dtype. Full-vocab logits are made `logits_chunk` positions at a time
+        when the model's head allows it, so an n x V tensor never exists."""
         if self.used is None:
             raise RuntimeError("set Teacher.used (the draft vocab) before computing labels")
         ids = input_ids.to(self.device)[None]
-        out = self.model(input_ids=ids, output_hidden_states=True, use_cache=False)
+        plain = self._head_is_plain()
+        kw = {"logits_to_keep": 1} if plain else {}
+        out = self.model(input_ids=ids, output_hidden_states=True, use_cache=False, **kw)
         hs = out.hidden_states
         features = torch.cat([hs[i][0] for i in self.feature_layer_ids], dim=-1)
-        logits = out.logits[0]
-        used = self.used.to(logits.device)
-        n = logits.shape[0]
-        logp = torch.empty(n, used.numel(), dtype=torch.float32, device=logits.device)
-        argmax = torch.empty(n, dtype=torch.long, device=logits.device)
+        head = self.model.get_output_embeddings()
+        last = hs[-1][0]
+        n = ids.shape[1]
+        used = self.used.to(last.device)
+        labels = torch.empty(n, used.numel(), dtype=last.dtype, device=last.device)
+        argmax = torch.empty(n, dtype=torch.long, device=last.device)
         for a in range(0, n, self.logits_chunk):
-            chunk = logits[a:a + self.logits_chunk]
+            chunk = head(last[a:a + self.logits_chunk]) if plain else out.logits[0, a:a + self.logits_chunk]
             argmax[a:a + self.logits_chunk] = chunk.argmax(-1)
-            logp[a:a + self.logits_chunk] = chunk.index_select(-1, used).float().log_softmax(-1)
-        del out, hs, logits
-        return features, logp, argmax
+            labels[a:a + self.logits_chunk] = chunk.index_select(-1, used).to(labels.dtype)
+        del out, hs
+        return features, labels, argmax
 
     def mean_feature(self, input_ids: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():

@@ -318,9 +318,9 @@ class Trainer:
         return int(el.supervised[el.depth == 0].sum())  # TTT: every step is divided by the step-0 count
 
     def _teacher_seq(self, ids: torch.Tensor) -> TeacherSeq:
-        feats, logp, argmax = self.teacher(ids)
+        feats, labels, argmax = self.teacher(ids)
         d = self.device
-        return TeacherSeq(ids.to(d), feats.to(d), logp.to(d), argmax.to(d))
+        return TeacherSeq(ids.to(d), feats.to(d), labels.to(d), argmax.to(d))
 
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         if self.world > 1:
