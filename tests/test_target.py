@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 
+from peagle.model import kernels
 from peagle.model.layers import BatchLayout
 from peagle.model.target import TargetModel, default_feature_layer_ids
 from tests.conftest import make_tiny_model
@@ -208,3 +209,59 @@ def test_smollm2_chat_prompt_matches_transformers(smollm2_dir):
     expected = torch.cat([hidden[i] for i in ours.feature_layer_ids], dim=-1).float()
     rel = (out.features.float() - expected).norm() / expected.norm()
     assert rel < 0.02
+
+
+@pytest.fixture(scope="module")
+def wide_head_dir(tmp_path_factory):
+    """Tiny llama with head_dim 64 (the width peagle's CPU attention kernel handles, like SmolLM2)."""
+    return make_tiny_model(tmp_path_factory.mktemp("wide"), "llama", seed=7, hidden_size=128, intermediate_size=256,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=8)
+
+
+def test_bfloat16_decoding_matches_transformers(wide_head_dir):
+    """One-row decode steps over the cache (the path speculative decoding's plain baseline takes) in bf16."""
+    ref = hf_model(wide_head_dir, torch.bfloat16)
+    ours = TargetModel.from_pretrained(wide_head_dir, dtype=torch.bfloat16)
+    tokens = random_tokens(ours.config.vocab_size, 1, 26, seed=8)
+    ref_logits, _ = hf_forward(ref, tokens)
+    cache, slot = ours.new_cache(1, 32), torch.tensor([0])
+    pieces = [ours(tokens[:, :20], BatchLayout.build(slot, torch.arange(20)[None]), cache, num_logits=None).logits]
+    for t in range(20, 26):
+        pieces.append(ours(tokens[:, t:t + 1], BatchLayout.build(slot, torch.tensor([[t]])), cache).logits)
+    logits = torch.cat(pieces, dim=1)
+    scale = ref_logits.abs().max()
+    assert (logits - ref_logits).abs().max() <= 0.05 * scale
+    assert_argmax_equal(logits, ref_logits, margin=0.01 * scale)
+
+
+@pytest.mark.skipif(not kernels.amx_available(), reason="batch invariance comes from peagle's AMX/AVX-512 kernels")
+def test_rows_do_not_depend_on_their_batch(wide_head_dir):
+    """Batch invariance, bit for bit: a token decoded alone, verified inside a window of K+1 rows, or batched with
+    another request gets the same logits and features. This is what keeps speculative decoding token-for-token
+    equal to plain decoding (DESIGN section 3). PyTorch's own CPU kernels (F.linear, flash attention) round
+    differently for different row counts, so this holds for bf16 on CPUs where peagle's kernels run."""
+    ours = TargetModel.from_pretrained(wide_head_dir, dtype=torch.bfloat16)
+    V = ours.config.vocab_size
+    prompt, new, other = random_tokens(V, 1, 30, seed=9), random_tokens(V, 1, 8, seed=10), random_tokens(V, 1, 45, seed=11)
+
+    def prefilled(slots=1):
+        cache = ours.new_cache(slots, 64)
+        ours(prompt, BatchLayout.build(torch.tensor([0]), torch.arange(30)[None]), cache)
+        return cache
+
+    cache = prefilled()  # one row at a time
+    alone = [ours(new[:, t:t + 1], BatchLayout.build(torch.tensor([0]), torch.tensor([[30 + t]])), cache)
+             for t in range(8)]
+    alone_logits = torch.cat([o.logits for o in alone], 1)
+    alone_feats = torch.cat([o.features for o in alone], 1)
+
+    cache = prefilled()  # one verify window of 8 rows
+    window = ours(new, BatchLayout.build(torch.tensor([0]), (30 + torch.arange(8))[None]), cache, num_logits=None)
+    assert torch.equal(window.logits, alone_logits) and torch.equal(window.features, alone_feats)
+
+    cache = prefilled(slots=3)  # batched with a longer request in another slot, padded
+    ours(other, BatchLayout.build(torch.tensor([2]), torch.arange(45)[None]), cache)
+    tokens = torch.cat([new, random_tokens(V, 1, 8, seed=12)])
+    positions = torch.stack([30 + torch.arange(8), 45 + torch.arange(8)])
+    batched = ours(tokens, BatchLayout.build(torch.tensor([0, 2]), positions), cache, num_logits=None)
+    assert torch.equal(batched.logits[:1], alone_logits) and torch.equal(batched.features[:1], alone_feats)
