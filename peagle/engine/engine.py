@@ -95,7 +95,7 @@ class LLMEngine:
             spec = SpeculativeConfig.parse(spec)
         drafter = None
         if spec is not None:
-            head_path = resolve_head(spec.model, model)
+            head_path = resolve_head(spec.model, model, method=spec.method_name)
             spec = spec.model_copy(update={"model": str(head_path)})
             drafter = load_head(head_path, target_embeddings=target.embed_tokens.weight, dtype=dtype, device=device)
         return cls(target, tokenizer, drafter, spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len,

@@ -185,6 +185,7 @@ def random_head(target: TargetConfig, target_embeddings: torch.Tensor, method: s
         raise ValueError("a P-EAGLE head needs a mask_token_id: an id the tokenizer never produces")
     config = DrafterConfig.for_target(target, num_layers=num_layers,
                                       mask_token_id=mask_token_id if method == "peagle" else None)
+    config.extra["peagle_untrained"] = True  # so benchmarks and reports can say the head was never trained
     g = torch.Generator().manual_seed(seed)
     drafter = Drafter(config)
     with torch.no_grad():
