@@ -104,12 +104,23 @@ def _loss_and_grads(head: TrainHead, seq, el, segments: int, n: int):
 
 
 def test_partitioned_loss_and_grads_equal_unpartitioned():
+    from peagle.train.objective import cod_forward, head_loss
+
     n = 90
     drafter = tiny_drafter(num_layers=2, frozen_embedding=True)
-    head = TrainHead(drafter, "peagle", num_depths=6, loss_chunk=37)
+    head = TrainHead(drafter, "peagle", num_depths=6, loss_chunk=37, attn_chunk=16)
     seq = random_seq(n, drafter)
     el = sample_cod(_loss_mask(n, 7), 6, generator=torch.Generator().manual_seed(4))
+    # the definition: one dense Drafter.forward over every element under the COD mask
+    hidden = cod_forward(drafter, seq, el)
+    rows = (el.anchor + el.depth + 1)[el.supervised]
+    ref, _ = head_loss(drafter, hidden[el.supervised], seq, rows)
+    ((ref + head._touch()) / el.num_supervised).backward()
+    g_ref = {k: p.grad.clone() for k, p in head.named_parameters() if p.grad is not None}
     loss1, g1 = _loss_and_grads(head, seq, el, 1, n)
+    assert abs(loss1 - float(ref.detach()) / el.num_supervised) < 1e-5 * max(1.0, abs(loss1))
+    for k in g_ref:
+        torch.testing.assert_close(g1[k], g_ref[k], rtol=1e-4, atol=1e-6, msg=k)
     for S in (2, 5):
         lossS, gS = _loss_and_grads(head, seq, el, S, n)
         assert abs(loss1 - lossS) < 1e-5 * max(1.0, abs(loss1))

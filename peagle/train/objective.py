@@ -1,7 +1,9 @@
 """The training forward and loss of both methods, on the serving Drafter module itself.
 
-P-EAGLE: one `Drafter.forward` over a segment's COD elements with the COD mask (BatchLayout.dense), so training
-computes exactly what `Drafter.draft_parallel` computes at serve time.
+P-EAGLE: the COD elements of a segment under the COD mask. `cod_forward` is the definition: one `Drafter.forward`
+over all elements with the explicit mask (BatchLayout.dense), which is what `Drafter.draft_parallel` computes at
+serve time (tested). `cod_hidden` computes the same outputs cheaply (depth 0 as a causal pass, deeper elements in
+anchor chunks over the depth-0 keys) and is what training runs (tested equal to `cod_forward`).
 
 EAGLE-3: the training-time-test unroll. Step 0 runs every real row; step k (k = 1..K-1) runs, for each chain anchor
 p, one row at position p+k whose feature is step k-1's pre-norm output at p and whose token is the ground-truth token
@@ -179,11 +181,65 @@ def cod_forward(drafter: Drafter, seq: TeacherSeq, el: Elements) -> torch.Tensor
     return drafter(tokens[None], feats[None], layout, None)[0]
 
 
+def cod_hidden(drafter: Drafter, seq: TeacherSeq, el: Elements, chunk: int = 2048) -> torch.Tensor:
+    """`cod_forward`'s output, computed the cheap way (used for training and evaluation).
+
+    Depth-0 elements only ever see depth-0 elements of lower anchors, so they run first as a plain causal pass
+    (flash attention skips the masked half); deeper elements then run in chunks of about `chunk` rows grouped by
+    anchor, as queries over the depth-0 keys/values up to the chunk's last anchor plus their own chunk under the COD
+    mask. Every query sees exactly the keys the COD mask allows, so outputs (and gradients) equal `cod_forward`'s
+    while attention costs about n^2/2 + E*n/2 instead of E^2, and no E x E mask is built."""
+    dev = seq.input_ids.device
+    el = el.to(dev)
+    ids = seq.input_ids
+    E = len(el)
+    d0 = el.depth == 0
+    idx0 = torch.nonzero(d0).flatten()
+    idx0 = idx0[torch.argsort(el.anchor[idx0], stable=True)]
+    a0, doc0 = el.anchor[idx0], el.doc[idx0]
+    one_doc = bool((el.doc == el.doc[0]).all()) if E else True
+    h_in = drafter.fc(seq.features[a0].to(drafter.fc.weight.dtype))
+    mask0 = None if one_doc else cod_mask(el.select(idx0))
+    h0, kv0 = forward_rows(drafter, ids[(a0 + 1).clamp(max=ids.numel() - 1)], h_in, a0, mask0)
+    idxd = torch.nonzero(~d0).flatten()
+    if idxd.numel() == 0:
+        out = h0
+        order = idx0
+    else:
+        if drafter.config.mask_token_id is None:
+            raise ValueError("deeper COD elements need a P-EAGLE head (mask token + mask_hidden)")
+        D = int(el.depth.max()) + 1
+        idxd = idxd[torch.argsort(el.anchor[idxd] * D + el.depth[idxd], stable=True)]
+        anchors_d = el.anchor[idxd]
+        mask_in = drafter.fc(drafter.mask_hidden.reshape(1, -1).to(drafter.fc.weight.dtype))
+        outs, start, M = [], 0, idxd.numel()
+        while start < M:
+            end = min(start + chunk, M)
+            if end < M:  # keep each anchor's chain in one chunk
+                end = int(torch.searchsorted(anchors_d, anchors_d[end - 1], right=True))
+            rows = idxd[start:end]
+            sub = el.select(rows)
+            hi = int(sub.anchor.max())
+            j = int(torch.searchsorted(a0, hi, right=True))
+            ext_mask = (a0[:j][None, :] <= sub.anchor[:, None]) & (doc0[:j][None, :] == sub.doc[:, None])
+            ext = [(k[:, :, :j], v[:, :, :j]) for k, v in kv0]
+            tok = torch.full_like(sub.anchor, drafter.config.mask_token_id)
+            h, _ = forward_rows(drafter, tok, mask_in.expand(rows.numel(), -1), sub.position, cod_mask(sub), ext,
+                                ext_mask)
+            outs.append(h)
+            start = end
+        out = torch.cat([h0] + outs)
+        order = torch.cat([idx0, idxd])
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=dev)
+    return out[inverse]
+
+
 def cod_segment_loss(drafter: Drafter, seq: TeacherSeq, el: Elements, seg: Segment, num_depths: int,
-                     kl: bool = True, chunk: int = 1024) -> tuple[torch.Tensor, Stats]:
+                     kl: bool = True, chunk: int = 1024, attn_chunk: int = 2048) -> tuple[torch.Tensor, Stats]:
     dev = seq.input_ids.device
     sub = el.select(seg.rows).to(dev)
-    hidden = cod_forward(drafter, seq, sub)
+    hidden = cod_hidden(drafter, seq, sub, attn_chunk)
     sel = seg.own.to(dev) & sub.supervised
     rows = (sub.anchor + sub.depth + 1)[sel]
     loss, drafts = head_loss(drafter, hidden[sel], seq, rows, kl, chunk)
@@ -340,7 +396,8 @@ class TrainHead(nn.Module):
             z = self._touch()
             return z, Stats(z.detach(), torch.zeros(D, dtype=torch.long), torch.zeros(D, dtype=torch.long))
         if self.method == "peagle":
-            loss, stats = cod_segment_loss(self.drafter, seq, elements, segment, D, self.kl, self.loss_chunk)
+            loss, stats = cod_segment_loss(self.drafter, seq, elements, segment, D, self.kl, self.loss_chunk,
+                                           self.attn_chunk)
         else:
             loss, stats = ttt_loss(self.drafter, seq, elements, D, self.ttt_decay, self.kl, self.loss_chunk,
                                    self.attn_chunk)

@@ -157,9 +157,12 @@ class Teacher:
         del out, hs
         return features, labels, argmax
 
-    def mean_feature(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def mean_feature(self, input_ids: torch.Tensor, max_tokens: int = 1024) -> torch.Tensor:
+        """The mean feature over (a prefix of) a sequence: where P-EAGLE's mask_hidden starts."""
         with torch.no_grad():
-            out = self.model(input_ids=input_ids.to(self.device)[None], output_hidden_states=True, use_cache=False)
+            ids = input_ids[:max_tokens].to(self.device)[None]
+            out = self.model(input_ids=ids, output_hidden_states=True, use_cache=False, logits_to_keep=1) \
+                if self._head_is_plain() else self.model(input_ids=ids, output_hidden_states=True, use_cache=False)
             return torch.cat([out.hidden_states[i][0] for i in self.feature_layer_ids], -1).float().mean(0)
 
 

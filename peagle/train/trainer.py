@@ -27,7 +27,7 @@ import torch.distributed as dist
 from peagle.model.checkpoint import save_head
 from peagle.model.drafter import Drafter
 from peagle.train.cod import Elements, eval_elements, partition, sample_cod
-from peagle.train.objective import (FrozenEmbedding, TeacherSeq, TrainHead, cod_forward, export_drafter,
+from peagle.train.objective import (FrozenEmbedding, TeacherSeq, TrainHead, cod_hidden, export_drafter,
                                     ttt_forward)
 from peagle.train.teacher import Teacher, choose_mask_token_id, drafter_config_for
 from peagle.train.vocab import count_supervised, mapping, select_draft_vocab
@@ -423,7 +423,7 @@ class Trainer:
                 if cfg.method == "peagle":
                     for seg in partition(el, ids.numel(), cfg.partitions):
                         sub = el.select(seg.rows)
-                        hidden = cod_forward(self.drafter, seq, sub)
+                        hidden = cod_hidden(self.drafter, seq, sub, cfg.attn_chunk)
                         want = seg.own & torch.isin(sub.anchor, chosen)
                         d = self.drafter.logits(hidden[want.to(hidden.device)]).argmax(-1)
                         d = self.drafter.to_target_ids(d).cpu()
