@@ -145,7 +145,7 @@ class _FusedHeadLoss(torch.autograd.Function):
 
 
 def head_loss(drafter: Drafter, h: torch.Tensor, seq: TeacherSeq, label_rows: torch.Tensor, kl: bool = True,
-              chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+              chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed loss of rows `h` [M, H] (pre-norm) against the teacher rows `label_rows`, and the drafts as target
     ids. Equal to summing `(p * (log p - log_softmax(drafter.logits(h)))).sum(-1)` with
     log p = log_softmax(seq.labels[label_rows]), at the cost of one pass."""
@@ -375,7 +375,7 @@ class TrainHead(nn.Module):
     all-reduce always covers all of them."""
 
     def __init__(self, drafter: Drafter, method: str, num_depths: int, kl: bool = True, ttt_decay: float = 0.8,
-                 loss_chunk: int = 1024, attn_chunk: int = 2048):
+                 loss_chunk: int = 256, attn_chunk: int = 2048):
         super().__init__()
         if method not in ("peagle", "eagle3"):
             raise ValueError(f"method must be peagle or eagle3, not {method!r}")

@@ -70,7 +70,7 @@ def register(name: str, parser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--limit", type=int, default=None, help="use at most this many conversations")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--loss-chunk", type=int, default=1024, help="rows per checkpointed logits chunk")
+    p.add_argument("--loss-chunk", type=int, default=256, help="rows per fused LM-head/loss chunk")
     p.add_argument("--attn-chunk", type=int, default=2048, help="anchors per attention chunk in the TTT unroll")
     p.add_argument("--no-init-from-target", action="store_true",
                    help="random lm_head/norm instead of the target's (restricted to the draft vocab)")

@@ -78,7 +78,7 @@ class TrainConfig:
     limit: int | None = None  # use at most this many conversations
     log_every: int = 1
     progress: bool = True
-    loss_chunk: int = 1024
+    loss_chunk: int = 256
     attn_chunk: int = 2048
     init_from_target: bool = True  # lm_head/norm from the target's
     extra: dict = field(default_factory=dict)
