@@ -11,6 +11,7 @@ back after each step, ours simply overwrites the same positions).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -76,8 +77,13 @@ def main(argv=None) -> None:
         with torch.inference_mode():
             hf(prompt, past_key_values=hf_cache, use_cache=True, logits_to_keep=1)
 
+    from peagle.model import kernels
+
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     print(f"model {path.name} {args.dtype}, batch {B}, context {L}, threads {torch.get_num_threads()}, "
           f"weights {weight_bytes / 1e6:.0f} MB, median of {args.iters}")
+    print(f"cpu {cpu}; peagle kernels: {'AMX matmul + attention' if kernels.amx_available() else 'off'}; "
+          f"load average at start {os.getloadavg()[0]:.2f}")
     print(f"{'rows':>5} {'peagle ms':>10} {'GB/s':>6} {'transformers ms':>16} {'GB/s':>6} {'speed-up':>9}")
     for T in args.rows:
         tokens = torch.randint(100, vocab, (B, T), generator=g)
@@ -110,5 +116,11 @@ def main(argv=None) -> None:
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
+def _done():
+    print(f"load average at end {os.getloadavg()[0]:.2f} (other processes on the machine share its cores and "
+          "memory bandwidth; compare columns within a run)")
+
+
 if __name__ == "__main__":
     main()
+    _done()

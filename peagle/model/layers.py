@@ -239,34 +239,9 @@ class Attention(nn.Module):
                 keys, values = cache_k[:B, :, :layout.kv_len], cache_v[:B, :, :layout.kv_len]
             else:
                 keys, values = cache_k[layout.slots, :, :layout.kv_len], cache_v[layout.slots, :, :layout.kv_len]
-            if cache_k is None or T == 1 or T > ROW_ATTENTION_MAX_ROWS:
-                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=layout.mask, enable_gqa=nkv != nh)
-                out = out.transpose(1, 2)  # [B, T, nh, D]
-            else:
-                out = _attend_rows(q, keys, values, layout.mask, nkv != nh)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=layout.mask, enable_gqa=nkv != nh)
+            out = out.transpose(1, 2)  # [B, T, nh, D]
         return linear(out.reshape(B, T, -1), self.o_proj.weight, self.o_proj.bias, self.o_packed)
-
-
-ROW_ATTENTION_MAX_ROWS = 32  # without peagle's kernel: verify windows row by row, prefill-sized forwards batched
-
-
-def _attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                 gqa: bool) -> torch.Tensor:
-    """Attention over the cache with every query row computed as its own one-row problem -> [B, T, nh, D].
-
-    PyTorch's CPU flash attention rounds differently for one query row than for several, so a token verified in a
-    window of K+1 rows would not get exactly the logits it gets when decoded alone, and speculative decoding would
-    drift from plain decoding. Here each row of request b is a separate batch element of length one attending to
-    b's keys (expanded, not copied), which is exactly the computation of a one-row decode step."""
-    B, nh, T, D = q.shape
-    outs = []
-    for b in range(B):
-        qb = q[b].transpose(0, 1).unsqueeze(2)  # [T, nh, 1, D]
-        kb = keys[b:b + 1].expand(T, -1, -1, -1)
-        vb = values[b:b + 1].expand(T, -1, -1, -1)
-        mb = mask[b, 0][:, None, None, :]  # [T, 1, 1, L]
-        outs.append(F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mb, enable_gqa=gqa)[:, :, 0])
-    return torch.stack(outs)  # [B, T, nh, D]
 
 
 class MLP(nn.Module):
