@@ -299,3 +299,27 @@ def test_export_unsupported_target(tmp_path, capsys):
     assert main(["export", "--random-init", "--target", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "gpt2" in err and "llama" in err and "qwen3" in err
+
+
+def test_compact_peagle_head_keeps_the_learned_mask_row(tmp_path):
+    """Bundled heads ship without the embedding table: only the mask row, the rest comes from the target."""
+    import torch
+
+    from peagle.model.checkpoint import MASK_ROW, load_head, random_head, save_head
+    from peagle.model.target import TargetConfig
+
+    cfg = TargetConfig.from_hf({"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+                                "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                "rope_theta": 10000.0})
+    target_emb = torch.randn(64, 32)
+    head = random_head(cfg, target_emb, "peagle", mask_token_id=5, dtype=torch.float32)
+    with torch.no_grad():
+        head.embed_tokens.weight[5] = 7.0  # a "learned" mask row
+    save_head(head, tmp_path, include_embeddings=False, dtype=torch.float32)
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        assert "embed_tokens.weight" not in f.keys() and list(f.get_slice(MASK_ROW).get_shape()) == [1, 32]
+    loaded = load_head(tmp_path, target_embeddings=target_emb, dtype=torch.float32)
+    assert torch.equal(loaded.embed_tokens.weight[5], torch.full((32,), 7.0))
+    assert torch.equal(loaded.embed_tokens.weight[:5], target_emb[:5])

@@ -15,6 +15,7 @@ from peagle.model.drafter import Drafter, DrafterConfig
 from peagle.model.target import TargetConfig
 
 LAYOUTS = ("vllm", "speculators")
+MASK_ROW = "mask_token_embedding"  # [1, H]: the learned mask row, in heads saved without the embedding table
 
 
 def default_num_speculative_tokens(parallel: bool) -> int:
@@ -42,6 +43,10 @@ def save_head(drafter: Drafter, out: str | Path, layout: str = "vllm", verifier:
     state = {}
     for name, t in drafter.state_dict().items():
         if name.startswith("embed_tokens.") and not include_embeddings:
+            if c.parallel_capable:
+                # Compact form (the bundled heads): keep only the learned mask-token row; loading takes every other
+                # row from the target. `peagle export` writes the full table vLLM wants.
+                state[MASK_ROW] = t[c.mask_token_id : c.mask_token_id + 1].detach().to(dtype).contiguous().cpu()
             continue
         if name == "mask_hidden":
             t = t.reshape(1, 1, -1)
@@ -155,7 +160,11 @@ def load_head(path: str | Path, target_embeddings: torch.Tensor | None = None, d
     if "embed_tokens.weight" not in state:
         if target_embeddings is None:
             raise ValueError(f"{path} has no embed_tokens.weight; pass the target's embeddings")
-        state["embed_tokens.weight"] = target_embeddings
+        embed = target_embeddings
+        if MASK_ROW in state:  # compact P-EAGLE head: the target's table with the learned mask row put back
+            embed = target_embeddings.detach().clone()
+            embed[config.mask_token_id] = state.pop(MASK_ROW)[0].to(embed.dtype)
+        state["embed_tokens.weight"] = embed
     if "mask_hidden" in state:
         state["mask_hidden"] = state["mask_hidden"].reshape(1, 1, -1)
     state.setdefault("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
