@@ -9,8 +9,8 @@ fast for 1-16 rows (docs/performance.md).
 Batch invariance: every output element accumulates its K dimension in the same order (32-wide blocks in sequence,
 each pair in the tile's fixed order) whatever the number of rows, so a token's logits do not depend on how many
 rows share the forward. That is what keeps speculative decoding token-for-token equal to plain decoding: a verify
-step (K+1 rows per request) computes each row exactly as a one-row decode step would. (oneDNN switches kernels
-with the row count and is not invariant beyond ~16-32 rows.) The packed path is used for every row count, prefill
+step (K+1 rows per request) computes each row exactly as a one-row decode step would. (oneDNN's results for a
+row change with the number of rows computed with it, e.g. between a few rows and a prefill-sized batch.) The packed path is used for every row count, prefill
 included, so it never mixes with F.linear's rounding inside one model.
 
 The library is compiled once per machine with the system C compiler into $PEAGLE_HOME/kernels (about a second)
@@ -518,6 +518,11 @@ def attention_bf16(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor
         q = q.contiguous()
     slots = slots.to(torch.int64).contiguous()
     positions = positions.to(torch.int64).contiguous()
+    if positions.shape != (B, T) or slots.shape != (B,):
+        return None
+    lo, hi = torch.aminmax(positions)
+    if int(lo) < 0 or int(hi) >= max_len or int(slots.min()) < 0 or int(slots.max()) >= S:
+        raise IndexError(f"positions must lie in [0, {max_len}) and slots in [0, {S}) for this cache")
     out = torch.empty(B, T, nh, D, dtype=torch.bfloat16)
     _lib.peagle_attention_bf16(q.data_ptr(), q.stride(1), cache_k.data_ptr(), cache_v.data_ptr(), slots.data_ptr(),
                                positions.data_ptr(), out.data_ptr(), B, T, nh, nkv, D, max_len, D ** -0.5,
