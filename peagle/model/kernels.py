@@ -1,22 +1,23 @@
-"""Native CPU kernels for decoding: a batch-invariant AMX matrix multiply over pre-packed bf16 weights, and
-bf16 RMSNorm / rotary embedding in one call each.
+"""Native CPU kernels for decoding: a batch-invariant AMX matrix multiply over pre-packed bf16 weights, a
+batch-invariant attention over the per-row KV cache, and bf16 RMSNorm / rotary embedding in one call each.
 
 Why: decoding multiplies a handful of activation rows by every weight matrix, so it is memory-bound, and PyTorch's
 CPU path (oneDNN via F.linear) streams plain bf16 weights slowly for few rows: it re-lays the weights out on every
 call. Packing each weight once into AMX tile layout and streaming it through `tdpbf16ps` reads it about twice as
 fast for 1-16 rows (docs/performance.md).
 
-Batch invariance: every output element accumulates its K dimension in the same order (32-wide blocks in sequence,
-each pair in the tile's fixed order) whatever the number of rows, so a token's logits do not depend on how many
-rows share the forward. That is what keeps speculative decoding token-for-token equal to plain decoding: a verify
-step (K+1 rows per request) computes each row exactly as a one-row decode step would. (oneDNN's results for a
-row change with the number of rows computed with it, e.g. between a few rows and a prefill-sized batch.) The packed path is used for every row count, prefill
-included, so it never mixes with F.linear's rounding inside one model.
+Batch invariance: every output element of the matrix multiply accumulates its K dimension in the same order
+(32-wide blocks in sequence) whatever the number of rows, and attention computes every query row on its own, so a
+token's logits do not depend on which rows share the forward. That keeps speculative decoding token-for-token equal
+to plain decoding: a verify step (K+1 rows per request) computes each row exactly as a one-row decode step would.
+(oneDNN's result for a row changes with the number of rows computed with it, e.g. between a few rows and a
+prefill-sized batch, and CPU flash attention rounds one query row differently from several.) The packed path is
+used for every row count, prefill included, so it never mixes with F.linear's rounding inside one model.
 
 The library is compiled once per machine with the system C compiler into $PEAGLE_HOME/kernels (about a second)
-and loaded with ctypes. The matrix multiply needs AMX (Intel Sapphire Rapids and later); RMSNorm/RoPE need
-AVX-512. Where either is missing, no compiler is found, the build fails, or PEAGLE_CPU_KERNELS=0, the functions
-here return None / False and callers use PyTorch.
+and loaded with ctypes. It needs AVX-512 BF16 (attention, RMSNorm, RoPE) and AMX for the matrix multiply (Intel
+Sapphire Rapids and later). Where these are missing, no compiler is found, the build fails, or
+PEAGLE_CPU_KERNELS=0, the functions here return None / False and callers use PyTorch.
 """
 from __future__ import annotations
 
