@@ -215,3 +215,26 @@ def test_chain_equals_k_single_steps(target_config, parallel_head):
         tokens = torch.cat([tokens, d[None]])
         h_in = torch.cat([h_in, hidden[-1:]])
     assert drafts.tolist() == [expected]
+
+
+def test_packed_head_drafts_like_the_plain_one(target_config):
+    """Drafter.pack_() (inference on CPUs with AMX) changes speed, not results beyond bf16 rounding."""
+    import copy
+
+    from peagle.model import kernels
+
+    head = make_head(target_config, seed=12).to(torch.bfloat16)
+    packed = copy.deepcopy(head).pack_()
+    if kernels.amx_available():
+        assert packed.lm_head_packed is not None and packed.midlayer.self_attn.qkv_packed is not None
+    toks, feats = context(9, seed=13)
+    feats = feats.to(torch.bfloat16)
+    positions = torch.arange(9)[None]
+    with torch.inference_mode():
+        a = head(toks[None], feats[None], BatchLayout.build(torch.tensor([0]), positions), head.new_cache(1, 32))
+        b = packed(toks[None], feats[None], BatchLayout.build(torch.tensor([0]), positions), packed.new_cache(1, 32))
+        la, lb = head.logits(a), packed.logits(b)
+    assert (la - lb).abs().max() <= 0.02 * la.abs().max()
+    top2 = la.topk(2, -1).values
+    decided = top2[..., 0] - top2[..., 1] > 0.01 * la.abs().max()
+    assert torch.equal(la.argmax(-1)[decided], lb.argmax(-1)[decided])
