@@ -88,3 +88,18 @@ def test_attention_matches_sdpa_and_is_batch_invariant():
             for t in range(8):
                 one = kernels.attention_bf16(q[b:b + 1, t:t + 1], kc, vc, slots[b:b + 1], positions[b:b + 1, t:t + 1])
                 assert torch.equal(one[0, 0], out[b, t])
+
+
+@needs_lib
+@pytest.mark.parametrize("D", [16, 48, 128])
+def test_attention_head_sizes(D):
+    nh, nkv, max_len = 4, 2, 64
+    kc, vc = bf16(1, nkv, max_len, D, seed=9), bf16(1, nkv, max_len, D, seed=10)
+    q = bf16(1, 5, nh, D, seed=11)
+    positions = (20 + torch.arange(5))[None]
+    with torch.inference_mode():
+        out = kernels.attention_bf16(q, kc, vc, torch.tensor([0]), positions)
+    mask = (torch.arange(25)[None, None, :] <= positions[:, :, None])[:, None]
+    ref = F.scaled_dot_product_attention(q.transpose(1, 2).float(), kc[:, :, :25].float(), vc[:, :, :25].float(),
+                                         attn_mask=mask, enable_gqa=True).transpose(1, 2)
+    assert (out.float() - ref).abs().max() < 0.02

@@ -147,9 +147,11 @@ static inline __m512 scores16(const uint16_t *qv, const uint16_t *K, int j0, int
     for (int jj = 0; jj < 16; jj++) {
         a[jj] = _mm512_setzero_ps();
         if (jj < nvalid)
-            for (int c = 0; c < D; c += 32)
-                a[jj] = _mm512_dpbf16_ps(a[jj], (__m512bh)_mm512_loadu_si512(K + (size_t)(j0 + jj) * D + c),
-                                         (__m512bh)_mm512_loadu_si512(qv + c));
+            for (int c = 0; c < D; c += 32) {
+                __mmask32 mk = D - c >= 32 ? 0xffffffffu : ((1u << (D - c)) - 1u);
+                a[jj] = _mm512_dpbf16_ps(a[jj], (__m512bh)_mm512_maskz_loadu_epi16(mk, K + (size_t)(j0 + jj) * D + c),
+                                         (__m512bh)_mm512_maskz_loadu_epi16(mk, qv + c));
+            }
     }
     return reduce16(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15]);
 }
@@ -159,7 +161,7 @@ static inline __m512 scores16(const uint16_t *qv, const uint16_t *K, int j0, int
 /* Causal attention over a per-row KV cache, each query row on its own (the result never depends on which other
    rows share the call): out[b, t, h] = softmax_j<=pos(q[b, t, h] . K[slot_b, g, j] * scale) V[slot_b, g, j],
    g = h / (nh / nkv). q rows: q + (b*T + t) * q_stride, heads contiguous (D each). Cache: [slots, nkv, max_len, D].
-   out: [B, T, nh, D] contiguous. D must be a multiple of 32 (<= 256). */
+   out: [B, T, nh, D] contiguous. D must be a multiple of 16 (<= 256). */
 void peagle_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *kc, const uint16_t *vc,
                            const int64_t *slots, const int64_t *positions, uint16_t *out, int B, int T, int nh,
                            int nkv, int D, int max_len, float scale, int nthreads) {
@@ -513,7 +515,7 @@ def attention_bf16(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor
         return None
     B, T, nh, D = q.shape
     S, nkv, max_len, Dc = cache_k.shape
-    if Dc != D or D % 32 or D > 256 or nh % nkv:
+    if Dc != D or D % 16 or D > 256 or nh % nkv:
         return None
     if q.stride(3) != 1 or q.stride(2) != D or q.stride(0) != T * q.stride(1):
         q = q.contiguous()
