@@ -230,7 +230,8 @@ class Attention(nn.Module):
                 cache_v[slot_idx, :, layout.positions] = v.transpose(1, 2).to(cache_v.dtype)
             # peagle's kernel computes every row on its own, so a verify window computes each token exactly as a
             # one-row decode step does (speculation stays token-for-token lossless); PyTorch's flash attention
-            # rounds differently for one query row than for several.
+            # rounds differently for one query row than for several. It applies BatchLayout.build's mask (key j
+            # visible iff j <= the query's position) from the positions themselves.
             out = kernels.attention_bf16(q.transpose(1, 2), cache_k, cache_v, layout.slots, layout.positions)
         if out is None:
             if cache_k is None:
