@@ -98,6 +98,7 @@ class LLMEngine:
             head_path = resolve_head(spec.model, model, method=spec.method_name)
             spec = spec.model_copy(update={"model": str(head_path)})
             drafter = load_head(head_path, target_embeddings=target.embed_tokens.weight, dtype=dtype, device=device)
+            drafter.pack_()  # the engine never trains it: pack its weights once for the CPU kernels (no-op elsewhere)
         return cls(target, tokenizer, drafter, spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                    model_name=model or Path(path).name)
 
