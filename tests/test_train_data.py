@@ -120,31 +120,48 @@ def test_heldout_prompts_are_refused(tmp_path, smollm2_dir):
     assert main(["data", "prepare", "--input", "mt-bench", "--out", str(tmp_path / "no")]) == 2
 
 
-def test_regenerate_with_transformers_and_resume(tmp_path, tiny_chat_llama):
+def test_regenerate_turn_by_turn_and_resume(tmp_path, tokenizer):
+    from peagle.train.data_cmd import regenerate
+
+    calls = []
+
+    def fake(prompts):  # answers name the turn they answer, so the test can see what each turn saw
+        calls.append(len(prompts))
+        return [(f"answer after {len(p)} messages", True) for p in prompts]
+
+    convs = [("a", CONV[1:]), ("b", CONV[1:3]), ("c", CONV[3:])]
+    progress = tmp_path / "regen.jsonl"
+    first = list(regenerate(iter(convs[:2]), fake, tokenizer, progress, batch_size=2))
+    assert len(first) == 2 and calls == [2, 1]  # turn 1 for both, then turn 2 for the first
+    assert [m["content"] for m in first[0][1]] == [CONV[1]["content"], "answer after 1 messages",
+                                                  CONV[3]["content"], "answer after 3 messages"]
+    calls.clear()
+    again = list(regenerate(iter(convs), fake, tokenizer, progress, batch_size=2))
+    assert again[:2] == first and calls == [1]  # only the new conversation is generated
+    assert len(progress.read_text().splitlines()) == 3
+
+    # an answer cut by --max-new-tokens ends its conversation and its end-of-turn token is not supervised
+    cut = list(regenerate(iter([("d", CONV[1:])]), lambda ps: [("cut short", False) for _ in ps], tokenizer,
+                          tmp_path / "cut.jsonl"))
+    msgs = cut[0][1]
+    assert [m["role"] for m in msgs] == ["user", "assistant"] and msgs[1]["truncated"]
+    r = render_conversation(tokenizer, msgs)
+    (a, b), = _runs(r.loss_mask)
+    assert tokenizer.decode(r.input_ids[a:b]) == "cut short"
+
+
+def test_regenerate_with_transformers(tmp_path, tiny_chat_llama):
     from transformers import AutoTokenizer
 
     from peagle.train.data_cmd import make_generator, regenerate
 
     tok = AutoTokenizer.from_pretrained(tiny_chat_llama)
     gen = make_generator(tiny_chat_llama, tok, max_new_tokens=6, backend="transformers")
-    calls = []
-
-    def counting(prompts):
-        calls.append(len(prompts))
-        return gen(prompts)
-
-    convs = [("a", CONV[1:]), ("b", CONV[1:3]), ("c", CONV[3:])]
-    progress = tmp_path / "regen.jsonl"
-    first = list(regenerate(iter(convs[:2]), counting, tok, progress, batch_size=2))
-    assert len(first) == 2 and calls == [2, 1]  # turn 1 for both, then turn 2 for the first
-    for (_, orig), (_, new) in zip(convs, first):
-        assert [m["role"] for m in new] == [m["role"] for m in orig]
-        assert [m["content"] for m in new if m["role"] == "user"] == [m["content"] for m in orig if m["role"] == "user"]
-        assert all(m["content"] != o["content"] for m, o in zip(new, orig) if m["role"] == "assistant")
-    calls.clear()
-    again = list(regenerate(iter(convs), counting, tok, progress, batch_size=2))
-    assert again[:2] == first and calls == [1]  # only the new conversation is generated
-    assert len(progress.read_text().splitlines()) == 3
+    assert gen.backend == "transformers"
+    answers = gen([CONV[1:2], CONV[1:4]])
+    assert len(answers) == 2 and all(isinstance(t, str) and isinstance(f, bool) for t, f in answers)
+    out = list(regenerate(iter([("a", CONV[1:])]), gen, tok, tmp_path / "p.jsonl"))
+    assert len(out) == 1 and out[0][1][1]["content"] != CONV[2]["content"]
 
 
 def test_regenerate_with_engine(tmp_path, tiny_chat_llama):
@@ -155,8 +172,10 @@ def test_regenerate_with_engine(tmp_path, tiny_chat_llama):
     tok = AutoTokenizer.from_pretrained(tiny_chat_llama)
     gen = make_generator(tiny_chat_llama, tok, max_new_tokens=5, backend="engine", max_model_len=512)
     assert gen.backend == "engine"
+    answers = gen([CONV[1:2]])
+    assert len(answers) == 1 and isinstance(answers[0][0], str) and isinstance(answers[0][1], bool)
     out = list(regenerate(iter([("a", CONV[1:])]), gen, tok, tmp_path / "p.jsonl"))
-    assert len(out) == 1 and [m["role"] for m in out[0][1]] == ["user", "assistant", "user", "assistant"]
+    assert len(out) == 1 and [m["role"] for m in out[0][1]][:2] == ["user", "assistant"]
 
 
 def test_draft_vocab_round_trip():

@@ -63,7 +63,7 @@ def normalize_messages(record: dict) -> list[dict] | None:
             # two turns in a row from the same side: merge, templates expect alternation
             out[-1] = {"role": role, "content": out[-1]["content"] + "\n\n" + content}
             continue
-        out.append({"role": role, "content": content})
+        out.append({"role": role, "content": content, **({"truncated": True} if m.get("truncated") else {})})
     if not any(m["role"] == "assistant" for m in out):
         return None
     return out
@@ -273,8 +273,8 @@ def render_conversation(tokenizer, messages: list[dict], max_len: int | None = N
             at = upto.find(m["content"].strip(), start)
             end = at + len(m["content"].strip()) if at >= 0 else len(upto.rstrip())
         tail = base[end:]
-        for s in specials:  # the end-of-turn token right after the content is supervised too
-            if tail.startswith(s):
+        for s in specials if not m.get("truncated") else ():  # the end-of-turn token is supervised too, unless
+            if tail.startswith(s):                             # the answer was cut short (regeneration limit)
                 end += len(s)
                 break
         spans.append((start, end))

@@ -19,7 +19,8 @@ from typing import Callable
 from peagle.train.data import (DATA_META, HeldOutDataError, HeldOutGuard, build_rows, iter_conversations,
                                save_rows)
 
-Generator = Callable[[list[list[dict]]], list[str]]
+# answers a batch of chat prompts: (text, finished) per prompt; finished is False when max_new_tokens cut the answer
+Generator = Callable[[list[list[dict]]], list[tuple[str, bool]]]
 
 
 def register(name: str, parser) -> None:
@@ -135,13 +136,13 @@ def make_generator(target_dir: Path, tokenizer, temperature: float = 0.0, max_ne
                                                max_num_seqs=max_num_seqs)
             counter = [0]
 
-            def gen_engine(prompts: list[list[dict]]) -> list[str]:
+            def gen_engine(prompts: list[list[dict]]) -> list[tuple[str, bool]]:
                 params = []
                 for _ in prompts:
                     counter[0] += 1
                     params.append(SamplingParams(max_tokens=max_new_tokens, temperature=temperature,
                                                  seed=None if temperature == 0 else seed * 1_000_003 + counter[0]))
-                return [o.text for o in engine.generate(prompts, params)]
+                return [(o.text, o.finish_reason != "length") for o in engine.generate(prompts, params)]
 
             gen_engine.backend = "engine"  # type: ignore[attr-defined]
             return gen_engine
@@ -159,8 +160,13 @@ def _hf_generator(target_dir, tokenizer, temperature, max_new_tokens, seed, devi
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     torch.manual_seed(seed)
 
+    gen_eos = getattr(model.generation_config, "eos_token_id", None)
+    stops = set(gen_eos) if isinstance(gen_eos, list) else ({gen_eos} if gen_eos is not None else set())
+    if tokenizer.eos_token_id is not None:
+        stops.add(tokenizer.eos_token_id)
+
     @torch.no_grad()
-    def gen_hf(prompts: list[list[dict]]) -> list[str]:
+    def gen_hf(prompts: list[list[dict]]) -> list[tuple[str, bool]]:
         texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
         enc = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
         width = max(len(e) for e in enc)
@@ -172,7 +178,12 @@ def _hf_generator(target_dir, tokenizer, temperature, max_new_tokens, seed, devi
         kw = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
         out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device), max_new_tokens=max_new_tokens,
                              pad_token_id=pad, **kw)
-        return [tokenizer.decode(row[width:], skip_special_tokens=True) for row in out.cpu()]
+        res = []
+        for row in out.cpu():
+            new = row[width:].tolist()
+            finished = any(t in stops for t in new)
+            res.append((tokenizer.decode(new, skip_special_tokens=True), finished))
+        return res
 
     gen_hf.backend = "transformers"  # type: ignore[attr-defined]
     return gen_hf
@@ -249,9 +260,14 @@ def _regenerate_batch(batch, gen: Generator, tokenizer, max_prompt_tokens: int |
         if not prompts:
             break
         answers = gen(prompts)
-        for b, text in zip(who, answers):
+        for b, answer in zip(who, answers):
+            text, finished = answer if isinstance(answer, tuple) else (answer, True)
             text = text.strip()
             if not text:
+                active.discard(b)
+                continue
+            if not finished:  # cut by --max-new-tokens: keep it, unsupervised end, and stop the conversation here
+                out[b].append({"role": "assistant", "content": text, "truncated": True})
                 active.discard(b)
                 continue
             out[b].append({"role": "assistant", "content": text})
