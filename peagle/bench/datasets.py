@@ -68,7 +68,7 @@ def load_dataset(spec: str, num_prompts: int | None = None) -> list[BenchPrompt]
     elif name in ("speed-bench", "speedbench", "speed_bench"):
         if not arg:
             raise DatasetError("SPEED-Bench is not available offline; download it where you can "
-                               "(huggingface.co/datasets/nvidia/SPEED-Bench) and pass --dataset speed-bench:DIR")
+                               "(the nvidia/SPEED-Bench dataset) and pass --dataset speed-bench:DIR")
         it = iter_speed_bench(Path(arg))
     else:
         raise DatasetError(f"unknown dataset {spec!r}; choose one of {dataset_names()}")

@@ -46,7 +46,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
         model="openai/gpt-oss-120b",
         head="amazon/gpt-oss-120b-p-eagle",
         speculative_config=_spec("amazon/gpt-oss-120b-p-eagle", 5),
-        source="https://huggingface.co/amazon/gpt-oss-120b-p-eagle (model card's vllm serve line)",
+        source="model card of amazon/gpt-oss-120b-p-eagle (its vllm serve line)",
         vllm_args=["--max-model-len", "32768", "--max-num-seqs", "128", "--kv-cache-dtype", "fp8",
                    "--no-enable-prefix-caching", "--async-scheduling"],
         notes="4-layer head trained with 8 parallel positions; amazon/gpt-oss-120b-p-eagle-long-context for "
@@ -57,7 +57,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
         model="openai/gpt-oss-20b",
         head="amazon/GPT-OSS-20B-P-EAGLE",
         speculative_config=_spec("amazon/GPT-OSS-20B-P-EAGLE", 7),
-        source="https://huggingface.co/amazon/GPT-OSS-20B-P-EAGLE (model card's vllm serve line)",
+        source="model card of amazon/GPT-OSS-20B-P-EAGLE (its vllm serve line)",
         vllm_args=["--max-model-len", "32768", "--max-num-seqs", "128", "--kv-cache-dtype", "fp8",
                    "--no-enable-prefix-caching", "--async-scheduling"],
         notes="hybrid sliding-window attention: needs a vLLM with the P-EAGLE KV-cache-group fix; "
@@ -68,7 +68,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
         model="Qwen/Qwen3-Coder-30B-A3B-Instruct",
         head="amazon/Qwen3-Coder-30B-A3B-Instruct-P-EAGLE",
         speculative_config=_spec("amazon/Qwen3-Coder-30B-A3B-Instruct-P-EAGLE", 10),
-        source="https://huggingface.co/amazon/Qwen3-Coder-30B-A3B-Instruct-P-EAGLE (model card's vllm serve line)",
+        source="model card of amazon/Qwen3-Coder-30B-A3B-Instruct-P-EAGLE (its vllm serve line)",
         vllm_args=["--max-model-len", "16384", "--no-enable-prefix-caching", "--async-scheduling"],
         notes="4-layer head trained with 18 parallel positions on the FP8 target; card reports acceptance length "
               "6.66 at K=10 on HumanEval",
