@@ -12,7 +12,6 @@ from safetensors.torch import load_file, save_file
 from peagle.cli import main
 from peagle.config import SpeculativeConfig, SpeculativeConfigError
 from peagle.model.checkpoint import load_head, random_head, save_head
-from peagle.model.layers import BatchLayout
 from peagle.model.target import TargetConfig
 
 MASK_ID = 5

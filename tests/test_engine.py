@@ -9,7 +9,6 @@ import torch
 
 from peagle.config import SpeculativeConfig
 from peagle.engine import LLMEngine, RequestError, SamplingParams, SpecDecodeStats
-from peagle.engine import engine as engine_module
 from peagle.model.checkpoint import random_head
 from peagle.model.target import TargetModel
 from tests.conftest import make_tiny_model

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serve_util import build_tiny, free_port, spec_config  # noqa: E402
+from serve_util import build_tiny, free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 

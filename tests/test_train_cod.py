@@ -7,20 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from peagle.train.cod import Elements, cod_mask, partition, sample_cod
+from peagle.train.cod import cod_mask, partition, sample_cod
 from peagle.train.objective import TrainHead
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_helpers import random_seq, tiny_drafter  # noqa: E402
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices run fastest on one thread, and far faster than on two on a shared, busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _loss_mask(n: int, seed: int = 0) -> torch.Tensor:

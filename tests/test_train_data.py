@@ -14,13 +14,7 @@ from peagle.train.data import (HeldOutDataError, HeldOutGuard, iter_conversation
 from peagle.train.vocab import draft_to_target, mapping, select_draft_vocab, target_to_draft
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices run fastest on one thread, and far faster than on two on a shared, busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 CONV = [{"role": "system", "content": "Be brief."},
         {"role": "user", "content": "What is 2+2?"},

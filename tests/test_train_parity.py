@@ -15,13 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from train_helpers import random_seq, tiny_drafter  # noqa: E402
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices run fastest on one thread, and far faster than on two on a shared, busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_forward_rows_matches_drafter_forward():

@@ -489,7 +489,6 @@ def _run(args) -> int:
     holder = TargetHolder(args.dtype, args.device)
     hf_holder: dict = {}
     plan = make_plan(args, holder)
-    cmax = max(plan.concurrencies)
     runs_planned = [(cfg, c) for cfg in plan.configs for c in plan.concurrencies_for(cfg)]
     n = len(plan.prompts)
     total_requests = n * len(runs_planned)

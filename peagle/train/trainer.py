@@ -30,7 +30,7 @@ from peagle.train.cod import Elements, eval_elements, partition, sample_cod
 from peagle.train.objective import (FrozenEmbedding, TeacherSeq, TrainHead, cod_hidden, export_drafter,
                                     ttt_forward)
 from peagle.train.teacher import Teacher, choose_mask_token_id, drafter_config_for
-from peagle.train.vocab import count_supervised, mapping, select_draft_vocab
+from peagle.train.vocab import mapping, select_draft_vocab
 
 DEFAULT_DEPTHS = {"peagle": 8, "eagle3": 7}
 
