@@ -118,8 +118,10 @@ def main(argv=None) -> int:
                           file=sys.stderr)
                     continue
                 res["wall_seconds_total"] = round(time.time() - t0, 1)
+                extra = [] if args.method == "peagle" else ["--method", args.method]
+                extra += [] if args.num_depths == 8 else ["--num-depths", str(args.num_depths)]
                 res["command"] = " ".join(["python", "benchmarks/train_memory.py", "--lengths", str(length),
-                                           "--partitions", str(S), "--steps", str(args.steps)])
+                                           "--partitions", str(S), "--steps", str(args.steps)] + extra)
                 rows.append(res)
                 print(json.dumps(res), flush=True)
                 if args.json:
