@@ -333,18 +333,19 @@ class TargetHolder:
         if self._target is None:
             import torch
 
-            from peagle.engine.engine import _dtype
+            from peagle.model.loading import torch_dtype
             from peagle.model.target import TargetModel
 
             t0 = time.perf_counter()
             device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-            self._target = TargetModel.from_pretrained(model_path, dtype=_dtype(self.dtype), device=device)
+            self._target = TargetModel.from_pretrained(model_path, dtype=torch_dtype(self.dtype), device=device)
             self.load_s = time.perf_counter() - t0
         return self._target
 
     def engine(self, model_path: Path, cfg: Config, max_num_seqs: int, max_model_len: int | None):
         from peagle.config import SpeculativeConfig
-        from peagle.engine.engine import LLMEngine, _dtype
+        from peagle.engine.engine import LLMEngine
+        from peagle.model.loading import torch_dtype
         from peagle.model.checkpoint import load_head
 
         target = self.target(model_path)
@@ -352,7 +353,7 @@ class TargetHolder:
         spec = drafter = None
         if cfg.method in SPEC_METHODS:
             spec = SpeculativeConfig.parse(cfg.speculative_config())
-            drafter = load_head(cfg.head, target_embeddings=target.embed_tokens.weight, dtype=_dtype(self.dtype),
+            drafter = load_head(cfg.head, target_embeddings=target.embed_tokens.weight, dtype=torch_dtype(self.dtype),
                                 device=target.embed_tokens.weight.device)
         return LLMEngine(target, tok, drafter, spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                          model_name=Path(model_path).name)
@@ -464,10 +465,10 @@ def server_import_s(threads: int | None) -> float:
 def _hf_runner(args, plan: Plan, hf_holder: dict):
     if "runner" not in hf_holder:
         from peagle.bench.loadgen import HFRunner
-        from peagle.engine.engine import _dtype
+        from peagle.model.loading import torch_dtype
 
         device = args.device or ("cuda" if __import__("torch").cuda.is_available() else "cpu")
-        hf_holder["runner"] = HFRunner(plan.model_path, dtype=_dtype(args.dtype), device=device)
+        hf_holder["runner"] = HFRunner(plan.model_path, dtype=torch_dtype(args.dtype), device=device)
     return hf_holder["runner"]
 
 

@@ -81,10 +81,10 @@ class LLMEngine:
 
         from peagle.model.heads import resolve_head
         from peagle.model.checkpoint import load_head
-        from peagle.model.loading import resolve_model
+        from peagle.model.loading import resolve_model, torch_dtype
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = _dtype(dtype)
+        dtype = torch_dtype(dtype)
         path = resolve_model(model)
         target = TargetModel.from_pretrained(path, dtype=dtype, device=device)
         has_tokenizer = any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
@@ -381,14 +381,3 @@ def _copy(params: SamplingParams | None) -> SamplingParams:
     from dataclasses import replace
 
     return replace(params) if params is not None else SamplingParams()
-
-
-def _dtype(dtype: str | torch.dtype | None) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    names = {None: torch.bfloat16, "auto": torch.bfloat16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
-             "fp32": torch.float32, "float": torch.float32}
-    if dtype not in names:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, bfloat16, float16, float32")
-    return names[dtype]

@@ -114,3 +114,17 @@ class _file_lock:
 
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         self.fd.close()
+
+
+def torch_dtype(dtype: "str | torch.dtype | None") -> "torch.dtype":
+    """A dtype from what users type (`auto`/None mean bfloat16): bfloat16/bf16, float16/fp16/half, float32/fp32."""
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {None: torch.bfloat16, "auto": torch.bfloat16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
+             "fp32": torch.float32, "float": torch.float32}
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, bfloat16, float16, float32")
+    return names[dtype]

@@ -177,7 +177,7 @@ def _spec_from_args(target: str, serve_args: list[str]) -> dict | None:
         return preset.speculative_config
     from peagle.model.heads import default_speculative_config
 
-    spec = default_speculative_config(None if target in ("default", "smollm2") else target)
+    spec = default_speculative_config(target)
     return spec.model_dump(exclude_none=True) if spec is not None else None
 
 

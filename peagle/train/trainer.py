@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from peagle.model.checkpoint import save_head
 from peagle.model.drafter import Drafter
+from peagle.model.loading import torch_dtype
 from peagle.train.cod import Elements, eval_elements, partition, sample_cod
 from peagle.train.objective import (FrozenEmbedding, TeacherSeq, TrainHead, cod_hidden, export_drafter,
                                     ttt_forward)
@@ -102,10 +103,6 @@ class TrainConfig:
             self.eval_depths = self.num_depths
 
 
-def _dtype(name: str) -> torch.dtype:
-    return {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[name]
-
-
 def _sample_seed(seed: int, epoch: int, index: int) -> int:
     return ((seed * 1_000_003 + epoch) * 1_000_000_007 + index) % (2 ** 62)
 
@@ -125,7 +122,7 @@ class Trainer:
 
         self.target_dir = resolve_model(cfg.target)
         self.tokenizer = self._load_tokenizer()
-        tdtype = _dtype(cfg.target_dtype or cfg.dtype)
+        tdtype = torch_dtype(cfg.target_dtype or cfg.dtype)
         self.teacher = Teacher(self.target_dir, dtype=tdtype, device=self.device, device_map=cfg.target_device_map)
         self._load_data()
         self._build_head()
@@ -282,7 +279,7 @@ class Trainer:
     def save_head(self, out: Path) -> Path:
         return save_head(export_drafter(self.drafter), out, layout=self.cfg.layout,
                          verifier=str(self.cfg.target or "HuggingFaceTB/SmolLM2-135M-Instruct"),
-                         dtype=_dtype(self.cfg.save_dtype))
+                         dtype=torch_dtype(self.cfg.save_dtype))
 
     def _resume(self, where: str):
         out = Path(self.cfg.out)
