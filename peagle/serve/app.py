@@ -28,7 +28,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from peagle.engine import RequestError, RequestOutput, SamplingParams, SpecDecodeStats
 from peagle.serve.async_engine import AsyncEngine, EngineFailure, RequestStream
 from peagle.serve.metrics import CONTENT_TYPE_LATEST
-from peagle.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, new_id,
+from peagle.serve.protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+                                   ChatCompletionResponse, ChatMessageOut, CompletionChoice, CompletionChunk,
+                                   CompletionRequest, CompletionResponse, DeltaMessage, ModelCard, ModelList, new_id,
                                    now, parse, parse_json)
 
 log = logging.getLogger("peagle.serve")
@@ -269,13 +271,12 @@ async def _chat(state: ServerState, request: Request, data) -> Response:
     if req.stream:
         return SSEResponse(_chat_events(state, req, stream, rid, model, len(ids)), [stream])
     (out,) = await _collect(request, [stream])
-    body = {"id": rid, "object": "chat.completion", "created": now(), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
-                         "finish_reason": out.finish_reason}],
-            "usage": _usage(len(ids), out.num_output_tokens),
-            "speculative_decoding": spec_stats(state, out.spec, req.speculation),
-            "metrics": request_metrics([out])}
-    return JSONResponse(body)
+    body = ChatCompletionResponse(
+        id=rid, created=now(), model=model,
+        choices=[ChatChoice(message=ChatMessageOut(content=out.text), finish_reason=out.finish_reason)],
+        usage=_usage(len(ids), out.num_output_tokens),
+        speculative_decoding=spec_stats(state, out.spec, req.speculation), metrics=request_metrics([out]))
+    return JSONResponse(body.body())
 
 
 async def _completion(state: ServerState, request: Request, data) -> Response:
@@ -299,13 +300,13 @@ async def _completion(state: ServerState, request: Request, data) -> Response:
     if req.stream:
         return SSEResponse(_completion_events(state, req, streams, base, model, prompt_tokens, echoes), streams)
     outs = await _collect(request, streams)
-    body = {"id": base, "object": "text_completion", "created": now(), "model": model,
-            "choices": [{"index": i, "text": (echoes[i] if echoes else "") + o.text, "logprobs": None,
-                         "finish_reason": o.finish_reason} for i, o in enumerate(outs)],
-            "usage": _usage(prompt_tokens, sum(o.num_output_tokens for o in outs)),
-            "speculative_decoding": spec_stats(state, _merged_stats(outs), req.speculation),
-            "metrics": request_metrics(outs)}
-    return JSONResponse(body)
+    body = CompletionResponse(
+        id=base, created=now(), model=model,
+        choices=[CompletionChoice(index=i, text=(echoes[i] if echoes else "") + o.text, finish_reason=o.finish_reason)
+                 for i, o in enumerate(outs)],
+        usage=_usage(prompt_tokens, sum(o.num_output_tokens for o in outs)),
+        speculative_decoding=spec_stats(state, _merged_stats(outs), req.speculation), metrics=request_metrics(outs))
+    return JSONResponse(body.body())
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -345,14 +346,14 @@ async def _chat_events(state: ServerState, req: ChatCompletionRequest, stream: R
     continuous = bool(opts and opts.continuous_usage_stats)
 
     def chunk(delta: dict, finish=None, out: RequestOutput | None = None, final=False) -> str:
-        c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        extra = {}
         if include_usage:
-            c["usage"] = _usage(prompt_tokens, out.num_output_tokens) if (continuous and out) else None
+            extra["usage"] = _usage(prompt_tokens, out.num_output_tokens) if (continuous and out) else None
         if out is not None and (final or continuous):
-            c["speculative_decoding"] = spec_stats(state, out.spec, req.speculation)
-            c["metrics"] = request_metrics([out])
-        return _sse(c)
+            extra["speculative_decoding"] = spec_stats(state, out.spec, req.speculation)
+            extra["metrics"] = request_metrics([out])
+        return _sse(ChatCompletionChunk(id=rid, created=created, model=model, **extra, choices=[
+            ChatChunkChoice(delta=DeltaMessage(**delta), finish_reason=finish)]).body())
 
     yield chunk({"role": "assistant", "content": ""})
     out = None
@@ -366,10 +367,9 @@ async def _chat_events(state: ServerState, req: ChatCompletionRequest, stream: R
         yield "data: [DONE]\n\n"
         return
     if include_usage and out is not None:
-        yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
-                    "usage": _usage(prompt_tokens, out.num_output_tokens),
-                    "speculative_decoding": spec_stats(state, out.spec, req.speculation),
-                    "metrics": request_metrics([out])})
+        yield _sse(ChatCompletionChunk(
+            id=rid, created=created, model=model, choices=[], usage=_usage(prompt_tokens, out.num_output_tokens),
+            speculative_decoding=spec_stats(state, out.spec, req.speculation), metrics=request_metrics([out])).body())
     yield "data: [DONE]\n\n"
 
 
@@ -414,16 +414,16 @@ async def _completion_events(state: ServerState, req: CompletionRequest, streams
     finals: dict[int, RequestOutput] = {}
     latest: dict[int, RequestOutput] = {}
 
-    def chunk(i: int, text: str, finish=None, extra: list[RequestOutput] | None = None) -> str:
-        c = {"id": rid, "object": "text_completion", "created": created, "model": model,
-             "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}]}
+    def chunk(i: int, text: str, finish=None, done_outs: list[RequestOutput] | None = None) -> str:
+        extra = {}
         if include_usage:
             done = sum(o.num_output_tokens for o in latest.values())
-            c["usage"] = _usage(prompt_tokens, done) if continuous else None
-        if extra:
-            c["speculative_decoding"] = spec_stats(state, _merged_stats(extra), req.speculation)
-            c["metrics"] = request_metrics(extra)
-        return _sse(c)
+            extra["usage"] = _usage(prompt_tokens, done) if continuous else None
+        if done_outs:
+            extra["speculative_decoding"] = spec_stats(state, _merged_stats(done_outs), req.speculation)
+            extra["metrics"] = request_metrics(done_outs)
+        return _sse(CompletionChunk(id=rid, created=created, model=model, **extra, choices=[
+            CompletionChoice(index=i, text=text, finish_reason=finish)]).body())
 
     if echoes:
         for i, text in enumerate(echoes):
@@ -443,8 +443,9 @@ async def _completion_events(state: ServerState, req: CompletionRequest, streams
         return
     if include_usage and finals:
         outs = list(finals.values())
-        yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
-                    "usage": _usage(prompt_tokens, sum(o.num_output_tokens for o in outs)),
-                    "speculative_decoding": spec_stats(state, _merged_stats(outs), req.speculation),
-                    "metrics": request_metrics(outs)})
+        yield _sse(CompletionChunk(
+            id=rid, created=created, model=model, choices=[],
+            usage=_usage(prompt_tokens, sum(o.num_output_tokens for o in outs)),
+            speculative_decoding=spec_stats(state, _merged_stats(outs), req.speculation),
+            metrics=request_metrics(outs)).body())
     yield "data: [DONE]\n\n"

@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
 
 # --------------------------------------------------------------------------------------------------------------
 # errors
@@ -362,79 +362,76 @@ class RequestMetrics(BaseModel):
     elapsed: float = 0.0  # seconds from arrival to the last token
 
 
+class _Choice(BaseModel):
+    index: int = 0
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
 
 
-class ChatChoice(BaseModel):
-    index: int = 0
+class ChatChoice(_Choice):
     message: ChatMessageOut
-    logprobs: None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-    speculative_decoding: SpeculativeStats | None = None
-    metrics: RequestMetrics | None = None
 
 
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
 
+    @model_serializer
+    def _present_only(self) -> dict:
+        # A delta carries only what changed: {"role", "content": ""} first, then {"content"}, then {} at the end.
+        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
 
-class ChatChunkChoice(BaseModel):
-    index: int = 0
+
+class ChatChunkChoice(_Choice):
     delta: DeltaMessage
-    logprobs: None = None
-    finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class CompletionChoice(_Choice):
+    text: str
+
+
+class _Envelope(BaseModel):
+    """What every completion response and streamed chunk carries besides its choices."""
     id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
+    speculative_decoding: SpeculativeStats | None = None
+    metrics: RequestMetrics | None = None
+
+    def body(self) -> dict:
+        """The JSON body. Optional fields appear only when set: a streamed chunk carries usage only when the client
+        asked for it, and stats only on its last chunk."""
+        unset = {k for k in ("usage", "speculative_decoding", "metrics") if k not in self.model_fields_set}
+        return self.model_dump(exclude=unset)
+
+
+class ChatCompletionResponse(_Envelope):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class ChatCompletionChunk(_Envelope):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
-    speculative_decoding: SpeculativeStats | None = None
-    metrics: RequestMetrics | None = None
 
 
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: None = None
-    finish_reason: str | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(_Envelope):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
     usage: UsageInfo
-    speculative_decoding: SpeculativeStats | None = None
-    metrics: RequestMetrics | None = None
 
 
-class CompletionChunk(BaseModel):
-    id: str
+class CompletionChunk(_Envelope):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
-    speculative_decoding: SpeculativeStats | None = None
-    metrics: RequestMetrics | None = None
 
 
 class ModelCard(BaseModel):
