@@ -322,3 +322,30 @@ def test_compact_peagle_head_keeps_the_learned_mask_row(tmp_path):
     loaded = load_head(tmp_path, target_embeddings=target_emb, dtype=torch.float32)
     assert torch.equal(loaded.embed_tokens.weight[5], torch.full((32,), 7.0))
     assert torch.equal(loaded.embed_tokens.weight[:5], target_emb[:5])
+
+
+def test_export_completes_a_compact_peagle_head(tiny_llama, tmp_path, capsys):
+    """`peagle export` of a compact head writes the full embedding table vLLM needs: the target's, with the
+    head's learned mask row in it."""
+    import torch
+    from safetensors import safe_open
+
+    from peagle.model.checkpoint import random_head, save_head
+    from peagle.model.target import TargetConfig
+
+    cfg = TargetConfig.from_hf(json.loads((tiny_llama / "config.json").read_text()))
+    with safe_open(tiny_llama / "model.safetensors", "pt") as f:
+        target_emb = f.get_tensor("model.embed_tokens.weight")
+    head = random_head(cfg, target_emb, "peagle", mask_token_id=5, dtype=torch.bfloat16)
+    with torch.no_grad():
+        head.embed_tokens.weight[5] = 3.0
+    save_head(head, tmp_path / "compact", include_embeddings=False)
+    assert main(["export", str(tmp_path / "compact"), "--out", str(tmp_path / "full")]) == 2
+    assert "--target" in capsys.readouterr().err  # a compact head alone cannot say whose table completes it
+    assert main(["export", str(tmp_path / "compact"), "--out", str(tmp_path / "full"), "--target", str(tiny_llama)]) == 0
+    with safe_open(tmp_path / "full" / "model.safetensors", "pt") as f:
+        emb = f.get_tensor("embed_tokens.weight")
+        assert "mask_token_embedding" not in f.keys()
+    assert emb.shape == target_emb.shape
+    assert torch.equal(emb[5], torch.full_like(emb[5], 3.0))
+    assert torch.equal(emb[:5], target_emb[:5]) and torch.equal(emb[6:], target_emb[6:])

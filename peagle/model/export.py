@@ -12,7 +12,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from peagle.model.checkpoint import LAYOUTS, default_num_speculative_tokens
+from peagle.model.checkpoint import LAYOUTS, MASK_ROW, default_num_speculative_tokens
 
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 EMBEDDED_MASK_TOKEN_ID = 3  # <repo_name>: a StarCoder-style special token that chat never produces (DESIGN 9)
@@ -91,10 +91,22 @@ def export_head(args) -> tuple[Path, bool, str | None]:
     src = _resolve_head(args.head)
     raw = json.loads((src / "config.json").read_text())
     verifier = (((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path"))
+    if verifier is None and _is_bundled(src):
+        verifier = EMBEDDED_HUB_ID  # the bundled heads are for the embedded SmolLM2
     target = _target_name(args.target) if args.target else verifier
     has_embed = _has_tensor(src, "embed_tokens.weight")
     embeddings = None
-    if not has_embed:
+    if _has_tensor(src, MASK_ROW):
+        # A compact P-EAGLE head (the bundled ones) keeps only its learned mask row; vLLM wants the whole table, so
+        # the target's is written with that row in it.
+        if not (args.target or verifier):
+            raise ExportError(f"{src} stores only its mask-token row and does not name its target: pass --target "
+                              "MODEL so the full embedding table vLLM needs can be written")
+        from peagle.model.loading import resolve_model
+
+        embeddings = target_embeddings(resolve_model(args.target or verifier))
+        has_embed = True
+    elif not has_embed:
         # An EAGLE-3 head that shares the target's embeddings: carry a placeholder, write none.
         layer = {**(raw.get("transformer_layer_config") or {}), **raw}
         embeddings = torch.zeros(layer["vocab_size"], layer["hidden_size"])
@@ -184,6 +196,12 @@ def target_embeddings(path: Path):
                 if name in st.keys():
                     return st.get_tensor(name)
     raise FileNotFoundError(f"no embed_tokens.weight in the safetensors files of {path}")
+
+
+def _is_bundled(head: Path) -> bool:
+    from peagle.model.heads import HEADS_DIR
+
+    return head.resolve().parent == HEADS_DIR
 
 
 def _resolve_head(name: str) -> Path:
