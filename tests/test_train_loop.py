@@ -93,6 +93,33 @@ def test_resume_is_exact(tmp_path, method):
     assert straight.optimizer.state_dict()["state"].keys() == resumed.optimizer.state_dict()["state"].keys()
 
 
+@pytest.mark.parametrize("method", ["peagle", "eagle3"])
+def test_init_head_continues_from_a_saved_head(tmp_path, method):
+    """--init-head starts a new run from a saved head's weights, draft vocab and mask token (not the data's)."""
+    target = make_tiny_model(tmp_path / "t", "llama", num_hidden_layers=8, vocab_size=128)
+    save_rows(_random_rows(6, 40, 128, seed=4), tmp_path / "data", {})
+    first = Trainer(_cfg(tmp_path / "a", target, tmp_path / "data", method=method, max_steps=2, num_layers=2,
+                         draft_vocab_size=64))
+    for _ in range(2):
+        first.train_step()
+    head = first.save_head(tmp_path / "head")
+    save_rows(_random_rows(6, 40, 128, seed=5), tmp_path / "other", {})  # other data: a different draft vocab
+    second = Trainer(_cfg(tmp_path / "b", target, tmp_path / "other", method=method, max_steps=2, num_layers=1,
+                          draft_vocab_size=32, init_head=str(head)))
+    assert second.drafter.config.num_layers == 2 and second.drafter.config.draft_vocab_size == 64
+    saved = load_head(head, target_embeddings=second.teacher.input_embeddings().float(), dtype=torch.float32)
+    for name, value in saved.state_dict().items():
+        if not name.startswith("embed_tokens."):
+            assert torch.allclose(second.drafter.state_dict()[name].float(), value.float(), atol=1e-2), name
+    if method == "peagle":
+        mask_id = saved.config.mask_token_id
+        assert torch.allclose(second.drafter.embed_tokens.mask_row[0], saved.embed_tokens.weight[mask_id], atol=1e-2)
+    assert torch.isfinite(torch.tensor(second.train_step()["loss"]))
+    wrong = "eagle3" if method == "peagle" else "peagle"
+    with pytest.raises(ValueError, match="needs the other kind"):
+        Trainer(_cfg(tmp_path / "c", target, tmp_path / "other", method=wrong, max_steps=1, init_head=str(head)))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # a short real run raises acceptance
 # ---------------------------------------------------------------------------------------------------------------

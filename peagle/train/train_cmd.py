@@ -66,6 +66,10 @@ def register(name: str, parser) -> None:
     p.add_argument("--layout", choices=("vllm", "speculators"), default="vllm", help="layout of the final head")
     p.add_argument("--resume", nargs="?", const="latest", default=None,
                    help="resume from the latest checkpoint in --out, or from the given checkpoint folder")
+    p.add_argument("--init-head", default=None,
+                   help="start from this trained head's weights (a folder or bundled name; its layers, draft vocab "
+                        "and mask token are kept) instead of a new head: continue or fine-tune a head. The "
+                        "optimizer and schedule start fresh (--resume continues an interrupted run instead)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--limit", type=int, default=None, help="use at most this many conversations")
@@ -89,7 +93,7 @@ def config_from_args(args) -> TrainConfig:
         eval_data=args.eval_data, eval_every=args.eval_every, eval_samples=args.eval_samples,
         eval_anchors=args.eval_anchors, eval_depths=args.eval_depths, save_every=args.save_every,
         save_total_limit=args.save_total_limit, save_dtype=args.save_dtype, layout=args.layout, resume=args.resume,
-        seed=args.seed, device=args.device, limit=args.limit, progress=not args.no_progress,
+        init_head=args.init_head, seed=args.seed, device=args.device, limit=args.limit, progress=not args.no_progress,
         loss_chunk=args.loss_chunk, attn_chunk=args.attn_chunk, init_from_target=not args.no_init_from_target)
 
 

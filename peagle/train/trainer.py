@@ -74,6 +74,7 @@ class TrainConfig:
     save_dtype: str = "bf16"
     layout: str = "vllm"
     resume: str | None = None  # "latest" or a checkpoint folder
+    init_head: str | None = None  # start from a trained head's weights (fresh optimizer)
     seed: int = 0
     device: str = "auto"
     limit: int | None = None  # use at most this many conversations
@@ -197,17 +198,23 @@ class Trainer:
             ids, mask = self._row(self.train_rows, i)
             sup_counts += torch.bincount(ids[mask], minlength=V)[:V]
             all_counts += torch.bincount(ids, minlength=V)[:V]
-        mask_id = None
-        if cfg.method == "peagle":
-            mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else choose_mask_token_id(
-                self.tokenizer, V, all_counts)
-            if not 0 <= mask_id < V:
-                raise ValueError(f"--mask-token-id {mask_id} is outside the target's vocabulary ({V})")
-        Vd = min(cfg.draft_vocab_size, V)
-        used = select_draft_vocab(sup_counts, Vd, exclude=[mask_id] if mask_id is not None else [])
+        init = self._init_head() if cfg.init_head else None
+        num_layers = cfg.num_layers
+        if init is not None:  # the head decides the shape: its layers, mask token and draft vocab
+            num_layers, mask_id, Vd = init.config.num_layers, init.config.mask_token_id, init.config.draft_vocab_size
+            used = init.d2t.cpu() + torch.arange(Vd)
+        else:
+            mask_id = None
+            if cfg.method == "peagle":
+                mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else choose_mask_token_id(
+                    self.tokenizer, V, all_counts)
+                if not 0 <= mask_id < V:
+                    raise ValueError(f"--mask-token-id {mask_id} is outside the target's vocabulary ({V})")
+            Vd = min(cfg.draft_vocab_size, V)
+            used = select_draft_vocab(sup_counts, Vd, exclude=[mask_id] if mask_id is not None else [])
         teacher.used = used
         d2t, t2d = mapping(used, V)
-        dc = drafter_config_for(self.target_dir, teacher.hf_config, cfg.num_layers, Vd, mask_id)
+        dc = drafter_config_for(self.target_dir, teacher.hf_config, num_layers, Vd, mask_id)
         dc.extra = {**dc.extra, "peagle_training": {"method": cfg.method, "num_depths": cfg.num_depths,
                                                      "max_seq_len": cfg.max_seq_len}}
         torch.manual_seed(cfg.seed)
@@ -218,14 +225,21 @@ class Trainer:
         drafter.embed_tokens = FrozenEmbedding(emb.detach().float().cpu(), mask_id)
         drafter.d2t.copy_(d2t)
         drafter.t2d.copy_(t2d)
+        if init is not None:
+            with torch.no_grad():
+                state = {k: v for k, v in init.state_dict().items() if not k.startswith("embed_tokens.")}
+                drafter.load_state_dict(state, strict=False)
+                if mask_id is not None:
+                    drafter.embed_tokens.mask_row.copy_(init.embed_tokens.weight[mask_id][None].float())
+            self.log(f"starting from the weights of {cfg.init_head}")
         with torch.no_grad():
             out_emb = teacher.output_embeddings()
-            if cfg.init_from_target and out_emb is not None and out_emb.shape[-1] == dc.hidden_size:
+            if init is None and cfg.init_from_target and out_emb is not None and out_emb.shape[-1] == dc.hidden_size:
                 drafter.lm_head.weight.copy_(out_emb.detach().float().cpu()[used])
-            norm = teacher.final_norm_weight() if cfg.init_from_target else None
+            norm = teacher.final_norm_weight() if init is None and cfg.init_from_target else None
             if norm is not None and norm.shape == drafter.norm.weight.shape:
                 drafter.norm.weight.copy_(norm.detach().float().cpu())
-            if drafter.mask_hidden is not None:  # start the placeholder at the average real feature
+            if drafter.mask_hidden is not None and init is None:  # start the placeholder at the average feature
                 ids, _ = self._row(self.train_rows, self.train_ids[0])
                 drafter.mask_hidden.copy_(teacher.mean_feature(ids).cpu().reshape(1, 1, -1))
         self.drafter = drafter.to(self.device)
@@ -242,6 +256,27 @@ class Trainer:
                  f"{'' if mask_id is None else f', mask token {mask_id}'}, {ntrain / 1e6:.1f}M trainable parameters; "
                  f"target {self.target_dir} ({teacher.hf_config.model_type}, feature layers "
                  f"{list(teacher.feature_layer_ids)})")
+
+    def _init_head(self) -> Drafter:
+        """The head --init-head names, checked against this run: same kind, same target shape."""
+        from peagle.model.checkpoint import load_head
+        from peagle.model.heads import resolve_head
+
+        cfg = self.cfg
+        path = resolve_head(cfg.init_head, cfg.target, cfg.method)
+        emb = self.teacher.input_embeddings().detach().float().cpu()
+        head = load_head(path, target_embeddings=emb, dtype=torch.float32)
+        c = head.config
+        if c.parallel_capable != (cfg.method == "peagle"):
+            kind = "a P-EAGLE" if c.parallel_capable else "an EAGLE-3"
+            raise ValueError(f"--init-head {cfg.init_head} is {kind} head; --method {cfg.method} needs the other kind")
+        if (c.vocab_size, c.target_hidden_size) != (emb.shape[0], self.teacher.hf_config.hidden_size) or \
+                tuple(c.feature_layer_ids) != tuple(self.teacher.feature_layer_ids):
+            raise ValueError(f"--init-head {cfg.init_head} was trained for another target (vocab {c.vocab_size}, "
+                             f"hidden {c.target_hidden_size}, feature layers {list(c.feature_layer_ids)})")
+        if cfg.num_layers != c.num_layers:
+            self.log(f"--init-head has {c.num_layers} layer(s); --num-layers {cfg.num_layers} is ignored")
+        return head
 
     def _build_optimizer(self):
         cfg = self.cfg
