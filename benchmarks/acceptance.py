@@ -10,16 +10,15 @@ too (a free large-scale losslessness test).
     python benchmarks/acceptance.py --num-prompts 8 --out /tmp/acc   # a quick look
 
 Runs are spread over --jobs processes of --threads torch threads each (one per core works best on a shared
-machine). Writes OUT/acceptance.json and OUT/acceptance.md.
+machine). Each run is kept in OUT/runs/ as it finishes and skipped when the script is run again (so a sweep can be
+stopped, resumed, or split: `--methods peagle` now, `--methods eagle3` later); OUT/acceptance.json and
+OUT/acceptance.md report every run present.
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
 import json
-import os
-import platform
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
@@ -49,15 +48,17 @@ def run_one(method: str, k: int, dataset: str, head: str, num_prompts: int | Non
     tokens = [o.token_ids for o in outs]
     digest = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
     return {"method": method, "k": k, "dataset": dataset, "head": head, "prompts": len(prompts),
+            "max_tokens": max_tokens, "max_num_seqs": max_num_seqs,
             "output_tokens": sum(map(len, tokens)), "seconds": round(seconds, 1), "outputs_sha256": digest,
             **engine.stats.as_dict()}
 
 
-def report(results: list[dict], args) -> str:
-    lines = [f"Measured by `python benchmarks/acceptance.py {' '.join(sys.argv[1:])}`".rstrip() + " on "
-             f"{platform.machine()} with {os.cpu_count()} CPU cores; greedy, chat template, up to {args.max_tokens} "
-             "new tokens per prompt.", ""]
-    for ds in args.datasets:
+def report(results: list[dict]) -> str:
+    from peagle.bench.cli import machine
+
+    lines = [f"Measured by `python benchmarks/acceptance.py` on {machine()['summary']}; greedy, chat template, up to "
+             f"{', '.join(sorted({str(r['max_tokens']) for r in results}))} new tokens per prompt.", ""]
+    for ds in dict.fromkeys(r["dataset"] for r in results):
         rows = sorted((r for r in results if r["dataset"] == ds), key=lambda r: (r["method"] != "peagle", r["k"]))
         if not rows:
             continue
@@ -107,20 +108,27 @@ def main() -> None:
     heads = {"peagle": args.peagle_head, "eagle3": args.eagle3_head}
     runs = [(m.strip(), int(k), ds) for ds in args.datasets for m in args.methods.split(",") for k in args.k.split(",")]
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    results = []
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+
+    def run_file(m: str, k: int, ds: str) -> Path:
+        return out / "runs" / f"{ds}-{m}-k{k}.json"
+
+    todo = [r for r in runs if not run_file(*r).exists()]
+    print(f"{len(runs) - len(todo)} of {len(runs)} runs already in {out / 'runs'}; running {len(todo)}", flush=True)
     t0 = time.perf_counter()
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         futs = {pool.submit(run_one, m, k, ds, heads[m], args.num_prompts, args.max_tokens, args.max_num_seqs,
-                            args.threads): (m, k, ds) for m, k, ds in runs}
+                            args.threads): (m, k, ds) for m, k, ds in todo}
         for n, fut in enumerate(as_completed(futs), 1):
             r = fut.result()
-            results.append(r)
-            print(f"[{n}/{len(runs)} {time.perf_counter() - t0:.0f}s] {r['dataset']} {r['method']} K={r['k']}: mean "
+            run_file(r["method"], r["k"], r["dataset"]).write_text(json.dumps(r, indent=1) + "\n")
+            print(f"[{n}/{len(todo)} {time.perf_counter() - t0:.0f}s] {r['dataset']} {r['method']} K={r['k']}: mean "
                   f"acceptance length {r['mean_acceptance_length']:.2f}, per position "
-                  f"{[round(a, 2) for a in r['acceptance_per_position']]} ({r['output_tokens']} tokens in {r['seconds']}s)", flush=True)
+                  f"{[round(a, 2) for a in r['acceptance_per_position']]} ({r['output_tokens']} tokens in "
+                  f"{r['seconds']}s)", flush=True)
+    results = [json.loads(f.read_text()) for f in sorted((out / "runs").glob("*.json"))]
     (out / "acceptance.json").write_text(json.dumps(results, indent=1) + "\n")
-    md = report(results, args)
+    md = report(results)
     (out / "acceptance.md").write_text(md)
     print(md)
 
