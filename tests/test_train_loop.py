@@ -120,6 +120,25 @@ def test_init_head_continues_from_a_saved_head(tmp_path, method):
         Trainer(_cfg(tmp_path / "c", target, tmp_path / "other", method=wrong, max_steps=1, init_head=str(head)))
 
 
+def test_teacher_cache_gives_identical_training(tmp_path):
+    """A run reading the target's outputs from --teacher-cache trains exactly as one computing them, and a second
+    epoch (or another run on the same data) is served from the cache."""
+    target = make_tiny_model(tmp_path / "t", "llama", num_hidden_layers=8, vocab_size=128)
+    save_rows(_random_rows(4, 40, 128, seed=6), tmp_path / "data", {})
+    plain = Trainer(_cfg(tmp_path / "a", target, tmp_path / "data", max_steps=4))
+    cached = Trainer(_cfg(tmp_path / "b", target, tmp_path / "data", max_steps=4,
+                          teacher_cache=str(tmp_path / "cache")))
+    for _ in range(4):  # 2 epochs of 2 steps
+        assert plain.train_step()["loss"] == cached.train_step()["loss"]
+    assert (cached.teacher_cache.misses, cached.teacher_cache.hits) == (4, 4)
+    for k, v in plain.head.state_dict().items():
+        assert torch.equal(v, cached.head.state_dict()[k]), k
+    again = Trainer(_cfg(tmp_path / "c", target, tmp_path / "data", max_steps=1,
+                         teacher_cache=str(tmp_path / "cache")))
+    again.train_step()
+    assert again.teacher_cache.misses == 0 and again.teacher_cache.hits == 2
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # a short real run raises acceptance
 # ---------------------------------------------------------------------------------------------------------------

@@ -70,6 +70,10 @@ def register(name: str, parser) -> None:
                    help="start from this trained head's weights (a folder or bundled name; its layers, draft vocab "
                         "and mask token are kept) instead of a new head: continue or fine-tune a head. The "
                         "optimizer and schedule start fresh (--resume continues an interrupted run instead)")
+    p.add_argument("--teacher-cache", default=None,
+                   help="folder that keeps the target's outputs for every training row (about (3H + Vd) x 2 bytes "
+                        "per token), so epochs after the first, resumed runs and other heads on the same data skip "
+                        "the target's forward pass")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--limit", type=int, default=None, help="use at most this many conversations")
@@ -93,7 +97,7 @@ def config_from_args(args) -> TrainConfig:
         eval_data=args.eval_data, eval_every=args.eval_every, eval_samples=args.eval_samples,
         eval_anchors=args.eval_anchors, eval_depths=args.eval_depths, save_every=args.save_every,
         save_total_limit=args.save_total_limit, save_dtype=args.save_dtype, layout=args.layout, resume=args.resume,
-        init_head=args.init_head, seed=args.seed, device=args.device, limit=args.limit, progress=not args.no_progress,
+        init_head=args.init_head, teacher_cache=args.teacher_cache, seed=args.seed, device=args.device, limit=args.limit, progress=not args.no_progress,
         loss_chunk=args.loss_chunk, attn_chunk=args.attn_chunk, init_from_target=not args.no_init_from_target)
 
 

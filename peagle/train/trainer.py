@@ -75,6 +75,7 @@ class TrainConfig:
     layout: str = "vllm"
     resume: str | None = None  # "latest" or a checkpoint folder
     init_head: str | None = None  # start from a trained head's weights (fresh optimizer)
+    teacher_cache: str | None = None  # folder keeping the target's outputs per training row (epochs 2+ skip it)
     seed: int = 0
     device: str = "auto"
     limit: int | None = None  # use at most this many conversations
@@ -127,6 +128,11 @@ class Trainer:
         self.teacher = Teacher(self.target_dir, dtype=tdtype, device=self.device, device_map=cfg.target_device_map)
         self._load_data()
         self._build_head()
+        self.teacher_cache = None
+        if cfg.teacher_cache:
+            from peagle.train.teacher_cache import TeacherCache
+
+            self.teacher_cache = TeacherCache(cfg.teacher_cache, self.teacher)
         self._build_optimizer()
         self.step = 0
         self.history: list[dict] = []
@@ -349,8 +355,12 @@ class Trainer:
             return el.num_supervised
         return int(el.supervised[el.depth == 0].sum())  # TTT: every step is divided by the step-0 count
 
-    def _teacher_seq(self, ids: torch.Tensor) -> TeacherSeq:
-        feats, labels, argmax = self.teacher(ids)
+    def _teacher_seq(self, ids: torch.Tensor, row: int | None = None) -> TeacherSeq:
+        """The target's outputs for a sequence; training rows (`row` given) go through the cache when there is one."""
+        if row is not None and self.teacher_cache is not None:
+            feats, labels, argmax = self.teacher_cache(ids, row)
+        else:
+            feats, labels, argmax = self.teacher(ids)
         d = self.device
         return TeacherSeq(ids.to(d), feats.to(d), labels.to(d), argmax.to(d))
 
@@ -383,11 +393,11 @@ class Trainer:
                 [None] if el.num_supervised else [])
             count += self._count(el)
             tokens += ids.numel()
-            work.append((ids, el, segs))
+            work.append((ids, el, segs, index))
         totals = self._all_reduce(torch.tensor([count, tokens], dtype=torch.float64))
         global_count = float(totals[0])
         scale = self.world / max(global_count, 1.0)  # DDP averages gradients over ranks
-        units = [(w, seg) for w, (_, _, segs) in enumerate(work) for seg in segs]
+        units = [(w, seg) for w, (_, _, segs, _) in enumerate(work) for seg in segs]
         D = cfg.num_depths
         loss_sum, correct, total = 0.0, torch.zeros(D, dtype=torch.long), torch.zeros(D, dtype=torch.long)
         seq, seq_of = None, -1
@@ -405,7 +415,7 @@ class Trainer:
                     if seq_of != w:
                         seq, seq_of = None, w
                         t1 = time.time()
-                        seq = self._teacher_seq(work[w][0])
+                        seq = self._teacher_seq(work[w][0], work[w][3])
                         teacher_s += time.time() - t1
                     with self._autocast():
                         loss, stats = self.model(seq, work[w][1], seg)
