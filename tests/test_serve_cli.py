@@ -56,17 +56,15 @@ def test_every_flag_from_sm_vllm_env_and_the_flag_wins():
         serve_parser({"SM_VLLM_MAX_NUM_SEQS": "many"}).parse_args([])
 
 
-def test_sagemaker_defaults_and_no_bundled_head_note(monkeypatch, tmp_path):
-    from peagle.model.heads import DEFAULT_HEADS, bundled_heads
+def test_sagemaker_defaults_use_the_bundled_peagle_head(monkeypatch, tmp_path):
+    from peagle.model.heads import DEFAULT_HEADS, DEFAULT_NUM_SPECULATIVE_TOKENS
     from peagle.serve import cli
 
     monkeypatch.setenv(cli.ML_ROOT_ENV, str(tmp_path / "ml"))
     plan = cli.resolve(serve_parser({}).parse_args(["--sagemaker"]))
     assert (plan["host"], plan["port"]) == ("0.0.0.0", 8080)
-    if DEFAULT_HEADS["peagle"] in bundled_heads():
-        assert plan["spec"].parallel_drafting and plan["spec"].model == DEFAULT_HEADS["peagle"]
-    else:
-        assert plan["spec"] is None and "WITHOUT speculation" in " ".join(plan["notes"])
+    assert plan["spec"].parallel_drafting and plan["spec"].model == DEFAULT_HEADS["peagle"]
+    assert plan["spec"].num_speculative_tokens == DEFAULT_NUM_SPECULATIVE_TOKENS
     plan = cli.resolve(serve_parser({}).parse_args([]))
     assert (plan["host"], plan["port"]) == ("127.0.0.1", 8000)
 

@@ -1,7 +1,7 @@
 """The playground page in headless Chromium (Debian's `chromium`, driven over the DevTools protocol): load `/`,
 send a prompt, see the output and the stats, run the side-by-side comparison, and keep a screenshot in
-a screenshot (see SCREENSHOT). Uses the embedded SmolLM2 with its bundled P-EAGLE head when that head is installed (real
-text, real acceptance), else the tiny random model with a random head."""
+a screenshot (see SCREENSHOT). Uses the embedded SmolLM2 with its bundled P-EAGLE head, as `peagle serve` does with no
+arguments (real text, real acceptance)."""
 from __future__ import annotations
 
 import base64
@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serve_util import LiveServer, build_tiny, make_server  # noqa: E402
+from serve_util import LiveServer  # noqa: E402
 
 CHROMIUM = next((shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs a Chromium binary: `apt-get install -y chromium`")
@@ -89,23 +89,19 @@ class Browser:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from peagle.model.heads import DEFAULT_HEADS, bundled_heads
+def server():
+    from peagle.engine import LLMEngine
+    from peagle.model.heads import default_speculative_config
+    from peagle.serve.app import build_app
+    from peagle.serve.async_engine import AsyncEngine
+    from peagle.serve.metrics import Metrics
 
-    if DEFAULT_HEADS["peagle"] in bundled_heads():
-        from peagle.engine import LLMEngine
-        from peagle.model.heads import default_speculative_config
-        from peagle.serve.app import build_app
-        from peagle.serve.async_engine import AsyncEngine
-        from peagle.serve.metrics import Metrics
-
-        engine = LLMEngine.from_pretrained(None, default_speculative_config(None), max_num_seqs=2, device="cpu")
-        base = LLMEngine(engine.target, engine.tokenizer, max_num_seqs=1, max_model_len=engine.max_model_len,
-                         model_name=engine.model_name)
-        aengine = AsyncEngine(engine, base, metrics=Metrics("SmolLM2-135M-Instruct", engine.k))
-        srv = LiveServer(build_app(aengine, ["SmolLM2-135M-Instruct"]), aengine)
-    else:
-        srv = make_server(*build_tiny(tmp_path_factory.getbasetemp() / "serve-tiny"), name="tiny")
+    # what `peagle serve` runs with no arguments: the embedded SmolLM2 with its bundled P-EAGLE head
+    engine = LLMEngine.from_pretrained(None, default_speculative_config(None), max_num_seqs=2, device="cpu")
+    base = LLMEngine(engine.target, engine.tokenizer, max_num_seqs=1, max_model_len=engine.max_model_len,
+                     model_name=engine.model_name)
+    aengine = AsyncEngine(engine, base, metrics=Metrics("SmolLM2-135M-Instruct", engine.k))
+    srv = LiveServer(build_app(aengine, ["SmolLM2-135M-Instruct"]), aengine)
     with srv as s:
         yield s
 
