@@ -71,7 +71,7 @@ def report(results: list[dict]) -> str:
             acc = r["acceptance_per_position"] + [None] * (kmax - r["k"])
             lines.append(f"| {'P-EAGLE' if r['method'] == 'peagle' else 'EAGLE-3'} | {r['k']} | "
                          f"{r['mean_acceptance_length']:.2f} | "
-                         + " | ".join("" if a is None else f"{a:.2f}" for a in acc)
+                         + " | ".join("" if a is None else f"{a:.3f}" for a in acc)
                          + f" | {r['num_drafts']} | {r['output_tokens']} |")
         same = len({r["outputs_sha256"] for r in rows}) == 1
         lines += ["", f"Every configuration produced the same tokens: {'yes' if same else 'NO (a losslessness bug)'}."]

@@ -2,7 +2,9 @@
 # Reproduce the bundled SmolLM2 heads (peagle/heads/smollm2-135m-{peagle,eagle3}) from scratch; docs/heads.md says
 # what each step took on which machine.
 #
-#   bash scripts/train_heads.sh            # WORK=runs/heads by default; every step resumes where it stopped
+#   bash scripts/train_heads.sh              # WORK=runs/heads by default; every step resumes where it stopped
+#   CONTINUE=1 STEPS=400 bash scripts/train_heads.sh   # train the bundled heads further (--init-head), e.g. in a
+#                                                      # later session, when the checkpoints of the first run are gone
 #
 # 1. prompts: 1600 ShareGPT first turns, half about code (data/heads/prompts.jsonl is the committed result)
 # 2. answers: regenerated greedily by SmolLM2 itself, so the heads learn what the target really says
@@ -25,9 +27,15 @@ fi
 [ -f "$WORK/data/peagle_data.json" ] || peagle data prepare --input data/heads/smollm2-regenerated.jsonl --out "$WORK/data"
 
 COMMON=(--data "$WORK/data" --draft-vocab-size 8192 --max-steps "$STEPS" --batch-size 8 --lr 1e-3 --warmup-ratio 0.05
-        --min-lr-ratio 0.1 --save-every 20 --resume latest)
-peagle train --method peagle --num-layers 2 --num-depths 12 --out "$WORK/peagle" "${COMMON[@]}" 2> "$WORK/peagle.log" &
-peagle train --method eagle3 --num-layers 1 --num-depths 7 --out "$WORK/eagle3" "${COMMON[@]}" 2> "$WORK/eagle3.log" &
+        --min-lr-ratio 0.1 --save-every 20 --resume latest --teacher-cache "$WORK/teacher-cache")
+INIT_P=() INIT_E=()
+if [ -n "${CONTINUE:-}" ]; then
+  INIT_P=(--init-head smollm2-135m-peagle) INIT_E=(--init-head smollm2-135m-eagle3)
+fi
+peagle train --method peagle --num-layers 2 --num-depths 12 --out "$WORK/peagle" "${COMMON[@]}" "${INIT_P[@]}" \
+  2> "$WORK/peagle.log" &
+peagle train --method eagle3 --num-layers 1 --num-depths 7 --out "$WORK/eagle3" "${COMMON[@]}" "${INIT_E[@]}" \
+  2> "$WORK/eagle3.log" &
 wait
 
 python scripts/bundle_head.py "$WORK/peagle" smollm2-135m-peagle
