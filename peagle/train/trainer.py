@@ -31,7 +31,7 @@ from peagle.train.cod import Elements, eval_elements, partition, sample_cod
 from peagle.train.objective import (FrozenEmbedding, TeacherSeq, TrainHead, cod_hidden, export_drafter,
                                     ttt_forward)
 from peagle.train.teacher import Teacher, choose_mask_token_id, drafter_config_for
-from peagle.train.vocab import mapping, select_draft_vocab
+from peagle.train.vocab import mapping, select_draft_vocab, used_ids
 
 DEFAULT_DEPTHS = {"peagle": 8, "eagle3": 7}
 
@@ -208,7 +208,7 @@ class Trainer:
         num_layers = cfg.num_layers
         if init is not None:  # the head decides the shape: its layers, mask token and draft vocab
             num_layers, mask_id, Vd = init.config.num_layers, init.config.mask_token_id, init.config.draft_vocab_size
-            used = init.d2t.cpu() + torch.arange(Vd)
+            used = used_ids(init.d2t.cpu())
         else:
             mask_id = None
             if cfg.method == "peagle":
@@ -340,7 +340,7 @@ class Trainer:
         torch.set_rng_state(state["rng"])
         self.step = int(state["step"])
         self.history = state.get("history", [])
-        self.teacher.used = self.drafter.d2t.cpu() + torch.arange(self.drafter.d2t.numel())
+        self.teacher.used = used_ids(self.drafter.d2t.cpu())
         self.log(f"resumed from {path.parent} at step {self.step}")
 
     # -- one step ------------------------------------------------------------------------------------------------
