@@ -3,8 +3,8 @@
 # what each step took on which machine.
 #
 #   bash scripts/train_heads.sh              # WORK=runs/heads by default; every step resumes where it stopped
-#   CONTINUE=1 STEPS=400 bash scripts/train_heads.sh   # train the bundled heads further (--init-head), e.g. in a
-#                                                      # later session, when the checkpoints of the first run are gone
+#   WORK=runs/heads2 CONTINUE=1 STEPS=480 BATCH=4 bash scripts/train_heads.sh
+#       # train the bundled heads further (--init-head, fresh optimizer and schedule) in a new WORK folder
 #
 # 1. prompts: 1600 ShareGPT first turns, half about code (data/heads/prompts.jsonl is the committed result)
 # 2. answers: regenerated greedily by SmolLM2 itself, so the heads learn what the target really says
@@ -15,6 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK="${WORK:-runs/heads}"
 STEPS="${STEPS:-190}"
+BATCH="${BATCH:-8}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # one core per process: two threads stall on a shared 2-core machine
 mkdir -p "$WORK"
 
@@ -26,7 +27,7 @@ if [ ! -f data/heads/smollm2-regenerated.jsonl ]; then
 fi
 [ -f "$WORK/data/peagle_data.json" ] || peagle data prepare --input data/heads/smollm2-regenerated.jsonl --out "$WORK/data"
 
-COMMON=(--data "$WORK/data" --draft-vocab-size 8192 --max-steps "$STEPS" --batch-size 8 --lr 1e-3 --warmup-ratio 0.05
+COMMON=(--data "$WORK/data" --draft-vocab-size 8192 --max-steps "$STEPS" --batch-size "$BATCH" --lr 1e-3 --warmup-ratio 0.05
         --min-lr-ratio 0.1 --save-every 20 --resume latest --teacher-cache "$WORK/teacher-cache")
 INIT_P=() INIT_E=()
 if [ -n "${CONTINUE:-}" ]; then
