@@ -28,8 +28,8 @@ def load_runs(run_dirs: list[str]) -> list[dict]:
         for line in path.read_text().splitlines():
             r = json.loads(line)
             seen += r["tokens"]
-            rows.append({"run": i + 1, "step": r["step"], "tokens_seen": seen, "loss": r["loss"],
-                         **{f"acc{p + 1}": r["acc"][p] for p in range(min(POSITIONS, len(r["acc"])))}})
+            rows.append({"run": i + 1, "step": r["step"], "tokens_seen": seen, "loss": round(r["loss"], 4),
+                         **{f"acc{p + 1}": round(r["acc"][p], 4) for p in range(min(POSITIONS, len(r["acc"])))}})
     return rows
 
 

@@ -19,10 +19,10 @@ PROMPTS = [
 ]
 MAX_TOKENS = 64
 # Mean acceptance length on PROMPTS when the bundled heads were made (the same at K = 3 and 7: these heads' drafts
-# past the second position are almost never accepted yet), and the floor a head must stay above. An untrained head
-# scores 1.00.
-MEASURED = {"peagle": 1.22, "eagle3": 1.21}
-FLOOR = 1.10
+# past the third position are almost never accepted yet), and the floor each head must stay above. An untrained
+# head scores 1.00.
+MEASURED = {"peagle": 1.19, "eagle3": 1.34}
+FLOOR = {"peagle": 1.10, "eagle3": 1.20}
 
 
 @pytest.fixture(scope="module")
@@ -47,5 +47,6 @@ def test_bundled_head_quality_and_lossless(method, k, plain_outputs):
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS), chat=True)
     assert [o.token_ids for o in outs] == plain_outputs
     mal = engine.stats.mean_acceptance_length
-    assert mal >= FLOOR, (f"{method} K={k}: mean acceptance length {mal:.2f} is under the floor {FLOOR} "
+    floor = FLOOR[method]
+    assert mal >= floor, (f"{method} K={k}: mean acceptance length {mal:.2f} is under the floor {floor} "
                           f"(measured {MEASURED[method]} when the head was made): the bundled head regressed")

@@ -8,7 +8,7 @@ from peagle.model.loading import is_embedded
 HEADS_DIR = Path(__file__).resolve().parent.parent / "heads"
 # The bundled heads for the embedded SmolLM2-135M-Instruct target.
 DEFAULT_HEADS = {"peagle": "smollm2-135m-peagle", "eagle3": "smollm2-135m-eagle3"}
-# K for the bundled P-EAGLE head: the fastest at concurrency 1 in docs/benchmarks.md (these first heads' drafts are
+# K for the bundled P-EAGLE head: the fastest at concurrency 1 in docs/benchmarks.md (the bundled heads' drafts are
 # rarely accepted past the second position, so verifying more of them only costs time).
 DEFAULT_NUM_SPECULATIVE_TOKENS = 3
 
