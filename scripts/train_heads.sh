@@ -25,10 +25,11 @@ if [ ! -f data/heads/smollm2-regenerated.jsonl ]; then
     --max-model-len 1024 --batch-size 32 --max-num-seqs 16
   cp "$WORK/regen/regenerated.jsonl" data/heads/smollm2-regenerated.jsonl
 fi
-[ -f "$WORK/data/peagle_data.json" ] || peagle data prepare --input data/heads/smollm2-regenerated.jsonl --out "$WORK/data"
+[ -f "$WORK/data/peagle_data.json" ] ||
+  peagle data prepare --input data/heads/smollm2-regenerated.jsonl --out "$WORK/data"
 
-COMMON=(--data "$WORK/data" --draft-vocab-size 8192 --max-steps "$STEPS" --batch-size "$BATCH" --lr 1e-3 --warmup-ratio 0.05
-        --min-lr-ratio 0.1 --save-every 20 --resume latest --teacher-cache "$WORK/teacher-cache")
+COMMON=(--data "$WORK/data" --draft-vocab-size 8192 --max-steps "$STEPS" --batch-size "$BATCH" --lr 1e-3
+        --warmup-ratio 0.05 --min-lr-ratio 0.1 --save-every 20 --resume latest --teacher-cache "$WORK/teacher-cache")
 INIT_P=() INIT_E=()
 if [ -n "${CONTINUE:-}" ]; then
   INIT_P=(--init-head smollm2-135m-peagle) INIT_E=(--init-head smollm2-135m-eagle3)

@@ -4,8 +4,8 @@ The target is frozen, so a training row's features, draft-vocab labels and argma
 row is seen they are computed and written to DIR/<key>/<row>.safetensors (tmp file + rename, so two trainers may
 share a cache); later epochs, resumed runs and other heads trained on the same data read them back, bit for bit.
 The folder's key hashes what the outputs depend on besides the tokens (target folder, dtype, feature layers, draft
-vocab), and each file keeps its row's token ids, which must match: a cache is never read for the wrong run. A row costs (3H + Vd) x 2 bytes per
-token in bf16: about 20 KB per token for SmolLM2 at Vd 8192.
+vocab), and each file keeps its row's token ids, which must match: a cache is never read for the wrong run. A row
+costs (3H + Vd) x 2 bytes per token in bf16: about 20 KB per token for SmolLM2 at Vd 8192.
 """
 from __future__ import annotations
 

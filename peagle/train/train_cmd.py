@@ -8,6 +8,7 @@ See docs/training.md.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 from peagle.train.trainer import TrainConfig
@@ -86,19 +87,12 @@ def register(name: str, parser) -> None:
 
 
 def config_from_args(args) -> TrainConfig:
-    return TrainConfig(
-        data=args.data, out=args.out or f"peagle-{args.method}-head", target=args.target, method=args.method,
-        num_layers=args.num_layers, num_depths=args.num_depths, draft_vocab_size=args.draft_vocab_size,
-        max_seq_len=args.max_seq_len, partitions=args.partitions, epochs=args.epochs, max_steps=args.max_steps,
-        batch_size=args.batch_size, lr=args.lr, warmup_ratio=args.warmup_ratio, min_lr_ratio=args.min_lr_ratio,
-        weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, dtype=args.dtype,
-        target_dtype=args.target_dtype, target_device_map=args.target_device_map, cod_ratio=args.cod_ratio, cod_min_ratio=args.cod_min_ratio, loss=args.loss,
-        ttt_decay=args.ttt_decay, mask_token_id=args.mask_token_id, eval_fraction=args.eval_fraction,
-        eval_data=args.eval_data, eval_every=args.eval_every, eval_samples=args.eval_samples,
-        eval_anchors=args.eval_anchors, eval_depths=args.eval_depths, save_every=args.save_every,
-        save_total_limit=args.save_total_limit, save_dtype=args.save_dtype, layout=args.layout, resume=args.resume,
-        init_head=args.init_head, teacher_cache=args.teacher_cache, seed=args.seed, device=args.device, limit=args.limit, progress=not args.no_progress,
-        loss_chunk=args.loss_chunk, attn_chunk=args.attn_chunk, init_from_target=not args.no_init_from_target)
+    """Every flag whose name is a TrainConfig field passes straight through; the three below are derived."""
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    kw = {k: v for k, v in vars(args).items() if k in names}
+    kw.update(out=args.out or f"peagle-{args.method}-head", progress=not args.no_progress,
+              init_from_target=not args.no_init_from_target)
+    return TrainConfig(**kw)
 
 
 def run(args) -> int:

@@ -375,7 +375,8 @@ class Trainer:
 
     def batch_indices(self, step: int) -> tuple[int, list[int]]:
         epoch, k = divmod(step, self.steps_per_epoch)
-        perm = torch.randperm(len(self.train_ids), generator=torch.Generator().manual_seed(self.cfg.seed * 7919 + epoch))
+        gen = torch.Generator().manual_seed(self.cfg.seed * 7919 + epoch)
+        perm = torch.randperm(len(self.train_ids), generator=gen)
         bs = self.cfg.batch_size
         return epoch, [self.train_ids[i] for i in perm[k * bs:(k + 1) * bs].tolist()]
 
