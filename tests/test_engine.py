@@ -47,12 +47,12 @@ def oracle(engine: LLMEngine, reference: dict[tuple, list[int]], wrong_every: in
     position, which is corrupted: verification, acceptance and KV rollback are exercised at every depth."""
     real_draft = engine._draft
 
-    def draft(reqs, slots):
-        drafts = real_draft(reqs, slots).clone()  # keep the drafter's own cache path running
+    def draft(reqs, slots, k):
+        drafts = real_draft(reqs, slots, k).clone()  # keep the drafter's own cache path running
         for b, req in enumerate(reqs):
             ref = reference[tuple(req.prompt_ids)]
             done = len(req.output_ids)
-            for i in range(engine.k):
+            for i in range(k):
                 j = done + i
                 tok = ref[j] if j < len(ref) else 0
                 if (j + b) % wrong_every == wrong_every - 1:

@@ -98,10 +98,10 @@ def spec_engine(target: TargetModel, k: int, exact: dict[tuple, float]) -> LLMEn
     modes = {1: max(range(VOCAB), key=marginal2.__getitem__), 2: max(range(VOCAB), key=marginal3.__getitem__)}
     real_draft = engine._draft
 
-    def draft(reqs, slots):
-        drafts = real_draft(reqs, slots).clone()
+    def draft(reqs, slots, window):
+        drafts = real_draft(reqs, slots, window).clone()
         for b, req in enumerate(reqs):
-            for i in range(k):
+            for i in range(window):
                 drafts[b, i] = modes.get(len(req.output_ids) + i, 0)
         return drafts
 

@@ -2,9 +2,13 @@
 
 Every step:
   1. admit waiting requests into free cache slots: target prefill, first token, drafter prefill;
-  2. draft K tokens for every running request in one drafter forward (P-EAGLE) or K of them (EAGLE-3);
-  3. verify [x_n, d_1..d_K] for every request in one target forward;
-  4. accept per request, emit, and queue the accepted positions as the drafter's next real rows.
+  2. ask the speculation policy (policy.py) for this step's window K, from 0 to num_speculative_tokens;
+  3. draft K tokens for every running request in one drafter forward (P-EAGLE) or K of them (EAGLE-3), after the
+     drafter has caught up on every real row it has not seen;
+  4. verify [x_n, d_1..d_K] for every request in one target forward;
+  5. accept per request, emit, and queue the accepted positions as the drafter's next real rows.
+At K = 0 nothing is drafted: the new real rows wait in the request and the drafter runs them, in one pass, just
+before the next draft (or once MAX_PENDING_ROWS have piled up), so its cache has no gap when drafting resumes.
 Stale cache entries past a request's accepted length are overwritten by later writes; nothing is copied.
 
 Thread model: `add_request` and `abort` may be called from any thread; `step` runs in one thread (the server's
@@ -24,6 +28,7 @@ import torch
 
 from peagle.config import SpeculativeConfig
 from peagle.engine.request import Request, RequestOutput
+from peagle.engine.policy import Candidate, make_policy, timed
 from peagle.engine.sampling import SamplingParams, target_probs
 from peagle.engine.stats import SpecDecodeStats
 from peagle.engine.verify import verify_greedy, verify_sampled
@@ -32,6 +37,8 @@ from peagle.model.layers import BatchLayout
 from peagle.model.target import TargetModel
 
 Prompt = str | list[int] | list[dict]
+# Real rows a request may hold back from the drafter during plain (K = 0) steps before they are run anyway.
+MAX_PENDING_ROWS = 32
 
 
 class RequestError(ValueError):
@@ -41,7 +48,10 @@ class RequestError(ValueError):
 class LLMEngine:
     def __init__(self, target: TargetModel, tokenizer=None, drafter: Drafter | None = None,
                  speculative_config: SpeculativeConfig | None = None, max_num_seqs: int = 8,
-                 max_model_len: int | None = None, model_name: str = "model", max_prefill_tokens: int = 2048):
+                 max_model_len: int | None = None, model_name: str = "model", max_prefill_tokens: int = 2048,
+                 speculation_policy: str = "fixed"):
+        """`speculation_policy`: "fixed" verifies num_speculative_tokens drafts every step (vLLM's behaviour);
+        "adaptive" treats it as a maximum and picks K (0 included) every step for the most tokens per second."""
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         self.spec = speculative_config if drafter is not None else None
         if self.spec is not None:
@@ -54,7 +64,7 @@ class LLMEngine:
         if self.spec and self.spec.max_model_len:
             self.max_model_len = min(self.max_model_len, self.spec.max_model_len)
         # Room past max_model_len for the verify window and the drafter's padded rows, whose writes are stale.
-        capacity = self.max_model_len + 2 * self.k + 2
+        capacity = self.max_model_len + MAX_PENDING_ROWS + 2 * self.k + 2
         self.target_cache = target.new_cache(max_num_seqs, capacity)
         self.drafter_cache = drafter.new_cache(max_num_seqs, capacity) if self.spec else None
         self.device = target.embed_tokens.weight.device
@@ -70,12 +80,15 @@ class LLMEngine:
         self._lock = threading.Lock()
         self.stats = SpecDecodeStats(self.k)  # engine-wide, since start
         self.num_finished = 0
+        self.policy = make_policy(speculation_policy, self.k, max_num_seqs) if self.spec else None
+        if self.policy is not None and self.policy.name == "adaptive":
+            self.policy.cost.calibrate(self._time_step)
 
     # -- construction ------------------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, model: str | None = None, speculative_config: SpeculativeConfig | str | dict | None = None,
                         max_num_seqs: int = 8, max_model_len: int | None = None, device: str | None = None,
-                        dtype: str | torch.dtype | None = None) -> "LLMEngine":
+                        dtype: str | torch.dtype | None = None, speculation_policy: str = "fixed") -> "LLMEngine":
         """A target (None: the embedded SmolLM2) and optionally a head named by the speculative config."""
         from transformers import AutoTokenizer
 
@@ -100,7 +113,7 @@ class LLMEngine:
             drafter = load_head(head_path, target_embeddings=target.embed_tokens.weight, dtype=dtype, device=device)
             drafter.pack_()  # the engine never trains it: pack its weights once for the CPU kernels (no-op elsewhere)
         return cls(target, tokenizer, drafter, spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                   model_name=model or Path(path).name)
+                   model_name=model or Path(path).name, speculation_policy=speculation_policy)
 
     @property
     def method(self) -> str:
@@ -207,6 +220,8 @@ class LLMEngine:
             self.free_slots.sort()  # lowest slots first keeps batches contiguous (no cache gather)
             req.finished_at = time.perf_counter()
             req.pending_features = None
+            if self.policy is not None:
+                self.policy.forget(req.request_id)
             self.num_finished += 1
 
     def _admit(self) -> list[Request]:
@@ -253,38 +268,51 @@ class LLMEngine:
             req.pending_tokens = [first]
 
     def _decode(self, reqs: list[Request]) -> None:
-        K, dev = self.k, self.device
+        started, dev = time.perf_counter(), self.device
+        K = 0
+        if self.policy is not None:
+            K = self.policy.choose([Candidate(r.request_id, r.params.max_tokens - len(r.output_ids)) for r in reqs])
         slots = torch.tensor([r.slot for r in reqs], device=dev)
         n = torch.tensor([r.num_tokens - 1 for r in reqs], device=dev)  # position of x_n, the newest token
         last = torch.tensor([[r.last_token] for r in reqs], device=dev)
-        if self.spec is not None:
-            drafts = self._draft(reqs, slots)
-            tokens = torch.cat([last, drafts], dim=1)
-        else:
-            drafts, tokens = None, last
+        drafts = self._draft(reqs, slots, K) if K > 0 else None
+        tokens = last if drafts is None else torch.cat([last, drafts], dim=1)
         positions = n[:, None] + torch.arange(K + 1, device=dev)[None, :]
         out = self.target(tokens, BatchLayout.build(slots, positions), self.target_cache, num_logits=None)
-        if drafts is None:
-            for b, req in enumerate(reqs):
-                self._commit(req, [self._sample_one(req, out.logits[b, 0])])
-            return
-        num_acc, emitted = verify_greedy(drafts, out.logits.argmax(-1))
+        if drafts is not None:
+            num_acc, emitted = verify_greedy(drafts, out.logits.argmax(-1))
         for b, req in enumerate(reqs):
-            if req.params.greedy:
-                a = int(num_acc[b])
-                new = emitted[b, : a + 1].tolist()
+            if drafts is None:
+                new = [self._sample_one(req, out.logits[b, 0])]
+            elif req.params.greedy:
+                new = emitted[b, : int(num_acc[b]) + 1].tolist()
             else:
                 new = verify_sampled(drafts[b], target_probs(out.logits[b], req.params), req.generator)
+            if self.spec is not None:
                 a = len(new) - 1
-            req.spec.record(K, a)
-            self.stats.record(K, a)
-            # Positions n..n+a are now verified: they become the drafter's next real rows.
-            req.pending_start = int(n[b])
-            req.pending_features = out.features[b, : a + 1]
-            req.pending_tokens = new
+                req.spec.record(K, a)
+                self.stats.record(K, a)
+                if K:
+                    self.policy.observe(req.request_id, K, a)
+                # Positions n..n+a are now verified: they become the drafter's next real rows.
+                self._queue_drafter_rows(req, int(n[b]), out.features[b, : a + 1], new)
             self._commit(req, new)
+        if self.spec is not None and K == 0 and max(len(r.pending_tokens) for r in reqs) >= MAX_PENDING_ROWS:
+            self._run_pending_rows(reqs)
+        if self.policy is not None:
+            self.policy.observe_step(len(reqs), K, time.perf_counter() - started)
 
-    def _draft(self, reqs: list[Request], slots: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _queue_drafter_rows(req: Request, start: int, features: torch.Tensor, tokens: list[int]) -> None:
+        """Rows (token x_{t+1}, feature g_t) at positions start.. for the drafter, after any it has not run yet."""
+        if not req.pending_tokens:
+            req.pending_start, req.pending_features, req.pending_tokens = start, features, list(tokens)
+        else:
+            req.pending_features = torch.cat([req.pending_features, features])
+            req.pending_tokens = req.pending_tokens + list(tokens)
+
+    def _pending_batch(self, reqs: list[Request]):
+        """Every request's unseen real rows, left-aligned: tokens [B, R], features [B, R, 3Ht], counts, starts."""
         B, dev = len(reqs), self.device
         R = max(len(r.pending_tokens) for r in reqs)
         width = reqs[0].pending_features.shape[-1]
@@ -295,8 +323,51 @@ class LLMEngine:
             feats[b, : len(r.pending_tokens)] = r.pending_features
         num_real = torch.tensor([len(r.pending_tokens) for r in reqs], device=dev)
         start = torch.tensor([r.pending_start for r in reqs], device=dev)
-        draft = self.drafter.draft_parallel if self.spec.parallel_drafting else self.drafter.draft_chain
-        return draft(tokens, feats, num_real, start, slots, self.drafter_cache, self.k)
+        return tokens, feats, num_real, start
+
+    def _draft(self, reqs: list[Request], slots: torch.Tensor, k: int) -> torch.Tensor:
+        """Drafts [B, k] as target ids; the drafter runs every request's pending real rows on the way."""
+        tokens, feats, num_real, start = self._pending_batch(reqs)
+        for r in reqs:
+            r.pending_tokens, r.pending_features = [], None
+        return self._draft_fn(tokens, feats, num_real, start, slots, self.drafter_cache, k)
+
+    def _run_pending_rows(self, reqs: list[Request]) -> None:
+        """Bring the drafter's cache up to date without drafting: real rows only, no mask slots, no LM head."""
+        reqs = [r for r in reqs if r.pending_tokens]
+        tokens, feats, _, start = self._pending_batch(reqs)
+        slots = torch.tensor([r.slot for r in reqs], device=self.device)
+        positions = start[:, None] + torch.arange(tokens.shape[1], device=self.device)[None, :]
+        self.drafter(tokens, feats, BatchLayout.build(slots, positions), self.drafter_cache)
+        for r in reqs:
+            r.pending_tokens, r.pending_features = [], None
+
+    @property
+    def _draft_fn(self):
+        return self.drafter.draft_parallel if self.spec.parallel_drafting else self.drafter.draft_chain
+
+    def _time_step(self, batch: int, window: int) -> float:
+        """Seconds of one decode step's forwards (draft, verify) for `batch` requests at window `window`, on scratch
+        rows in slots no request holds yet: the adaptive policy's start-up cost calibration."""
+        dev = self.device
+        slots = torch.arange(batch, device=dev)
+        p0 = min(128, self.max_model_len // 2)  # a typical context: attention reads p0 cached positions
+        rows = 2  # a typical step's real drafter rows: the newest token and one accepted draft
+        tokens = torch.ones(batch, rows, dtype=torch.long, device=dev)
+        feats = torch.zeros(batch, rows, self.drafter.fc.weight.shape[1], dtype=self.drafter.fc.weight.dtype,
+                            device=dev)
+        num_real = torch.full((batch,), rows, device=dev)
+        start = torch.full((batch,), p0 - rows, device=dev)
+        window_tokens = torch.ones(batch, window + 1, dtype=torch.long, device=dev)
+        layout = BatchLayout.build(slots, p0 + torch.arange(window + 1, device=dev)[None, :].expand(batch, -1))
+
+        def step():
+            with torch.inference_mode():
+                if window:
+                    self._draft_fn(tokens, feats, num_real, start, slots, self.drafter_cache, window)
+                self.target(window_tokens, layout, self.target_cache, num_logits=None)
+
+        return timed(step)
 
     def _sample_one(self, req: Request, logits: torch.Tensor) -> int:
         if req.params.greedy:

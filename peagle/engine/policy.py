@@ -1,0 +1,224 @@
+"""How many drafts to verify each step (docs/engine.md, "Choosing K").
+
+`FixedK` verifies the configured `num_speculative_tokens` every step, as vLLM does. `AdaptiveK` treats that number
+as a maximum and picks the window W in 0..K that maximises expected output tokens per second:
+
+    expected tokens of request b at window W   E_b(W) = 1 + s_b,1 + ... + s_b,W   (at most what b may still emit)
+    survival of draft position i               s_b,i  = a_b,1 * ... * a_b,i
+    step                                       W*     = argmax_W  sum_b E_b(W) / cost(B, W)
+
+a_b,i is the acceptance of position i given that position i-1 was accepted, from exponentially forgotten counts of
+request b, with the engine-wide estimate as its prior (so a new request starts from what the engine has seen, and a
+request whose text changes character moves off it within a few steps). cost(B, W) is a table of step times for B
+requests and window W, measured at start-up (`StepCostModel.calibrate`) and corrected from every real step.
+
+W = 0 is a plain decoding step. One W serves the whole batch: the target verifies a rectangular [B, W + 1] batch,
+so a request given fewer drafts than its neighbours would still pay for its padded rows, and a request given more
+costs everyone. When W = 0 has won many steps in a row, one step at W = 1 re-measures acceptance (a head that was
+useless on one stretch of text may be good on the next).
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+POLICIES = ("adaptive", "fixed")
+ENV_VAR = "SM_VLLM_SPECULATION_POLICY"  # read by `peagle serve` (every flag maps to SM_VLLM_<NAME>) and generate
+
+REQUEST_MEMORY = 0.7  # per-request counts keep this much weight per new observation (about 3 steps' memory)
+ENGINE_MEMORY = 0.98  # engine-wide counts: about 50 observations
+PRIOR_WEIGHT = 2.0  # the engine-wide estimate counts as this many observations in a request's estimate
+INITIAL_ACCEPTANCE = 0.5  # before anything is seen: optimistic enough that the first steps draft and learn
+PROBE_AFTER = 16  # plain steps in a row after which one step drafts a single token to re-measure acceptance
+COST_CELL_RATE = 0.2  # how fast one (B, W) cell follows its own timings
+COST_DRIFT_RATE = 0.05  # how fast every cell follows the machine's drift (load from other processes, heat)
+
+
+class AcceptanceEstimate:
+    """Conditional acceptance per draft position, from exponentially forgotten counts.
+
+    Position i is *tried* in a step when the window reached it and positions 1..i-1 were accepted; a_i is accepted
+    over tried. Untried positions fall back to the prior (another estimate, or INITIAL_ACCEPTANCE)."""
+
+    def __init__(self, max_k: int, memory: float, prior: "AcceptanceEstimate | None" = None):
+        self.memory, self.prior = memory, prior
+        self.tried = [0.0] * max_k
+        self.accepted = [0.0] * max_k
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        for i in range(min(num_accepted + 1, num_drafted)):
+            self.tried[i] = self.memory * self.tried[i] + 1.0
+            self.accepted[i] = self.memory * self.accepted[i] + (1.0 if i < num_accepted else 0.0)
+
+    def conditional(self) -> list[float]:
+        prior = self.prior.conditional() if self.prior is not None else [INITIAL_ACCEPTANCE] * len(self.tried)
+        w = PRIOR_WEIGHT
+        return [(a + w * p) / (t + w) for a, t, p in zip(self.accepted, self.tried, prior)]
+
+    def survival(self) -> list[float]:
+        """s_i: the probability that the first i drafts are all accepted."""
+        out, s = [], 1.0
+        for a in self.conditional():
+            s *= a
+            out.append(s)
+        return out
+
+
+class StepCostModel:
+    """Seconds per decode step for B requests at window W (0..max_k): a calibrated table times two corrections
+    learnt from real steps, one per cell (the calibration's error at that shape) and one shared by all cells (the
+    machine getting slower or faster)."""
+
+    def __init__(self, max_batch: int, max_k: int):
+        self.max_batch, self.max_k = max_batch, max_k
+        self.base = [[1.0 + b * (w + 1) for w in range(max_k + 1)] for b in range(max_batch + 1)]  # until calibrated
+        self.cell = [[1.0] * (max_k + 1) for _ in range(max_batch + 1)]
+        self.drift = 1.0
+        self.calibrated = False
+
+    @staticmethod
+    def grid(max_batch: int, max_k: int) -> tuple[list[int], list[int]]:
+        """The (B, W) shapes calibration times; other cells are interpolated between them."""
+        bs = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < max_batch} | {1, max_batch})
+        ws = sorted({w for w in (0, 1, 2, 3, 5, 7, 11, 16) if w < max_k} | {0, max_k})
+        return bs, ws
+
+    def calibrate(self, time_step: Callable[[int, int], float]) -> None:
+        """Fill the table from time_step(B, W) -> seconds at the grid's shapes, interpolating in between (step time
+        is close to linear in B and in W between nearby shapes)."""
+        bs, ws = self.grid(self.max_batch, self.max_k)
+        measured = {(b, w): time_step(b, w) for b in bs for w in ws}
+        for b in range(1, self.max_batch + 1):
+            b0, b1 = _bracket(bs, b)
+            for w in range(self.max_k + 1):
+                w0, w1 = _bracket(ws, w)
+                at_b = [_lerp(w, w0, w1, measured[(bb, w0)], measured[(bb, w1)]) for bb in (b0, b1)]
+                self.base[b][w] = _lerp(b, b0, b1, *at_b)
+        self.calibrated = True
+
+    def predict(self, batch: int, window: int) -> float:
+        return self.base[batch][window] * self.cell[batch][window] * self.drift
+
+    def observe(self, batch: int, window: int, seconds: float) -> None:
+        base = self.base[batch][window]
+        self.drift += COST_DRIFT_RATE * (seconds / (base * self.cell[batch][window]) - self.drift)
+        self.cell[batch][window] += COST_CELL_RATE * (seconds / (base * self.drift) - self.cell[batch][window])
+
+
+@dataclass
+class Candidate:
+    """One request as the policy sees it: its id and how many tokens it may still emit."""
+    request_id: str
+    remaining: int
+
+
+class FixedK:
+    """Always the configured K (vLLM's behaviour)."""
+
+    name = "fixed"
+
+    def __init__(self, k: int):
+        self.max_k = k
+
+    def choose(self, requests: Sequence[Candidate]) -> int:
+        return self.max_k
+
+    def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
+        pass
+
+    def observe_step(self, batch: int, window: int, seconds: float) -> None:
+        pass
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
+class AdaptiveK:
+    """The window that maximises expected tokens per second, from acceptance estimates and a step-cost model."""
+
+    name = "adaptive"
+
+    def __init__(self, max_k: int, max_batch: int, cost: StepCostModel | None = None):
+        self.max_k = max_k
+        self.cost = cost or StepCostModel(max_batch, max_k)
+        self.engine_wide = AcceptanceEstimate(max_k, ENGINE_MEMORY)
+        self.requests: dict[str, AcceptanceEstimate] = {}
+        self.plain_steps_in_a_row = 0
+
+    def estimate(self, request_id: str) -> AcceptanceEstimate:
+        est = self.requests.get(request_id)
+        if est is None:
+            est = self.requests[request_id] = AcceptanceEstimate(self.max_k, REQUEST_MEMORY, prior=self.engine_wide)
+        return est
+
+    def expected_tokens(self, requests: Sequence[Candidate]) -> list[float]:
+        """Sum over the batch of E_b(W), for W = 0..max_k."""
+        totals = [0.0] * (self.max_k + 1)
+        for r in requests:
+            survival = self.estimate(r.request_id).survival()
+            useful = max(0, min(self.max_k, r.remaining - 1))  # drafts past the request's last token emit nothing
+            e = 1.0
+            for w in range(self.max_k + 1):
+                if 0 < w <= useful:
+                    e += survival[w - 1]
+                totals[w] += e
+        return totals
+
+    def choose(self, requests: Sequence[Candidate]) -> int:
+        batch = len(requests)
+        tokens = self.expected_tokens(requests)
+        rates = [tokens[w] / self.cost.predict(batch, w) for w in range(self.max_k + 1)]
+        best = max(range(self.max_k + 1), key=lambda w: (rates[w], -w))
+        if best == 0:
+            self.plain_steps_in_a_row += 1
+            if self.plain_steps_in_a_row > PROBE_AFTER:
+                self.plain_steps_in_a_row = 0
+                return 1
+            return 0
+        self.plain_steps_in_a_row = 0
+        return best
+
+    def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
+        self.estimate(request_id).observe(num_drafted, num_accepted)
+        self.engine_wide.observe(num_drafted, num_accepted)
+
+    def observe_step(self, batch: int, window: int, seconds: float) -> None:
+        self.cost.observe(batch, window, seconds)
+
+    def forget(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+
+SpeculationPolicy = FixedK | AdaptiveK
+
+
+def make_policy(name: str, max_k: int, max_batch: int) -> SpeculationPolicy:
+    if name == "fixed":
+        return FixedK(max_k)
+    if name == "adaptive":
+        return AdaptiveK(max_k, max_batch)
+    raise ValueError(f"unknown speculation policy {name!r}: choose one of {', '.join(POLICIES)} "
+                     f"(--speculation-policy or {ENV_VAR})")
+
+
+def timed(fn: Callable[[], object], repeats: int = 2) -> float:
+    """The fastest of `repeats` runs of fn, in seconds (after one untimed run that warms caches)."""
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _bracket(grid: list[int], x: int) -> tuple[int, int]:
+    lo = max(g for g in grid if g <= x)
+    hi = min(g for g in grid if g >= x)
+    return lo, hi
+
+
+def _lerp(x: float, x0: float, x1: float, y0: float, y1: float) -> float:
+    return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
