@@ -10,6 +10,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MAX_SPECULATIVE_TOKENS = 16
+# K when a config or command gives none: with the bundled heads, drafts past the third are rarely accepted, and K = 3
+# was the fastest at concurrency 1 in docs/benchmarks.md.
+DEFAULT_NUM_SPECULATIVE_TOKENS = 3
 ENV_VAR = "SM_VLLM_SPECULATIVE_CONFIG"
 
 
@@ -22,7 +25,7 @@ class SpeculativeConfig(BaseModel):
 
     model: str | None = Field(None, description="drafter head: a folder, or a bundled head name")
     method: Literal["eagle3", "eagle", "peagle"] = "eagle3"
-    num_speculative_tokens: int = Field(3, description="K, tokens drafted per step")
+    num_speculative_tokens: int = Field(DEFAULT_NUM_SPECULATIVE_TOKENS, description="K, tokens drafted per step")
     parallel_drafting: bool = False
     draft_tensor_parallel_size: int | None = None
     max_model_len: int | None = None

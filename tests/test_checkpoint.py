@@ -1,5 +1,5 @@
-"""Head checkpoints (DESIGN section 5): every key, dtype and shape of the vLLM and speculators layouts, round trips,
-SpecForge-style names, refusals, and the `peagle export` command."""
+"""Head checkpoints (docs/design.md, "Checkpoints"): every key, dtype and shape of the vLLM and speculators
+layouts, round trips, SpecForge-style names, refusals, and the `peagle export` command."""
 from __future__ import annotations
 
 import copy
@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from peagle.cli import main
-from peagle.config import SpeculativeConfig, SpeculativeConfigError
+from peagle.config import DEFAULT_NUM_SPECULATIVE_TOKENS, SpeculativeConfig, SpeculativeConfigError
 from peagle.model.checkpoint import load_head, random_head, save_head
 from peagle.model.target import TargetConfig
 
@@ -140,7 +140,7 @@ def test_speculators_layout(peagle_head, eagle3_head, tmp_path, method):
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, L // 2, L - 3]
     spec = cfg["speculators_config"]
     assert spec["algorithm"] == method
-    assert spec["proposal_methods"][0]["speculative_tokens"] == (7 if method == "peagle" else 3)
+    assert spec["proposal_methods"][0]["speculative_tokens"] == DEFAULT_NUM_SPECULATIVE_TOKENS
     assert spec["verifier"] == {"name_or_path": "org/target-model", "architectures": ["X"]}
     assert (cfg.get("mask_token_id") == MASK_ID) if method == "peagle" else ("mask_token_id" not in cfg)
 
@@ -239,8 +239,8 @@ def test_export_random_init_then_convert(tiny_llama, tmp_path, capsys):
                  "--mask-token-id", "7", "--out", str(head_dir)]) == 0
     line, spec = serve_line(capsys)
     assert line.startswith(f"vllm serve {tiny_llama.resolve()} ")
-    assert spec == {"model": str(head_dir.resolve()), "method": "eagle3", "num_speculative_tokens": 7,
-                    "parallel_drafting": True}
+    assert spec == {"model": str(head_dir.resolve()), "method": "eagle3",
+                    "num_speculative_tokens": DEFAULT_NUM_SPECULATIVE_TOKENS, "parallel_drafting": True}
     head = load_head(head_dir)
     assert head.config.mask_token_id == 7 and head.config.num_layers == 2 and head.mask_hidden is not None
 

@@ -1,5 +1,6 @@
 """`peagle bench`: output tokens/s against concurrency for no speculation, EAGLE-3 and P-EAGLE at several K, plus
-transformers' own generate() on the same model and prompts, in one run and one table (DESIGN section 7).
+transformers' own generate() on the same model and prompts, in one run and one table (docs/design.md,
+"Benchmark definitions").
 
 Modes:
   default    every configuration (method x K) gets its own `peagle serve` subprocess on a free 127.0.0.1 port, and
@@ -27,11 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from peagle.bench.metrics import METHOD_NAMES, SPEC_METHODS, RunMetrics, config_label, summarize
+from peagle.model.heads import is_untrained
 
 METHODS = ("baseline", "eagle3", "peagle", "transformers", "transformers-pld")
 DEFAULT_METHODS = "baseline,eagle3,peagle,transformers,transformers-pld"
 CALIBRATION_TOKENS = 8
-UNTRAINED_KEYS = ("untrained", "random_init", "peagle_untrained")
 
 
 class BenchError(Exception):
@@ -193,14 +194,6 @@ def _loadavg() -> list[float] | None:
         return None
 
 
-def _head_untrained(path: Path) -> bool:
-    try:
-        cfg = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return any(bool(cfg.get(k)) for k in UNTRAINED_KEYS)
-
-
 def make_plan(args, target_holder: "TargetHolder") -> Plan:
     from peagle.bench.datasets import DatasetError, load_dataset
 
@@ -289,27 +282,24 @@ def _resolve_head(args, method: str, model_path: Path | None, holder: "TargetHol
     given = args.peagle_head if method == "peagle" else args.eagle3_head
     try:
         path = resolve_head(given, args.model, method=method)
-        return path, _head_untrained(path)
+        return path, is_untrained(path)
     except FileNotFoundError as e:
         if given is not None or not args.random_heads:
             flag = "--peagle-head" if method == "peagle" else "--eagle3-head"
             raise BenchError(f"{METHOD_NAMES[method]}: {e}. Pass {flag} DIR, or --random-heads to measure with an "
                              "untrained head") from None
-    return create_random_head(method, model_path, holder, out / "heads" / f"{method}-untrained", args.model), True
+    return create_random_head(method, model_path, holder, out / "heads" / f"{method}-untrained"), True
 
 
-def create_random_head(method: str, model_path: Path, holder: "TargetHolder", dest: Path,
-                       model_name: str | None = None) -> Path:
+def create_random_head(method: str, model_path: Path, holder: "TargetHolder", dest: Path) -> Path:
     """An untrained head (random weights, the target's embeddings) saved to dest, marked untrained in config."""
     from peagle.model.checkpoint import random_head, save_head
-    from peagle.model.loading import is_embedded
+    from peagle.model.mask_token import choose_mask_token_id
 
     target = holder.target(model_path)
-    vocab = target.config.vocab_size
-    # SmolLM2's ids 3-16 are StarCoder-style special tokens that chat never produces (DESIGN section 9).
-    mask_id = (3 if is_embedded(model_name) else vocab - 1) if method == "peagle" else None
+    mask_id = choose_mask_token_id(holder.tokenizer(model_path), target.config.vocab_size) \
+        if method == "peagle" else None
     head = random_head(target.config, target.embed_tokens.weight, method=method, mask_token_id=mask_id, seed=0)
-    head.config.extra["untrained"] = True
     save_head(head, dest)
     return dest
 
@@ -650,7 +640,7 @@ def _run_config(args, plan: Plan, cfg: Config, concurrencies: list[int], holder:
         method, k = _server_method(info, args)
         if method in SPEC_METHODS:
             head = (info.get("speculative_config") or {}).get("model")
-            plan.heads.setdefault(method, {"path": head, "untrained": bool(head) and _head_untrained(Path(head))})
+            plan.heads.setdefault(method, {"path": head, "untrained": bool(head) and is_untrained(head)})
         yield from http_runs(args.url, method, k, info.get("id"))
         return
 

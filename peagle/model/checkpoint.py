@@ -1,4 +1,4 @@
-"""Drafter checkpoints: a folder with config.json + model.safetensors (DESIGN section 5).
+"""Drafter checkpoints: a folder with config.json + model.safetensors (docs/design.md, "Checkpoints").
 
 Layouts written: `vllm` (what vLLM's LlamaForCausalLMEagle3 loads unchanged) and `speculators` (the same tensors,
 with a `speculators_config` naming the verifier). Loading accepts both, plus SpecForge/EAGLE names (`midlayer.*`,
@@ -11,16 +11,13 @@ from pathlib import Path
 
 import torch
 
+from peagle.config import DEFAULT_NUM_SPECULATIVE_TOKENS
 from peagle.model.drafter import Drafter, DrafterConfig
+from peagle.model.heads import UNTRAINED_KEY
 from peagle.model.target import TargetConfig
 
 LAYOUTS = ("vllm", "speculators")
 MASK_ROW = "mask_token_embedding"  # [1, H]: the learned mask row, in heads saved without the embedding table
-
-
-def default_num_speculative_tokens(parallel: bool) -> int:
-    """K a head is exported with when none is given: 7 for P-EAGLE (drafting is one pass whatever K), 3 for EAGLE-3."""
-    return 7 if parallel else 3
 
 
 def save_head(drafter: Drafter, out: str | Path, layout: str = "vllm", verifier: str | None = None,
@@ -57,9 +54,9 @@ def save_head(drafter: Drafter, out: str | Path, layout: str = "vllm", verifier:
     cfg = c.to_hf_dict()
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     if layout == "speculators":
-        k = num_speculative_tokens or default_num_speculative_tokens(c.parallel_capable)
         cfg = speculators_config(cfg, verifier, method="peagle" if c.parallel_capable else "eagle3",
-                                 num_speculative_tokens=k, verifier_architectures=verifier_architectures)
+                                 num_speculative_tokens=num_speculative_tokens,
+                                 verifier_architectures=verifier_architectures)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return out
 
@@ -78,7 +75,7 @@ def speculators_config(cfg: dict, verifier: str | None, method: str, num_specula
     decoder-layer fields in `transformer_layer_config`, the head's own fields at top level."""
     layer = {k: cfg[k] for k in _LAYER_CONFIG_KEYS if k in cfg}
     layer.update({"architectures": ["LlamaForCausalLM"], "attention_bias": False, "mlp_bias": False})
-    k = num_speculative_tokens or default_num_speculative_tokens(method == "peagle")
+    k = num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS
     d = {
         "architectures": ["Eagle3Speculator"] if method == "eagle3" else ["PEagleSpeculator"],
         "speculators_model_type": method,
@@ -186,15 +183,15 @@ def _cast(drafter: Drafter, dtype: torch.dtype, device) -> Drafter:
 
 def random_head(target: TargetConfig, target_embeddings: torch.Tensor, method: str = "peagle", num_layers: int = 1,
                 mask_token_id: int | None = None, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> Drafter:
-    """An untrained head for `target` (full draft vocab). P-EAGLE heads get a mask token (default: the first id the
-    tokenizer never produces is up to the caller; SmolLM2 uses 3) and a random `mask_hidden`."""
+    """An untrained head for `target` (full draft vocab). P-EAGLE heads need `mask_token_id` (the caller picks it
+    with mask_token.choose_mask_token_id) and get a random `mask_hidden`."""
     if method not in ("peagle", "eagle3"):
         raise ValueError(f"method must be peagle or eagle3, not {method!r}")
     if method == "peagle" and mask_token_id is None:
         raise ValueError("a P-EAGLE head needs a mask_token_id: an id the tokenizer never produces")
     config = DrafterConfig.for_target(target, num_layers=num_layers,
                                       mask_token_id=mask_token_id if method == "peagle" else None)
-    config.extra["peagle_untrained"] = True  # so benchmarks and reports can say the head was never trained
+    config.extra[UNTRAINED_KEY] = True  # so benchmarks and reports can say the head was never trained
     g = torch.Generator().manual_seed(seed)
     drafter = Drafter(config)
     with torch.no_grad():

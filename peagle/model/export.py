@@ -12,10 +12,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from peagle.model.checkpoint import LAYOUTS, MASK_ROW, default_num_speculative_tokens
-
-EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
-EMBEDDED_MASK_TOKEN_ID = 3  # <repo_name>: a StarCoder-style special token that chat never produces (DESIGN 9)
+from peagle.config import DEFAULT_NUM_SPECULATIVE_TOKENS
+from peagle.model.checkpoint import LAYOUTS, MASK_ROW
+from peagle.model.loading import EMBEDDED_HUB_ID
 
 
 class ExportError(ValueError):
@@ -32,14 +31,14 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
                         help="the target model (folder or hub id); names the verifier and the `vllm serve` model. "
                              "With --random-init: the model to build the head for (default: the embedded SmolLM2)")
     parser.add_argument("--num-speculative-tokens", type=int, default=None,
-                        help="K in the printed speculative config (default: 7 for P-EAGLE, 3 for EAGLE-3)")
+                        help=f"K in the printed speculative config (default: {DEFAULT_NUM_SPECULATIVE_TOKENS})")
     init = parser.add_argument_group("untrained heads (--random-init)")
     init.add_argument("--random-init", action="store_true", help="create an untrained head for --target")
     init.add_argument("--method", default=None, choices=["peagle", "eagle3"], help="head type (default: peagle)")
     init.add_argument("--num-layers", type=int, default=1, help="drafter decoder layers (default: 1)")
     init.add_argument("--mask-token-id", type=int, default=None,
-                      help="P-EAGLE mask token: an id the tokenizer never produces (default: 3 for SmolLM2, else an "
-                           "unused id picked from the tokenizer)")
+                      help="P-EAGLE mask token: an id the tokenizer never produces (default: an unused special "
+                           "token or embedding row, picked from the tokenizer; 3 for SmolLM2)")
     init.add_argument("--seed", type=int, default=0)
     parser.set_defaults(func=run)
 
@@ -57,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
                 if getattr(args, flag) is not None:
                     raise ExportError(f"--{flag.replace('_', '-')} only applies with --random-init")
             out, parallel, target = export_head(args)
-        k = args.num_speculative_tokens or default_num_speculative_tokens(parallel)
+        k = args.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS
         line = vllm_serve_line(target, out, k, parallel)
     except (ExportError, FileNotFoundError, ValueError) as e:
         print(f"peagle export: error: {e}", file=sys.stderr)
@@ -121,7 +120,7 @@ def export_head(args) -> tuple[Path, bool, str | None]:
 
 def create_random_head(args) -> tuple[Path, bool, str]:
     from peagle.model.checkpoint import random_head, save_head
-    from peagle.model.loading import is_embedded, resolve_model
+    from peagle.model.loading import resolve_model
     from peagle.model.target import TargetConfig
 
     _check_k(args.num_speculative_tokens)
@@ -135,7 +134,7 @@ def create_random_head(args) -> tuple[Path, bool, str]:
     if method == "peagle":
         mask_id = args.mask_token_id
         if mask_id is None:
-            mask_id = EMBEDDED_MASK_TOKEN_ID if is_embedded(args.target) else pick_mask_token_id(path, config.vocab_size)
+            mask_id = pick_mask_token_id(path, config.vocab_size)
         if not 0 <= mask_id < config.vocab_size:
             raise ExportError(f"--mask-token-id {mask_id} is outside the target's vocabulary (0..{config.vocab_size - 1})")
     elif args.mask_token_id is not None:
@@ -161,8 +160,9 @@ def vllm_serve_line(target: str | None, head_dir: Path, k: int, parallel: bool) 
 
 
 def pick_mask_token_id(model_dir: Path, vocab_size: int) -> int:
-    """An id the tokenizer never produces: a padded embedding row past the tokenizer's vocabulary, else a reserved
-    special token, else an added special token that is not bos/eos/pad/unk and not in the chat template."""
+    """mask_token.choose_mask_token_id with the target's tokenizer; ExportError when it cannot choose."""
+    from peagle.model.mask_token import choose_mask_token_id
+
     try:
         from transformers import AutoTokenizer
 
@@ -170,20 +170,10 @@ def pick_mask_token_id(model_dir: Path, vocab_size: int) -> int:
     except Exception as e:  # noqa: BLE001 - no tokenizer, or one transformers cannot read
         raise ExportError(f"cannot read a tokenizer in {model_dir} to pick a mask token ({type(e).__name__}); pass "
                           "--mask-token-id with an id the tokenizer never produces") from None
-    if len(tok) < vocab_size:
-        return len(tok)
-    added = getattr(tok, "added_tokens_decoder", {}) or {}
-    reserved = sorted(i for i, t in added.items() if "reserved" in str(t).lower())
-    if reserved:
-        return reserved[0]
-    in_use = {i for i in (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.unk_token_id) if i is not None}
-    template = str(getattr(tok, "chat_template", "") or "")
-    for i in sorted(added):
-        t = added[i]
-        if getattr(t, "special", False) and i not in in_use and str(t) not in template and i < vocab_size:
-            return i
-    raise ExportError("could not find a token id this tokenizer never produces; pass --mask-token-id ID (for "
-                      "example an unused special token, or a new id below the embedding size)")
+    try:
+        return choose_mask_token_id(tok, vocab_size)
+    except ValueError as e:
+        raise ExportError(str(e)) from None
 
 
 def target_embeddings(path: Path):

@@ -1,31 +1,45 @@
-"""Drafter heads shipped inside the package (peagle/heads/<name>) and how a speculative config names one."""
+"""Drafter heads shipped inside the package (peagle/heads/<name>), the speculative config that serves the embedded
+target with one, and how a speculative config names a head."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+from peagle.config import DEFAULT_NUM_SPECULATIVE_TOKENS, SpeculativeConfig
 from peagle.model.loading import is_embedded
 
 HEADS_DIR = Path(__file__).resolve().parent.parent / "heads"
 # The bundled heads for the embedded SmolLM2-135M-Instruct target.
 DEFAULT_HEADS = {"peagle": "smollm2-135m-peagle", "eagle3": "smollm2-135m-eagle3"}
-# K for the bundled P-EAGLE head: the fastest at concurrency 1 in docs/benchmarks.md (the bundled heads' drafts are
-# rarely accepted past the second position, so verifying more of them only costs time).
-DEFAULT_NUM_SPECULATIVE_TOKENS = 3
+# config.json key of a head with random weights (checkpoint.random_head sets it), so reports can say so.
+UNTRAINED_KEY = "peagle_untrained"
 
 
-def default_speculative_config(target: str | None):
-    """The speculative config used when none is given: the bundled P-EAGLE head for the embedded target, or None
-    (no speculation) when the target is another model or the head is not installed."""
-    from peagle.config import SpeculativeConfig
-
-    if not is_embedded(target) or DEFAULT_HEADS["peagle"] not in bundled_heads():
-        return None
+def embedded_speculative_config() -> SpeculativeConfig:
+    """The bundled P-EAGLE head at the default K: the embedded preset of `peagle models`, and what `peagle serve`
+    and `peagle generate` use for the embedded target when no config is given."""
     return SpeculativeConfig(model=DEFAULT_HEADS["peagle"], method="eagle3",
                              num_speculative_tokens=DEFAULT_NUM_SPECULATIVE_TOKENS, parallel_drafting=True)
 
 
+def default_speculative_config(target: str | None) -> SpeculativeConfig | None:
+    """The speculative config used when none is given: `embedded_speculative_config()` for the embedded target, or
+    None (no speculation) when the target is another model or the bundled head is not installed."""
+    if not is_embedded(target) or DEFAULT_HEADS["peagle"] not in bundled_heads():
+        return None
+    return embedded_speculative_config()
+
+
 def bundled_heads() -> list[str]:
     return sorted(p.name for p in HEADS_DIR.glob("*") if (p / "config.json").exists()) if HEADS_DIR.exists() else []
+
+
+def is_untrained(head_dir: str | Path) -> bool:
+    """Whether a head folder holds random weights (`peagle export --random-init`, `peagle bench --random-heads`)."""
+    try:
+        return bool(json.loads((Path(head_dir) / "config.json").read_text()).get(UNTRAINED_KEY))
+    except (OSError, ValueError):
+        return False
 
 
 def resolve_head(name: str | None, target: str | None = None, method: str = "peagle") -> Path:

