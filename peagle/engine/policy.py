@@ -29,8 +29,9 @@ ENV_VAR = "SM_VLLM_SPECULATION_POLICY"  # read by `peagle serve` (every flag map
 
 REQUEST_MEMORY = 0.7  # per-request counts keep this much weight per new observation (about 3 steps' memory)
 ENGINE_MEMORY = 0.98  # engine-wide counts: about 50 observations
-PRIOR_WEIGHT = 2.0  # the engine-wide estimate counts as this many observations in a request's estimate
+REQUEST_PRIOR_WEIGHT = 2.0  # the engine-wide estimate counts as this many observations in a request's estimate
 INITIAL_ACCEPTANCE = 0.5  # before anything is seen: optimistic enough that the first steps draft and learn
+INITIAL_WEIGHT = 0.5  # but weak: a few observations outweigh it
 PROBE_AFTER = 16  # plain steps in a row after which one step drafts a single token to re-measure acceptance
 COST_CELL_RATE = 0.2  # how fast one (B, W) cell follows its own timings
 COST_DRIFT_RATE = 0.05  # how fast every cell follows the machine's drift (load from other processes, heat)
@@ -40,22 +41,29 @@ class AcceptanceEstimate:
     """Conditional acceptance per draft position, from exponentially forgotten counts.
 
     Position i is *tried* in a step when the window reached it and positions 1..i-1 were accepted; a_i is accepted
-    over tried. Untried positions fall back to the prior (another estimate, or INITIAL_ACCEPTANCE)."""
+    over tried. A prior enters as pseudo-counts that are forgotten like real ones, so a request starts from the
+    engine-wide estimate and within a few steps stands on its own data. The engine-wide estimate's prior for a
+    position never tried is the estimate of the position before it."""
 
     def __init__(self, max_k: int, memory: float, prior: "AcceptanceEstimate | None" = None):
         self.memory, self.prior = memory, prior
         self.tried = [0.0] * max_k
         self.accepted = [0.0] * max_k
+        self.prior_weight = [REQUEST_PRIOR_WEIGHT if prior is not None else INITIAL_WEIGHT] * max_k
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         for i in range(min(num_accepted + 1, num_drafted)):
             self.tried[i] = self.memory * self.tried[i] + 1.0
             self.accepted[i] = self.memory * self.accepted[i] + (1.0 if i < num_accepted else 0.0)
+            self.prior_weight[i] *= self.memory
 
     def conditional(self) -> list[float]:
-        prior = self.prior.conditional() if self.prior is not None else [INITIAL_ACCEPTANCE] * len(self.tried)
-        w = PRIOR_WEIGHT
-        return [(a + w * p) / (t + w) for a, t, p in zip(self.accepted, self.tried, prior)]
+        prior = self.prior.conditional() if self.prior is not None else None
+        out: list[float] = []
+        for i, (a, t, w) in enumerate(zip(self.accepted, self.tried, self.prior_weight)):
+            p = prior[i] if prior is not None else out[i - 1] if i else INITIAL_ACCEPTANCE
+            out.append((a + w * p) / (t + w))
+        return out
 
     def survival(self) -> list[float]:
         """s_i: the probability that the first i drafts are all accepted."""

@@ -1,0 +1,255 @@
+"""The speculation policy: adaptive K on synthetic acceptance and costs, lossless decoding with it on (greedy token
+for token, sampling in distribution), and a drafter that resumes after plain (K = 0) steps exactly where it would
+have been had it drafted all along."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from peagle.config import SpeculativeConfig
+from peagle.engine import LLMEngine, SamplingParams
+from peagle.engine.engine import MAX_PENDING_ROWS
+from peagle.engine.policy import AdaptiveK, Candidate, FixedK, StepCostModel, make_policy
+from peagle.model.checkpoint import random_head
+from peagle.model.target import TargetModel
+from tests.conftest import make_tiny_model
+from tests.test_sampling import VOCAB, chi_square_rejects, exact_joint, sample_joint, small_vocab_target  # noqa: F401
+
+MAX_K = 7
+
+
+# -- the policy on synthetic inputs -------------------------------------------------------------------------------
+
+def policy_with_cost(cost, max_batch: int = 8, max_k: int = MAX_K) -> AdaptiveK:
+    policy = AdaptiveK(max_k, max_batch)
+    policy.cost.calibrate(cost)
+    return policy
+
+
+def feed(policy: AdaptiveK, request_id: str, acceptance: float, steps: int, rng: random.Random) -> list[int]:
+    """Run `steps` steps of one request whose drafts are each accepted with probability `acceptance`; the K the
+    policy chose at each step."""
+    chosen = []
+    for _ in range(steps):
+        k = policy.choose([Candidate(request_id, 1000)])
+        accepted = 0
+        while accepted < k and rng.random() < acceptance:
+            accepted += 1
+        policy.observe(request_id, k, accepted)
+        chosen.append(k)
+    return chosen
+
+
+def test_zero_acceptance_chooses_plain_steps():
+    policy = policy_with_cost(lambda b, w: 1.0 + 0.1 * w)
+    chosen = feed(policy, "a", 0.0, 40, random.Random(0))
+    # Plain steps, but for one single-draft probe in every PROBE_AFTER + 1 steps.
+    assert set(chosen[-17:]) == {0, 1} and chosen[-17:].count(1) == 1, chosen
+    # A new request starts from the engine-wide estimate, which has learnt that drafts fail.
+    policy.plain_steps_in_a_row = 0
+    assert policy.choose([Candidate("new", 1000)]) == 0
+
+
+def test_high_acceptance_with_free_verification_chooses_the_maximum():
+    policy = policy_with_cost(lambda b, w: 1.0)
+    chosen = feed(policy, "a", 0.98, 30, random.Random(0))
+    assert chosen[-10:] == [MAX_K] * 10
+
+
+def test_cost_growing_with_rows_lowers_k_as_concurrency_rises():
+    # A step reads the weights once (fixed part) and then pays per verified row, as a compute-bound CPU does.
+    policy = policy_with_cost(lambda b, w: 1.0 + 0.08 * b * (w + 1), max_batch=16)
+    rng = random.Random(0)
+    for _ in range(60):
+        feed(policy, "warm", 0.7, 1, rng)
+    ks = []
+    for batch in (1, 2, 4, 8, 16):
+        cands = [Candidate(f"r{i}", 1000) for i in range(batch)]
+        for c in cands:  # each request has the same history
+            policy.requests[c.request_id] = policy.requests["warm"]
+        ks.append(policy.choose(cands))
+    assert ks == sorted(ks, reverse=True) and ks[0] > ks[-1], ks
+    assert ks[0] >= 3 and ks[-1] <= 1, ks
+
+
+def test_collapsing_acceptance_lowers_k_within_a_few_steps():
+    """A request moves from text the head predicts well (code) to text it does not (prose)."""
+    policy = policy_with_cost(lambda b, w: 1.0 + 0.15 * w)
+    rng = random.Random(1)
+    before = feed(policy, "a", 0.95, 30, rng)
+    assert sum(before[-10:]) / 10 >= 5, before
+    after = feed(policy, "a", 0.0, 8, rng)
+    assert after[5] <= 2 and after[-1] == 0, after
+
+
+def test_requests_near_their_end_need_no_deep_window():
+    policy = policy_with_cost(lambda b, w: 1.0 + 0.05 * w)
+    feed(policy, "a", 1.0, 30, random.Random(0))
+    assert policy.choose([Candidate("a", 1000)]) == MAX_K
+    assert policy.choose([Candidate("a", 3)]) == 2  # 3 tokens left: 2 drafts and the target's own token
+
+
+def test_cost_model_follows_real_step_times():
+    cost = StepCostModel(4, 3)
+    cost.calibrate(lambda b, w: 1.0 + w)
+    assert cost.predict(1, 3) == pytest.approx(4.0)
+    assert cost.predict(4, 2) == pytest.approx(3.0)
+    for _ in range(50):  # verify windows turn out three times dearer than calibrated
+        cost.observe(1, 3, 12.0)
+    assert cost.predict(1, 3) == pytest.approx(12.0, rel=0.05)
+    for _ in range(200):  # and the whole machine slows down by half
+        cost.observe(1, 0, 1.5)
+    assert cost.predict(1, 0) == pytest.approx(1.5, rel=0.05)
+    assert cost.predict(2, 1) > 2.0  # cells never timed follow the drift
+
+
+def test_plain_steps_probe_now_and_then():
+    policy = policy_with_cost(lambda b, w: 1.0 + 0.5 * w)
+    chosen = feed(policy, "a", 0.0, 100, random.Random(0))
+    probes = chosen[20:].count(1)
+    assert 1 <= probes <= 6 and set(chosen[20:]) <= {0, 1}
+
+
+def test_unknown_policy_names_the_choices():
+    with pytest.raises(ValueError, match="adaptive, fixed"):
+        make_policy("greedy", 3, 1)
+
+
+# -- the engine with the policy on --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory) -> TargetModel:
+    path = make_tiny_model(tmp_path_factory.mktemp("policy-tiny"), "llama", seed=1)
+    return TargetModel.from_pretrained(path, dtype=torch.float32)
+
+
+def engine(target: TargetModel, k: int, policy: str, parallel: bool = True, max_num_seqs: int = 4,
+           max_model_len: int = 256) -> LLMEngine:
+    head = random_head(target.config, target.embed_tokens.weight, "peagle" if parallel else "eagle3",
+                       mask_token_id=3, seed=0, dtype=target.embed_tokens.weight.dtype)
+    spec = SpeculativeConfig(model="random", num_speculative_tokens=k, parallel_drafting=parallel)
+    return LLMEngine(target, None, head, spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                     speculation_policy=policy)
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(20, 512) for _ in range(rng.randrange(3, 40))] for _ in range(n)]
+
+
+def half_right_oracle(eng: LLMEngine, reference: dict[tuple, list[int]]) -> None:
+    """Drafts that are the true continuation for the first half of each answer and wrong after it: acceptance
+    collapses mid-response, so the policy moves from deep windows to plain steps."""
+    real_draft = eng._draft
+
+    def draft(reqs, slots, k):
+        drafts = real_draft(reqs, slots, k).clone()
+        for b, req in enumerate(reqs):
+            ref = reference[tuple(req.prompt_ids)]
+            for i in range(k):
+                j = len(req.output_ids) + i
+                tok = ref[j] if j < len(ref) else 0
+                drafts[b, i] = tok if j < len(ref) // 2 else (tok + 1) % eng.target.config.vocab_size
+        return drafts
+
+    eng._draft = draft
+
+
+@pytest.mark.parametrize("parallel", [True, False], ids=["peagle", "eagle3"])
+def test_adaptive_greedy_is_lossless(tiny_target, parallel):
+    ps = prompts(6, seed=3)
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    ref = [o.token_ids for o in LLMEngine(tiny_target, None, max_num_seqs=8, max_model_len=256).generate(ps, params)]
+    eng = engine(tiny_target, 5, "adaptive", parallel, max_num_seqs=3)
+    half_right_oracle(eng, {tuple(p): r for p, r in zip(ps, ref)})
+    outs = eng.generate(ps, [SamplingParams(max_tokens=m, ignore_eos=True) for m in (48, 9, 48, 30, 1, 48)])
+    for o, r, m in zip(outs, ref, (48, 9, 48, 30, 1, 48)):
+        assert o.token_ids == r[:m]
+    steps = eng.stats.steps_per_k
+    assert steps[0] > 0 and sum(steps[2:]) > 0, steps  # plain steps and deep windows both happened
+    assert eng.stats.mean_acceptance_length > 1.5
+
+
+def test_adaptive_with_a_useless_head_decodes_plainly(tiny_target):
+    ps = prompts(4, seed=5)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    ref = [o.token_ids for o in LLMEngine(tiny_target, None, max_num_seqs=4, max_model_len=256).generate(ps, params)]
+    eng = engine(tiny_target, 7, "adaptive")
+    assert [o.token_ids for o in eng.generate(ps, params)] == ref
+    steps = eng.stats.steps_per_k
+    assert steps[0] > 0.6 * sum(steps), steps
+    assert all(r.pending_features is None for r in eng.running)
+
+
+def test_adaptive_sampling_keeps_the_target_distribution(small_vocab_target):  # noqa: F811
+    params = SamplingParams(temperature=1.0)
+    exact = exact_joint(small_vocab_target, params)
+    head = random_head(small_vocab_target.config, small_vocab_target.embed_tokens.weight, "peagle", mask_token_id=3,
+                       seed=1, dtype=torch.float32)
+    spec = SpeculativeConfig(model="random", num_speculative_tokens=3, parallel_drafting=True)
+    eng = LLMEngine(small_vocab_target, None, head, spec, max_num_seqs=256, max_model_len=32,
+                    speculation_policy="adaptive")
+    marginal2 = [sum(p for (a, _), p in exact.items() if a == t) for t in range(VOCAB)]
+    marginal3 = [sum(p for (_, b), p in exact.items() if b == t) for t in range(VOCAB)]
+    modes = {1: max(range(VOCAB), key=marginal2.__getitem__), 2: max(range(VOCAB), key=marginal3.__getitem__)}
+    real_draft = eng._draft
+
+    def draft(reqs, slots, k):
+        drafts = real_draft(reqs, slots, k).clone()
+        for b, req in enumerate(reqs):
+            for i in range(k):
+                drafts[b, i] = modes.get(len(req.output_ids) + i, 0)
+        return drafts
+
+    eng._draft = draft
+    counts = sample_joint(eng, params)
+    assert sum(eng.stats.steps_per_k[1:]) > 0 and eng.stats.num_accepted_tokens > 0, eng.stats.as_dict()
+    rejects, stat, crit = chi_square_rejects(counts, exact)
+    assert not rejects, f"chi2 {stat:.1f} > critical {crit:.1f}: adaptive speculation changed the distribution"
+
+
+class Scripted(FixedK):
+    """K from a script, one entry per step (then the last one forever)."""
+
+    def __init__(self, script: list[int]):
+        super().__init__(max(script))
+        self.script = list(script)
+
+    def choose(self, requests):
+        return self.script.pop(0) if len(self.script) > 1 else self.script[0]
+
+
+def record_drafts(eng: LLMEngine) -> dict[int, list[int]]:
+    """Every draft the engine makes, keyed by the request's committed token count when it was drafted."""
+    seen: dict[int, list[int]] = {}
+    real_draft = eng._draft
+
+    def draft(reqs, slots, k):
+        drafts = real_draft(reqs, slots, k)
+        seen[reqs[0].num_tokens] = drafts[0].tolist()
+        return drafts
+
+    eng._draft = draft
+    return seen
+
+
+@pytest.mark.parametrize("plain_steps", [5, MAX_PENDING_ROWS + 3], ids=["short", "past-the-pending-cap"])
+@pytest.mark.parametrize("parallel", [True, False], ids=["peagle", "eagle3"])
+def test_drafting_after_plain_steps_matches_always_drafting(tiny_target, parallel, plain_steps):
+    prompt, k = prompts(1, seed=11)[0], 3
+    params = SamplingParams(max_tokens=plain_steps + 12, ignore_eos=True)
+    always = engine(tiny_target, k, "fixed", parallel, max_num_seqs=1)
+    always_drafts = record_drafts(always)
+    resumed = engine(tiny_target, k, "fixed", parallel, max_num_seqs=1)
+    resumed.policy = Scripted([k, k] + [0] * plain_steps + [k])
+    resumed_drafts = record_drafts(resumed)
+    assert always.generate([prompt], params)[0].token_ids == resumed.generate([prompt], params)[0].token_ids
+    after = sorted(n for n in resumed_drafts if n > min(resumed_drafts) + plain_steps)
+    assert after, "the scripted engine never drafted again"
+    # The untrained head's drafts are rejected, one token per step in both engines, so the states line up.
+    assert set(resumed_drafts) <= set(always_drafts)
+    for n in after:
+        assert resumed_drafts[n] == always_drafts[n], f"drafts differ at {n} tokens"
+    assert resumed.stats.steps_per_k[0] == plain_steps
