@@ -1,4 +1,4 @@
-"""Acceptance of the bundled heads, measured by the engine itself (issue: bundled heads, docs/heads.md).
+"""Acceptance of the bundled heads, measured by the engine itself (docs/heads.md).
 
 For every dataset, method and K: all prompts through the chat template, greedy, up to --max-tokens new tokens,
 continuously batched by LLMEngine with real speculative decoding; the engine's own counters give the mean
@@ -23,7 +23,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
-# Targets of the bundled-heads issue: P-EAGLE at K=7 reaches these mean acceptance lengths.
+# The mean acceptance lengths the bundled P-EAGLE head aims for at K=7 (docs/heads.md).
 TARGETS = {"humaneval": 2.5, "mtbench": 2.2}
 DATASET_TITLES = {"mtbench": "MT-Bench first turns", "humaneval": "HumanEval"}
 

@@ -1,4 +1,4 @@
-"""Issue 3's measurements, side by side in one run on the embedded SmolLM2 (bf16, batch 1):
+"""The decoding engine's measurements (docs/engine.md), side by side in one run on the embedded SmolLM2 (bf16, batch 1):
 
   1. plain decoding: peagle's engine vs transformers `generate()` (greedy, same prompt, same new-token count);
   2. drafter time per step against K, chain (EAGLE-3: K passes) vs parallel (P-EAGLE: one pass), on a

@@ -3,9 +3,9 @@
 
 Both sides run the same engine configuration on the same prompts, greedy with `ignore_eos`, so every request
 generates exactly --max-tokens tokens and the work is identical. N clients each send their next request as soon
-as the last one ends (DESIGN section 7). The server runs in its own process (`peagle serve`, access log off) and
-the client in this one, as a real deployment would have them; on a small machine they share its cores, which is
-part of what HTTP costs there.
+as the last one ends (docs/design.md, "Benchmark definitions"). The server runs in its own process
+(`peagle serve`, access log off) and the client in this one, as a real deployment would have them; on a small
+machine they share its cores, which is part of what HTTP costs there.
 
     python benchmarks/http_overhead.py                       # embedded SmolLM2, its bundled head if installed
     python benchmarks/http_overhead.py --concurrency 8 --max-tokens 32 --speculative-config none

@@ -1,5 +1,5 @@
 """`peagle bench`: output tokens/s against concurrency for no speculation, EAGLE-3 and P-EAGLE at several K
-(DESIGN section 7), with transformers' own `generate()` measured in the same run.
+(docs/design.md, "Benchmark definitions"), with transformers' own `generate()` measured in the same run.
 
     datasets.py  prompt sets that load offline (HumanEval, MT-Bench, ShareGPT, custom JSONL, SPEED-Bench files)
     loadgen.py   the load generator: N clients over HTTP (streaming, like `vllm bench serve --max-concurrency N`),

@@ -1,4 +1,5 @@
-"""Benchmark arithmetic (DESIGN section 7), kept free of I/O so it can be checked on hand-made timings.
+"""Benchmark arithmetic (docs/design.md, "Benchmark definitions"), kept free of I/O so it can be checked on
+hand-made timings.
 
 - OTPS (output tokens/s) = total generated tokens / wall time of the run (first request sent to last one done).
 - TTFT = time from sending a request to its first output token.

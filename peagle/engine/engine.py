@@ -1,4 +1,5 @@
-"""The speculative decoding engine: draft, verify, accept, roll back (DESIGN section 3) for many requests at once.
+"""The speculative decoding engine: draft, verify, accept, roll back (docs/design.md, "Decoding step") for many
+requests at once.
 
 Every step:
   1. admit waiting requests into free cache slots: target prefill, first token, drafter prefill;

@@ -1,4 +1,5 @@
-"""Verification: which drafted tokens the target accepts, and the token it adds after them (DESIGN section 3).
+"""Verification: which drafted tokens the target accepts, and the token it adds after them
+(docs/design.md, "Decoding step").
 
 Drafts are greedy, so the draft distribution is one-hot. Under that proposal the rejection sampler reduces to:
 accept d_i with probability p_i(d_i); on the first rejection sample from p_i with d_i removed and renormalised;
