@@ -105,7 +105,7 @@ class TargetModel(nn.Module):
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(*rope_inv_freq(c.rope_parameters, c.head_dim, hf_config))
         self.feature_layer_ids = c.feature_layer_ids
-        self.lm_head_packed = None  # set by fuse_() where the AMX kernel is available
+        self.lm_head_packed = None  # set by pack_() where peagle's CPU kernels run
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -155,17 +155,15 @@ class TargetModel(nn.Module):
             state.pop("lm_head.weight", None)
         model.load_state_dict(state, strict=True, assign=True)
         model.rotary = RotaryEmbedding(*rope_inv_freq(config.rope_parameters, config.head_dim, hf_config)).to(device)
-        return model.eval().requires_grad_(False).fuse_()
+        return model.eval().requires_grad_(False).pack_()
 
     @torch.no_grad()
-    def fuse_(self) -> "TargetModel":
+    def pack_(self) -> "TargetModel":
         """Inference layout (from_pretrained does it): q/k/v and gate/up projections each become one matrix (the
-        original parameters become views, so memory and state_dict names are unchanged), and on CPUs with AMX every
-        projection and the LM head are also packed once for peagle's batch-invariant kernel (kernels.py; a packed
-        copy of the weights, so the model takes twice the weight memory). The frozen target never changes after."""
+        original parameters become views, so memory and state_dict names are unchanged), and where peagle's CPU
+        kernels run, every projection and the LM head are also packed once for them (kernels.py; a packed copy of
+        the weights, so the model takes twice the weight memory). The frozen target never changes after."""
         for layer in self.layers:
-            layer.self_attn.fuse_()
-            layer.mlp.fuse_()
             layer.self_attn.pack_()
             layer.mlp.pack_()
         self.lm_head_packed = kernels.PackedWeight.pack(self.lm_head_weight)

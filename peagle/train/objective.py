@@ -257,7 +257,7 @@ def _attention(attn, x: torch.Tensor, rope, self_mask, ext, ext_mask, causal: bo
     v = attn.v_proj(x).view(B, T, attn.num_kv_heads, attn.head_dim)
     if attn.q_norm is not None:
         q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = apply_rope(q.transpose(1, 2), *rope), apply_rope(k.transpose(1, 2), *rope)
+    q, k = apply_rope(q, *rope).transpose(1, 2), apply_rope(k, *rope).transpose(1, 2)
     v = v.transpose(1, 2)
     if ext is not None:
         keys, values = torch.cat([ext[0].to(k.dtype), k], 2), torch.cat([ext[1].to(v.dtype), v], 2)

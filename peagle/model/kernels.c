@@ -1,0 +1,572 @@
+/* peagle's native CPU kernels: batch-invariant bf16 matrix multiply, attention, RMSNorm and RoPE.
+
+   kernels.py compiles this file once per machine and picks, from the CPU's flags, one of three matrix paths:
+     - AVX2 + FMA     (any x86-64 of the last ten years): bf16 weights widened to fp32, fp32 FMAs;
+     - AVX-512 BF16   (AMD Zen 4/5, Intel Sapphire Rapids and later): `vdpbf16ps` pair dot products;
+     - AMX            (Intel Sapphire Rapids and later): `tdpbf16ps` tiles.
+   Attention, RMSNorm and RoPE use AVX2 + FMA on every machine.
+
+   Batch invariance is the point (docs/design.md, "Decoding step"): a verify window of K+1 rows must compute each
+   row exactly as a one-row decode step does, or greedy speculation drifts from plain greedy decoding. So every
+   output element is produced by one fixed sequence of instructions that depends only on that element's own row
+   and column, never on how many rows share the call, where the row sits, or how many threads run: rows are blocked
+   for speed, but a row's arithmetic is the same in every block shape; threads split columns, never the reduction.
+   The file is built with -ffp-contract=off so the compiler cannot fuse or reorder what is written here.
+
+   Matrix layout ("panels", AVX2 and AVX-512 BF16): W [N, K] is packed once into panels of 16 output columns;
+   panel p holds, for each pair of input columns (2q, 2q+1), the 16 columns' two weights side by side:
+     packed[p][q][c][e] = W[16 p + c][2 q + e]      (zero padded past N and K)
+   so one 64-byte load gives 16 columns x 2 inputs, and each panel is one contiguous stream from memory. */
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define PANEL 16      /* output columns per panel */
+#define MAX_ROWS 4    /* rows per register block */
+#define MAX_PANELS 4  /* panels per register block (a "column block" of 64 outputs) */
+#define ROW_BLOCK 64  /* rows per cache block of the activations (prefill) */
+
+/* ---------------------------------------------------------------------------------------------------------------
+   Scalar helpers (no ISA needed) */
+
+static inline uint16_t f2bf(float f) { /* round to nearest even, NaN stays NaN: c10::BFloat16's rounding */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float bf2f(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+size_t peagle_panels_size(int N, int K) { /* elements (bf16) of W packed into panels */
+    return (size_t)((N + PANEL - 1) / PANEL) * (size_t)((K + 1) / 2) * 2 * PANEL;
+}
+
+void peagle_pack_panels(const uint16_t *w, int N, int K, uint16_t *out, int nthreads) {
+    int K2 = (K + 1) / 2, NP = (N + PANEL - 1) / PANEL;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int p = 0; p < NP; p++)
+        for (int q = 0; q < K2; q++) {
+            uint16_t *t = out + ((size_t)p * K2 + q) * 2 * PANEL;
+            for (int c = 0; c < PANEL; c++)
+                for (int e = 0; e < 2; e++) {
+                    int n = p * PANEL + c, k = 2 * q + e;
+                    t[2 * c + e] = (n < N && k < K) ? w[(size_t)n * K + k] : 0;
+                }
+        }
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+   AVX2 + FMA: the path every x86-64 machine has, and attention / RMSNorm / RoPE for all of them */
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+static inline __m256 bf16x8_to_f32(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* 8 floats to 8 bf16, rounding exactly like f2bf. */
+static inline __m128i f32x8_to_bf16(__m256 f) {
+    __m256i u = _mm256_castps_si256(f);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    r = _mm256_blendv_epi8(r, quiet, _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)); /* values < 2^16: exact */
+}
+
+/* Store the first n (<= 8) of 8 floats as bf16. */
+static inline void store_bf16x8(uint16_t *dst, __m256 v, int n) {
+    __m128i h = f32x8_to_bf16(v);
+    if (n == 8) _mm_storeu_si128((__m128i *)dst, h);
+    else {
+        uint16_t tmp[8];
+        _mm_storeu_si128((__m128i *)tmp, h);
+        memcpy(dst, tmp, (size_t)n * 2);
+    }
+}
+
+/* Horizontal sum of 8 floats, always by the same tree. */
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* e^x for x <= 0 (softmax arguments), about 1 ulp: 2^n * p(r), r = x - n ln2. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e)); /* n >= -126 here, so 2^n is a normal float */
+}
+
+/* One register block: R rows x P panels, accumulating every input pair in order. Each column's sum is
+   acc = fma(w_odd, x_odd, fma(w_even, x_even, acc)) over q = 0..K2-1, the same for every R and P. */
+static inline __attribute__((always_inline)) void block_avx2(const int R, const int P, const float *x, size_t ldx,
+                                                             const uint16_t *w, size_t pstride, int K2, uint16_t *y,
+                                                             size_t ldy, int ncols) {
+    __m256 acc[MAX_ROWS][MAX_PANELS][2];
+    const __m256i odd_mask = _mm256_set1_epi32((int)0xffff0000u);
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        #pragma GCC unroll 4
+        for (int p = 0; p < P; p++) acc[r][p][0] = acc[r][p][1] = _mm256_setzero_ps();
+    for (int q = 0; q < K2; q++) {
+        #pragma GCC unroll 4
+        for (int p = 0; p < P; p++) {
+            const uint16_t *wq = w + p * pstride + (size_t)q * 2 * PANEL;
+            __m256i lo = _mm256_loadu_si256((const __m256i *)wq), hi = _mm256_loadu_si256((const __m256i *)(wq + 16));
+            __m256 even_lo = _mm256_castsi256_ps(_mm256_slli_epi32(lo, 16));
+            __m256 odd_lo = _mm256_castsi256_ps(_mm256_and_si256(lo, odd_mask));
+            __m256 even_hi = _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16));
+            __m256 odd_hi = _mm256_castsi256_ps(_mm256_and_si256(hi, odd_mask));
+            #pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                __m256 x0 = _mm256_broadcast_ss(x + r * ldx + 2 * q), x1 = _mm256_broadcast_ss(x + r * ldx + 2 * q + 1);
+                acc[r][p][0] = _mm256_fmadd_ps(odd_lo, x1, _mm256_fmadd_ps(even_lo, x0, acc[r][p][0]));
+                acc[r][p][1] = _mm256_fmadd_ps(odd_hi, x1, _mm256_fmadd_ps(even_hi, x0, acc[r][p][1]));
+            }
+        }
+    }
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        #pragma GCC unroll 4
+        for (int p = 0; p < P; p++)
+            for (int h = 0; h < 2; h++) {
+                int c0 = p * PANEL + 8 * h, n = ncols - c0;
+                if (n > 0) store_bf16x8(y + r * ldy + c0, acc[r][p][h], n < 8 ? n : 8);
+            }
+}
+
+typedef void (*avx2_block_fn)(const float *, size_t, const uint16_t *, size_t, int, uint16_t *, size_t, int);
+#define AVX2_BLOCK(R, P)                                                                                         \
+    static void avx2_block_##R##_##P(const float *x, size_t ldx, const uint16_t *w, size_t pstride, int K2,     \
+                                     uint16_t *y, size_t ldy, int ncols) {                                     \
+        block_avx2(R, P, x, ldx, w, pstride, K2, y, ldy, ncols);                                                \
+    }
+/* With 16 ymm registers, R x P x 2 accumulators must stay at 8: one row takes four panels, four rows one. */
+AVX2_BLOCK(1, 1) AVX2_BLOCK(1, 2) AVX2_BLOCK(1, 3) AVX2_BLOCK(1, 4)
+AVX2_BLOCK(2, 1) AVX2_BLOCK(2, 2)
+AVX2_BLOCK(3, 1) AVX2_BLOCK(4, 1)
+static const avx2_block_fn avx2_blocks[MAX_ROWS + 1][MAX_PANELS + 1] = {
+    {0},
+    {0, avx2_block_1_1, avx2_block_1_2, avx2_block_1_3, avx2_block_1_4},
+    {0, avx2_block_2_1, avx2_block_2_2, 0, 0},
+    {0, avx2_block_3_1, 0, 0, 0},
+    {0, avx2_block_4_1, 0, 0, 0},
+};
+static const int avx2_panels_per_block[MAX_ROWS + 1] = {0, 4, 2, 1, 1};
+
+/* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T, W packed by peagle_pack_panels. Returns 0, or -1 when
+   memory for the fp32 copy of x could not be allocated (y untouched). */
+int peagle_gemm_avx2(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy, int M, int N, int K,
+                     int nthreads) {
+    int K2 = (K + 1) / 2, NP = (N + PANEL - 1) / PANEL, NB = (NP + MAX_PANELS - 1) / MAX_PANELS;
+    size_t ldxf = (size_t)2 * K2, pstride = (size_t)K2 * 2 * PANEL;
+    float *xf = malloc((size_t)M * ldxf * sizeof(float));
+    if (!xf) return -1;
+    for (int m = 0; m < M; m++) { /* widen x once (zero padded to an even K) */
+        for (int k = 0; k < K; k++) xf[(size_t)m * ldxf + k] = bf2f(x[(size_t)m * ldx + k]);
+        if (K & 1) xf[(size_t)m * ldxf + K] = 0.0f;
+    }
+    #pragma omp parallel num_threads(nthreads)
+    for (int m0 = 0; m0 < M; m0 += ROW_BLOCK) {
+        int mend = M - m0 < ROW_BLOCK ? M : m0 + ROW_BLOCK;
+        #pragma omp for schedule(static)
+        for (int nb = 0; nb < NB; nb++)
+            for (int m = m0; m < mend; m += MAX_ROWS) {
+                int R = mend - m < MAX_ROWS ? mend - m : MAX_ROWS, step = avx2_panels_per_block[R];
+                int pend = (nb + 1) * MAX_PANELS < NP ? (nb + 1) * MAX_PANELS : NP;
+                for (int p = nb * MAX_PANELS; p < pend; p += step) {
+                    int P = pend - p < step ? pend - p : step;
+                    avx2_blocks[R][P](xf + (size_t)m * ldxf, ldxf, wp + (size_t)p * pstride, pstride, K2,
+                                      y + (size_t)m * ldy + (size_t)p * PANEL, (size_t)ldy, N - p * PANEL);
+                }
+            }
+    }
+    free(xf);
+    return 0;
+}
+
+/* RMSNorm of `rows` rows of width H, rounding like the reference implementations in bf16:
+   y = bf16(w * bf16(x * rsqrt(mean(x^2) + eps))), statistics in fp32. */
+void peagle_rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int rows, int H, float eps) {
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *xr = x + (size_t)r * H;
+        uint16_t *yr = y + (size_t)r * H;
+        __m256 acc = _mm256_setzero_ps();
+        int k = 0;
+        for (; k + 8 <= H; k += 8) {
+            __m256 v = bf16x8_to_f32(xr + k);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float ss = hsum8(acc);
+        for (; k < H; k++) ss += bf2f(xr[k]) * bf2f(xr[k]);
+        float inv = 1.0f / sqrtf(ss / (float)H + eps);
+        __m256 iv = _mm256_set1_ps(inv);
+        int i = 0;
+        for (; i + 8 <= H; i += 8) {
+            __m128i t = f32x8_to_bf16(_mm256_mul_ps(bf16x8_to_f32(xr + i), iv));
+            __m256 tf = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(t), 16));
+            _mm_storeu_si128((__m128i *)(yr + i), f32x8_to_bf16(_mm256_mul_ps(bf16x8_to_f32(w + i), tf)));
+        }
+        for (; i < H; i++) yr[i] = f2bf(bf2f(w[i]) * bf2f(f2bf(bf2f(xr[i]) * inv)));
+    }
+}
+
+/* Rotary embedding in place on the first `heads` heads of each [heads_total, D] row, rounding like the reference's
+   bf16 ops: out = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)). cos/sin: [rows, D]. */
+void peagle_rope_bf16(uint16_t *x, const uint16_t *cos_, const uint16_t *sin_, int rows, int heads_total, int heads,
+                      int D) {
+    int half = D / 2;
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *c = cos_ + (size_t)r * D, *s = sin_ + (size_t)r * D;
+        for (int h = 0; h < heads; h++) {
+            uint16_t *q = x + ((size_t)r * heads_total + h) * D;
+            for (int d = 0; d < half; d++) {
+                float x1 = bf2f(q[d]), x2 = bf2f(q[d + half]);
+                float a = bf2f(f2bf(x1 * bf2f(c[d]))) + bf2f(f2bf(-x2 * bf2f(s[d])));
+                float b = bf2f(f2bf(x2 * bf2f(c[d + half]))) + bf2f(f2bf(x1 * bf2f(s[d + half])));
+                q[d] = f2bf(a);
+                q[d + half] = f2bf(b);
+            }
+        }
+    }
+}
+
+/* Write this call's keys and values into each row's cache slot at its positions, then causal attention over the
+   slot, each (query row, head) on its own, so the result never depends on which other rows share the call:
+   out[b, t, h] = softmax_{j <= pos}(q[b, t, h] . K[slot_b, g, j] * scale) V[slot_b, g, j], g = h / (nh / nkv).
+   q, k, v rows: base + (b*T + t) * row_stride, heads contiguous (D each). Cache: [slots, nkv, max_len, D].
+   out: [B, T, nh, D] contiguous. D: a multiple of 8, at most 256. Returns 0, or -1 when a thread's score buffer
+   could not be allocated (out is then incomplete). */
+int peagle_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, const uint16_t *v, long kv_stride,
+                          uint16_t *kc, uint16_t *vc, const int64_t *slots, const int64_t *positions, uint16_t *out,
+                          int B, int T, int nh, int nkv, int D, int max_len, float scale, int nthreads) {
+    for (int bt = 0; bt < B * T; bt++) /* every write lands before any row reads: a window sees its own keys */
+        for (int g = 0; g < nkv; g++) {
+            size_t at = (((size_t)slots[bt / T] * nkv + g) * max_len + (size_t)positions[bt]) * D;
+            memcpy(kc + at, k + (size_t)bt * kv_stride + (size_t)g * D, (size_t)D * 2);
+            memcpy(vc + at, v + (size_t)bt * kv_stride + (size_t)g * D, (size_t)D * 2);
+        }
+    int G = nh / nkv, nd = D / 8, failed = 0;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        float *s = malloc(((size_t)max_len + 8) * sizeof(float));
+        if (!s) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(dynamic, 1) collapse(2)
+        for (int bt = 0; bt < B * T; bt++)
+            for (int h = 0; h < nh; h++) {
+                if (!s) continue;
+                int b = bt / T, g = h / G, n = (int)positions[bt] + 1;
+                const uint16_t *Kg = kc + ((size_t)slots[b] * nkv + g) * (size_t)max_len * D;
+                const uint16_t *Vg = vc + ((size_t)slots[b] * nkv + g) * (size_t)max_len * D;
+                const uint16_t *qh = q + (size_t)bt * q_stride + (size_t)h * D;
+                __m256 qv[32], acc[32];
+                for (int c = 0; c < nd; c++) qv[c] = bf16x8_to_f32(qh + 8 * c);
+                /* scores: one fixed FMA chain and tree per key */
+                for (int j = 0; j < n; j++) {
+                    const uint16_t *kj = Kg + (size_t)j * D;
+                    __m256 a = _mm256_mul_ps(qv[0], bf16x8_to_f32(kj));
+                    for (int c = 1; c < nd; c++) a = _mm256_fmadd_ps(qv[c], bf16x8_to_f32(kj + 8 * c), a);
+                    s[j] = hsum8(a) * scale;
+                }
+                float mx = -INFINITY;
+                for (int j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+                for (int j = n; j < (n + 7) / 8 * 8; j++) s[j] = -INFINITY; /* pad to whole vectors */
+                __m256 mv = _mm256_set1_ps(mx), sum = _mm256_setzero_ps();
+                for (int j = 0; j < n; j += 8) {
+                    __m256 sj = _mm256_loadu_ps(s + j);
+                    __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(sj, mv)),  /* padding lanes: exactly 0 */
+                                             _mm256_cmp_ps(sj, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
+                    _mm256_storeu_ps(s + j, e);
+                    sum = _mm256_add_ps(sum, e);
+                }
+                __m256 inv = _mm256_set1_ps(1.0f / hsum8(sum));
+                for (int c = 0; c < nd; c++) acc[c] = _mm256_setzero_ps();
+                for (int j = 0; j < n; j++) {
+                    __m256 p = _mm256_set1_ps(s[j]);
+                    const uint16_t *vj = Vg + (size_t)j * D;
+                    for (int c = 0; c < nd; c++) acc[c] = _mm256_fmadd_ps(p, bf16x8_to_f32(vj + 8 * c), acc[c]);
+                }
+                uint16_t *o = out + ((size_t)bt * nh + h) * D;
+                for (int c = 0; c < nd; c++) store_bf16x8(o + 8 * c, _mm256_mul_ps(acc[c], inv), 8);
+            }
+        free(s);
+    }
+    return failed ? -1 : 0;
+}
+
+/* The MLP's activation, rounding like the reference's bf16 ops: y = bf16(bf16(silu(gate)) * up), where each row
+   of gate_up holds [gate (I), up (I)]. silu(g) = g / (1 + e^-g), computed from t = e^-|g| <= 1 (exp8's range):
+   g / (1 + t) for g >= 0, g t / (1 + t) below. I: a multiple of 8. */
+void peagle_silu_mul_bf16(const uint16_t *gate_up, uint16_t *y, int rows, int I) {
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *g = gate_up + (size_t)r * 2 * I, *u = g + I;
+        uint16_t *yr = y + (size_t)r * I;
+        for (int i = 0; i < I; i += 8) {
+            __m256 gv = bf16x8_to_f32(g + i);
+            __m256 t = exp8(_mm256_or_ps(gv, sign)); /* e^-|g| */
+            __m256 num = _mm256_blendv_ps(_mm256_mul_ps(gv, t), gv, _mm256_cmp_ps(gv, _mm256_setzero_ps(), _CMP_GE_OQ));
+            __m128i silu = f32x8_to_bf16(_mm256_div_ps(num, _mm256_add_ps(one, t)));
+            __m256 sf = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(silu), 16));
+            _mm_storeu_si128((__m128i *)(yr + i), f32x8_to_bf16(_mm256_mul_ps(sf, bf16x8_to_f32(u + i))));
+        }
+    }
+}
+
+#pragma GCC pop_options
+
+/* ---------------------------------------------------------------------------------------------------------------
+   AVX-512 BF16: `vdpbf16ps` adds both products of a bf16 pair into one fp32 lane */
+
+#ifndef PEAGLE_NO_AVX512
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")
+
+/* 16 floats to 16 bf16, rounding exactly like f2bf. */
+static inline __m256i f32x16_to_bf16(__m512 f) {
+    __m512i u = _mm512_castps_si512(f);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* One register block: R rows x P panels. Each column's sum is acc = dpbf16(acc, w_pair, x_pair) over q in order. */
+static inline __attribute__((always_inline)) void block_bf16(const int R, const int P, const uint16_t *x, size_t ldx,
+                                                             const uint16_t *w, size_t pstride, int K2, uint16_t *y,
+                                                             size_t ldy, int ncols) {
+    __m512 acc[MAX_ROWS][MAX_PANELS];
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        #pragma GCC unroll 4
+        for (int p = 0; p < P; p++) acc[r][p] = _mm512_setzero_ps();
+    for (int q = 0; q < K2; q++) {
+        __m512bh wv[MAX_PANELS];
+        #pragma GCC unroll 4
+        for (int p = 0; p < P; p++) wv[p] = (__m512bh)_mm512_loadu_si512(w + p * pstride + (size_t)q * 2 * PANEL);
+        #pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            int32_t pair;
+            memcpy(&pair, x + r * ldx + 2 * q, 4);
+            __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+            #pragma GCC unroll 4
+            for (int p = 0; p < P; p++) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], wv[p], xb);
+        }
+    }
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        #pragma GCC unroll 4
+        for (int p = 0; p < P; p++) {
+            int n = ncols - p * PANEL;
+            if (n > 0)
+                _mm256_mask_storeu_epi16(y + r * ldy + p * PANEL, (__mmask16)(n >= 16 ? 0xffffu : (1u << n) - 1u),
+                                         f32x16_to_bf16(acc[r][p]));
+        }
+}
+
+typedef void (*bf16_block_fn)(const uint16_t *, size_t, const uint16_t *, size_t, int, uint16_t *, size_t, int);
+#define BF16_BLOCK(R, P)                                                                                         \
+    static void bf16_block_##R##_##P(const uint16_t *x, size_t ldx, const uint16_t *w, size_t pstride, int K2,  \
+                                     uint16_t *y, size_t ldy, int ncols) {                                     \
+        block_bf16(R, P, x, ldx, w, pstride, K2, y, ldy, ncols);                                                \
+    }
+BF16_BLOCK(1, 1) BF16_BLOCK(1, 2) BF16_BLOCK(1, 3) BF16_BLOCK(1, 4)
+BF16_BLOCK(2, 1) BF16_BLOCK(2, 2) BF16_BLOCK(2, 3) BF16_BLOCK(2, 4)
+BF16_BLOCK(3, 1) BF16_BLOCK(3, 2) BF16_BLOCK(3, 3) BF16_BLOCK(3, 4)
+BF16_BLOCK(4, 1) BF16_BLOCK(4, 2) BF16_BLOCK(4, 3) BF16_BLOCK(4, 4)
+static const bf16_block_fn bf16_blocks[MAX_ROWS + 1][MAX_PANELS + 1] = {
+    {0},
+    {0, bf16_block_1_1, bf16_block_1_2, bf16_block_1_3, bf16_block_1_4},
+    {0, bf16_block_2_1, bf16_block_2_2, bf16_block_2_3, bf16_block_2_4},
+    {0, bf16_block_3_1, bf16_block_3_2, bf16_block_3_3, bf16_block_3_4},
+    {0, bf16_block_4_1, bf16_block_4_2, bf16_block_4_3, bf16_block_4_4},
+};
+
+/* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T, W packed by peagle_pack_panels. Returns 0, or -1 when
+   memory for the padded copy of x could not be allocated (y untouched). */
+int peagle_gemm_avx512bf16(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy, int M, int N,
+                           int K, int nthreads) {
+    int K2 = (K + 1) / 2, NP = (N + PANEL - 1) / PANEL, NB = (NP + MAX_PANELS - 1) / MAX_PANELS;
+    size_t ldxp = (size_t)2 * K2, pstride = (size_t)K2 * 2 * PANEL;
+    uint16_t *xp = malloc((size_t)M * ldxp * 2);
+    if (!xp) return -1;
+    for (int m = 0; m < M; m++) { /* zero padded to an even K so every pair is whole */
+        memcpy(xp + (size_t)m * ldxp, x + (size_t)m * ldx, (size_t)K * 2);
+        if (K & 1) xp[(size_t)m * ldxp + K] = 0;
+    }
+    #pragma omp parallel num_threads(nthreads)
+    for (int m0 = 0; m0 < M; m0 += ROW_BLOCK) {
+        int mend = M - m0 < ROW_BLOCK ? M : m0 + ROW_BLOCK;
+        #pragma omp for schedule(static)
+        for (int nb = 0; nb < NB; nb++) {
+            int p = nb * MAX_PANELS, P = NP - p < MAX_PANELS ? NP - p : MAX_PANELS;
+            for (int m = m0; m < mend; m += MAX_ROWS) {
+                int R = mend - m < MAX_ROWS ? mend - m : MAX_ROWS;
+                bf16_blocks[R][P](xp + (size_t)m * ldxp, ldxp, wp + (size_t)p * pstride, pstride, K2,
+                                  y + (size_t)m * ldy + (size_t)p * PANEL, (size_t)ldy, N - p * PANEL);
+            }
+        }
+    }
+    free(xp);
+    return 0;
+}
+
+#pragma GCC pop_options
+#endif /* PEAGLE_NO_AVX512 */
+
+/* ---------------------------------------------------------------------------------------------------------------
+   AMX: 16x16 fp32 tiles accumulated by `tdpbf16ps` over 32-wide k blocks */
+
+#ifndef PEAGLE_NO_AMX
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* AMX tiles need the kernel's permission once per process (oneDNN asks for it the same way). */
+int peagle_amx_init(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : 0; }
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg;
+
+static void config_tiles(void) {
+    tilecfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+#define NG 4 /* n-blocks (of 16 columns) per group: tmm0..3 accumulate, tmm4 = A, tmm5/6 = B */
+
+/* Pack w [N, K] (bf16, rows contiguous) into AMX B tiles, one contiguous stream per group of NG column blocks:
+   [G = ceil(N/(16 NG))][Kb = ceil(K/32)][NG][16 pairs][16 n][2], zero padded. */
+void peagle_amx_pack(const uint16_t *w, int N, int K, uint16_t *out) {
+    int G = (N + 16 * NG - 1) / (16 * NG), Kb = (K + 31) / 32;
+    for (int g = 0; g < G; g++)
+        for (int kb = 0; kb < Kb; kb++)
+            for (int j = 0; j < NG; j++) {
+                uint16_t *t = out + (((size_t)g * Kb + kb) * NG + j) * 512;
+                for (int p = 0; p < 16; p++)
+                    for (int n = 0; n < 16; n++)
+                        for (int e = 0; e < 2; e++) {
+                            int nn = (g * NG + j) * 16 + n, kk = kb * 32 + 2 * p + e;
+                            t[(p * 16 + n) * 2 + e] = (nn < N && kk < K) ? w[(size_t)nn * K + kk] : 0;
+                        }
+            }
+}
+
+size_t peagle_amx_packed_size(int N, int K) {
+    return (size_t)((N + 16 * NG - 1) / (16 * NG)) * ((K + 31) / 32) * NG * 512;
+}
+
+/* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T with W packed by peagle_amx_pack. Each output element
+   accumulates its K in the same order (k-blocks of 32 in sequence) whatever M is: batch invariant. Returns 0, or
+   -1 when memory for the padded copy of x could not be allocated (y untouched). */
+int peagle_amx_gemm(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy, int M, int N, int K,
+                    int nthreads) {
+    int Kb = (K + 31) / 32, Mb = (M + 15) / 16;
+    int Kp = Kb * 32;
+    /* A: x zero padded to [Mb*16, Kp] so tile loads never read past it. */
+    uint16_t *a = aligned_alloc(64, (size_t)Mb * 16 * Kp * 2); /* Kp * 2 is a multiple of 64 */
+    if (!a) return -1;
+    for (int m = 0; m < Mb * 16; m++) {
+        uint16_t *row = a + (size_t)m * Kp;
+        if (m < M) {
+            memcpy(row, x + (size_t)m * ldx, (size_t)K * 2);
+            memset(row + K, 0, (size_t)(Kp - K) * 2);
+        } else
+            memset(row, 0, (size_t)Kp * 2);
+    }
+    int ngroups = (N + 16 * NG - 1) / (16 * NG);
+    #pragma omp parallel num_threads(nthreads)
+    {
+        config_tiles();
+        float cbuf[16 * 16] __attribute__((aligned(64)));
+        #pragma omp for schedule(static)
+        for (int g = 0; g < ngroups; g++) {
+            const uint16_t *wg = wp + (size_t)g * Kb * NG * 512;
+            for (int mb = 0; mb < Mb; mb++) {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                const uint16_t *arow = a + (size_t)mb * 16 * Kp;
+                for (int kb = 0; kb < Kb; kb++) {
+                    const uint16_t *b = wg + (size_t)kb * NG * 512;
+                    if (mb == 0)
+                        for (int l = 0; l < NG * 16; l++) _mm_prefetch((const char *)(b + NG * 512) + 64 * l, _MM_HINT_T0);
+                    _tile_loadd(4, arow + kb * 32, Kp * 2);
+                    _tile_loadd(5, b, 64);
+                    _tile_dpbf16ps(0, 4, 5);
+                    _tile_loadd(6, b + 512, 64);
+                    _tile_dpbf16ps(1, 4, 6);
+                    _tile_loadd(5, b + 1024, 64);
+                    _tile_dpbf16ps(2, 4, 5);
+                    _tile_loadd(6, b + 1536, 64);
+                    _tile_dpbf16ps(3, 4, 6);
+                }
+                int mrows = M - mb * 16 < 16 ? M - mb * 16 : 16;
+                for (int j = 0; j < NG; j++) {
+                    int n0 = (g * NG + j) * 16;
+                    if (n0 >= N) break;
+                    switch (j) {
+                        case 0: _tile_stored(0, cbuf, 64); break;
+                        case 1: _tile_stored(1, cbuf, 64); break;
+                        case 2: _tile_stored(2, cbuf, 64); break;
+                        default: _tile_stored(3, cbuf, 64); break;
+                    }
+                    int ncols = N - n0 < 16 ? N - n0 : 16;
+                    __mmask16 mk = (__mmask16)((1u << ncols) - 1u);
+                    for (int r = 0; r < mrows; r++)
+                        _mm256_mask_storeu_epi16(y + (size_t)(mb * 16 + r) * ldy + n0, mk,
+                                                 f32x16_to_bf16(_mm512_load_ps(cbuf + r * 16)));
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(a);
+    return 0;
+}
+
+#pragma GCC pop_options
+#endif /* PEAGLE_NO_AMX */
