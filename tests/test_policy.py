@@ -253,3 +253,20 @@ def test_drafting_after_plain_steps_matches_always_drafting(tiny_target, paralle
     for n in after:
         assert resumed_drafts[n] == always_drafts[n], f"drafts differ at {n} tokens"
     assert resumed.stats.steps_per_k[0] == plain_steps
+
+
+def test_metrics_expose_k_per_step():
+    from peagle.engine import SpecDecodeStats
+    from peagle.serve.metrics import Metrics
+
+    metrics = Metrics("m", 3)
+    stats = SpecDecodeStats(3)
+    for k, a in ((0, 0), (0, 0), (3, 2), (1, 1)):
+        stats.record(k, a)
+    metrics.record_spec(stats)
+    metrics.record_spec(stats)  # no new steps: nothing observed twice
+    text = metrics.render(0, 0).decode()
+    assert 'peagle:spec_decode_num_speculative_tokens_count{model_name="m"} 4.0' in text
+    assert 'peagle:spec_decode_num_speculative_tokens_sum{model_name="m"} 4.0' in text
+    assert 'peagle:spec_decode_num_speculative_tokens_bucket{le="0.0",model_name="m"} 2.0' in text
+    assert 'vllm:spec_decode_num_drafts_total{model_name="m"} 2.0' in text

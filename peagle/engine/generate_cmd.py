@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+
+from peagle.engine.policy import ENV_VAR, POLICIES
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a string is a palindrome, and explain it briefly."
 
@@ -15,6 +18,9 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
                         help='vLLM-style JSON, e.g. \'{"model": HEAD, "method": "eagle3", "num_speculative_tokens": 7, '
                              '"parallel_drafting": true}\' (default: the bundled P-EAGLE head of the embedded model)')
     parser.add_argument("--no-speculation", action="store_true", help="plain decoding, no drafter")
+    parser.add_argument("--speculation-policy", choices=POLICIES, default=os.environ.get(ENV_VAR, "adaptive"),
+                        help=f"adaptive (default): K is picked every step from 0 up to num_speculative_tokens for the "
+                             f"most tokens/s; fixed: always K, as vLLM does (default from {ENV_VAR})")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -41,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
             if spec is None:
                 print("peagle: no drafter head for this model; decoding without speculation "
                       "(name one with --speculative-config)", file=sys.stderr)
-        engine = LLMEngine.from_pretrained(args.model, spec, max_num_seqs=1, device=args.device, dtype=args.dtype)
+        engine = LLMEngine.from_pretrained(args.model, spec, max_num_seqs=1, device=args.device, dtype=args.dtype,
+                                           speculation_policy=args.speculation_policy)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed)
         chat = args.chat if args.chat is not None else bool(getattr(engine.tokenizer, "chat_template", None))
@@ -63,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
         "tokens_per_second": round(final.num_output_tokens / final.elapsed, 2) if final.elapsed else 0.0,
         "method": engine.method,
         "num_speculative_tokens": engine.k,
+        "speculation_policy": engine.policy.name if engine.policy else None,
         "head": engine.spec.model if engine.spec else None,
         **{k: v for k, v in final.spec.as_dict().items()},
     }
@@ -70,7 +78,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result))
     else:
         per_pos = " ".join(f"{x:.2f}" for x in final.spec.acceptance_per_position)
-        print(f"\n\n[{result['method']} K={result['num_speculative_tokens']}] {result['num_output_tokens']} tokens in "
+        k = (f"K={result['num_speculative_tokens']}" if result["speculation_policy"] != "adaptive" else
+             f"adaptive K<={result['num_speculative_tokens']}, mean {result['mean_k']:.2f}")
+        print(f"\n\n[{result['method']} {k}] {result['num_output_tokens']} tokens in "
               f"{result['elapsed_s']:.2f} s: {result['tokens_per_second']:.1f} tok/s, TTFT "
               f"{result['time_to_first_token_s'] * 1000:.0f} ms, mean acceptance length "
               f"{result['mean_acceptance_length']:.2f}" + (f", per-position acceptance {per_pos}" if per_pos else ""),

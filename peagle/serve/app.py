@@ -202,12 +202,9 @@ def _encode(state: ServerState, prompt, chat: bool, param: str) -> list[int]:
 
 def spec_stats(state: ServerState, stats: SpecDecodeStats | None, speculation: bool = True) -> dict:
     if stats is None or not speculation or state.engine.spec is None:
-        return {"method": "none", "num_speculative_tokens": 0, "num_drafts": 0, "num_draft_tokens": 0,
-                "num_accepted_tokens": 0, "accepted_per_position": [], "acceptance_per_position": [],
-                "acceptance_rate": 0.0, "mean_acceptance_length": 1.0}
-    d = stats.as_dict()
-    return {"method": state.method, "num_speculative_tokens": state.k, **d,
-            "acceptance_rate": round(stats.acceptance_rate, 4)}
+        return {"method": "none", "num_speculative_tokens": 0, **SpecDecodeStats().as_dict()}
+    return {"method": state.method, "speculation_policy": state.engine.policy.name, "num_speculative_tokens": state.k,
+            **stats.as_dict()}
 
 
 def request_metrics(outs: list[RequestOutput]) -> dict:
@@ -221,10 +218,7 @@ def request_metrics(outs: list[RequestOutput]) -> dict:
 
 
 def _merged_stats(outs: list[RequestOutput]) -> SpecDecodeStats:
-    total = SpecDecodeStats(outs[0].spec.num_speculative_tokens)
-    for o in outs:
-        total.merge(o.spec)
-    return total
+    return SpecDecodeStats.total(o.spec for o in outs)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -44,6 +44,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", metavar="JSON",
                         help='vLLM\'s speculative config, e.g. \'{"method": "eagle3", "model": HEAD, '
                              '"num_speculative_tokens": 7, "parallel_drafting": true}\'; "none" turns speculation off')
+    from peagle.engine.policy import POLICIES
+
+    parser.add_argument("--speculation-policy", choices=POLICIES, default="adaptive",
+                        help="adaptive (default): num_speculative_tokens is the most a step verifies, and every step "
+                             "picks K from 0 up to it for the most tokens/s; fixed: always K, as vLLM does")
     parser.add_argument("--max-model-len", type=int, help="context length (prompt + output) per request")
     parser.add_argument("--max-num-seqs", type=int, help="requests decoded together (default 8)")
     parser.add_argument("--served-model-name", nargs="+", help="name(s) clients use in \"model\"")
@@ -213,7 +218,8 @@ def build_server(args, plan):
     try:
         engine = LLMEngine.from_pretrained(plan["model"], speculative_config=plan["spec"],
                                            max_num_seqs=args.max_num_seqs or 8, max_model_len=args.max_model_len,
-                                           device=args.device, dtype=args.dtype)
+                                           device=args.device, dtype=args.dtype,
+                                           speculation_policy=args.speculation_policy)
     except (SpeculativeConfigError, FileNotFoundError, ValueError) as e:
         raise ServeError(str(e)) from None
     baseline = None
@@ -237,7 +243,8 @@ def serve(args, plan) -> int:
         return _fail(str(e))
     engine = aengine.engine
     spec = engine.spec
-    how = (f"{engine.method} (K={engine.k}, head {spec.model})" if spec is not None else "no speculation")
+    how = (f"{engine.method} ({engine.policy.name} K{'<=' if engine.policy.name == 'adaptive' else '='}{engine.k}, "
+           f"head {spec.model})" if spec is not None else "no speculation")
     url = f"http://{'127.0.0.1' if plan['host'] in ('0.0.0.0', '::') else plan['host']}:{plan['port']}"
     print(f"peagle serve: {', '.join(plan['served'])} with {how}, max_model_len {engine.max_model_len}, "
           f"max_num_seqs {engine.max_num_seqs}", file=sys.stderr, flush=True)

@@ -56,6 +56,11 @@ class Metrics:
                                      registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.",
                                          labels, registry=r)
+        # One observation per decode step per request: how many drafts the speculation policy had verified (0: a
+        # plain step). Under the fixed policy every observation is num_speculative_tokens.
+        self.k_chosen = Histogram("peagle:spec_decode_num_speculative_tokens",
+                                  "Drafts verified per request per decode step, as the speculation policy chose.",
+                                  labels, buckets=tuple(range(num_speculative_tokens + 1)), registry=r)
         self.rejected = Counter("peagle:requests_rejected", "Requests refused before reaching the engine.",
                                 labels + ["reason"], registry=r)
         m = model_name
@@ -81,8 +86,10 @@ class Metrics:
             before = seen.accepted_per_position[pos] if pos < len(seen.accepted_per_position) else 0
             if n - before:
                 self.accepted_per_pos.labels(model_name=m, position=str(pos)).inc(n - before)
-        self._seen = SpecDecodeStats(stats.num_speculative_tokens, stats.num_drafts, stats.num_draft_tokens,
-                                     stats.num_accepted_tokens, list(stats.accepted_per_position))
+        for k, n in enumerate(stats.steps_per_k):
+            for _ in range(n - (seen.steps_per_k[k] if k < len(seen.steps_per_k) else 0)):
+                self.k_chosen.labels(model_name=m).observe(k)
+        self._seen = stats.copy()
 
     def record_output(self, out) -> None:
         """One engine report (a RequestOutput) for one request."""

@@ -353,6 +353,9 @@ class SpeculativeStats(BaseModel):
     acceptance_per_position: list[float]
     acceptance_rate: float
     mean_acceptance_length: float  # 1 + accepted / drafts
+    speculation_policy: str | None = None  # "adaptive" or "fixed" (None without speculation)
+    steps_per_k: list[int] = []  # decode steps by the number of drafts they verified (index 0: plain steps)
+    mean_k: float = 0.0  # drafts verified per decode step
 
 
 class RequestMetrics(BaseModel):
