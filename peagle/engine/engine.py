@@ -22,15 +22,17 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import cached_property
 from pathlib import Path
 
 import torch
 
 from peagle.config import SpeculativeConfig
-from peagle.engine.request import Request, RequestOutput
+from peagle.engine.detokenize import IncrementalDetokenizer
+from peagle.engine.request import Request, RequestError, RequestOutput, TokenLogprob
 from peagle.engine.policy import Candidate, make_policy, timed
-from peagle.engine.sampling import SamplingParams, target_probs
+from peagle.engine.sampling import SamplingParams, target_logprobs, target_probs
 from peagle.engine.stats import SpecDecodeStats
 from peagle.engine.verify import verify_greedy, verify_sampled
 from peagle.model.drafter import Drafter
@@ -40,10 +42,6 @@ from peagle.model.target import TargetModel
 Prompt = str | list[int] | list[dict]
 # Real rows a request may hold back from the drafter during plain (K = 0) steps before they are run anyway.
 MAX_PENDING_ROWS = 32
-
-
-class RequestError(ValueError):
-    """A request that cannot be served as asked (too long, bad parameters); other requests are unaffected."""
 
 
 class LLMEngine:
@@ -123,47 +121,78 @@ class LLMEngine:
     # -- request API -------------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
         """Token ids for a prompt: ids pass through, chat messages get the chat template, text is tokenised (with
-        the chat template when `chat` is true)."""
+        the chat template when `chat` is true). Text that cannot fit the context is refused before tokenising."""
         if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
             return list(prompt)
         if self.tokenizer is None:
-            raise RequestError("this engine has no tokenizer: send token ids")
+            raise RequestError("this engine has no tokenizer: send token ids", "prompt")
+        texts = [prompt] if isinstance(prompt, str) else [m.get("content") or "" for m in prompt]
+        self._check_text_fits(sum(len(t) for t in texts if isinstance(t, str)))
         if isinstance(prompt, str) and not chat:
             return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         if not getattr(self.tokenizer, "chat_template", None):
-            raise RequestError("this model's tokenizer has no chat template; send a plain prompt instead of messages")
+            raise RequestError("this model's tokenizer has no chat template; send a plain prompt instead of messages",
+                               "prompt")
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    chat: bool | None = None) -> str:
-        """Queue a request; raises RequestError at once if it cannot fit. Safe from any thread."""
+    @cached_property
+    def _max_token_chars(self) -> int:
+        """An upper bound on the characters any one token decodes to: its vocabulary entry's UTF-8 length (byte-level
+        and SentencePiece entries spell each byte or space with one or more characters, never fewer)."""
+        return max(1, max(len(t.encode()) for t in self.tokenizer.get_vocab()))
+
+    def _check_text_fits(self, num_chars: int) -> None:
+        """Refuse text that needs more tokens than the context holds, without tokenising it: no token covers more
+        than `_max_token_chars` characters, so the text needs at least num_chars / that many tokens."""
+        at_least = num_chars // self._max_token_chars
+        if at_least >= self.max_model_len:
+            raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens, but the prompt "
+                               f"has at least {at_least} ({num_chars} characters); shorten the prompt", "prompt",
+                               "context_length_exceeded")
+
+    def make_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                     chat: bool | None = None, arrival: float | None = None) -> Request:
+        """Tokenise and check a request without queueing it (see `submit`). This is the CPU-heavy part of intake,
+        so a server runs it off its event loop. Raises RequestError naming the parameter at fault."""
         params = params or SamplingParams()
         prompt_ids = self.encode_prompt(prompt, chat)
         if not prompt_ids:
-            raise RequestError("the prompt is empty")
+            raise RequestError("the prompt is empty", "prompt")
         vocab = self.target.config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise RequestError(f"prompt token ids must be in [0, {vocab})")
+            raise RequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens, but the prompt "
-                               f"has {len(prompt_ids)}; shorten the prompt or raise --max-model-len")
+                               f"has {len(prompt_ids)}; shorten the prompt or raise --max-model-len", "prompt",
+                               "context_length_exceeded")
         if params.max_tokens is None:
             params.max_tokens = room
         elif params.max_tokens > room:
             raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens, but "
                                f"{len(prompt_ids) + params.max_tokens} were requested ({len(prompt_ids)} in the "
-                               f"prompt, {params.max_tokens} for the output); reduce max_tokens or the prompt")
+                               f"prompt, {params.max_tokens} for the output); reduce max_tokens or the prompt",
+                               "max_tokens", "context_length_exceeded")
         request_id = request_id or f"req-{next(self._ids)}"
         gen = None
         if not params.greedy:
             gen = torch.Generator(device=self.device)
-            gen.manual_seed(params.seed if params.seed is not None else torch.seed())
-        req = Request(request_id, prompt_ids, params, SpecDecodeStats(self.k), gen)
+            gen.manual_seed(params.seed % 2**64 if params.seed is not None else torch.seed())
+        return Request(request_id, prompt_ids, params, SpecDecodeStats(self.k), gen,
+                       arrival=arrival if arrival is not None else time.perf_counter(),
+                       detokenizer=IncrementalDetokenizer(self.tokenizer))
+
+    def submit(self, req: Request) -> str:
+        """Queue a request from `make_request`. Safe from any thread."""
         self._incoming.put(req)
-        return request_id
+        return req.request_id
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    chat: bool | None = None) -> str:
+        """Queue a request; raises RequestError at once if it cannot fit. Safe from any thread."""
+        return self.submit(self.make_request(prompt, params, request_id, chat))
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its slot at the next step. Safe from any thread."""
@@ -181,14 +210,18 @@ class LLMEngine:
         return len(self.waiting) + self._incoming.qsize()
 
     # -- the step ----------------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Advance every request by one engine step; returns a report for each request that changed."""
+    def step(self, on_first_tokens: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
+        """Advance every request by one engine step; returns a report for each request that changed.
+        `on_first_tokens` gets the reports of requests that prefill just started, before this step's decode, so a
+        server can send first tokens (and time them) as soon as they exist."""
         with self._lock, torch.inference_mode():
             reports: dict[str, RequestOutput] = {}
             self._take_incoming(reports)
             touched = self._admit()
             if touched:
                 self._prefill(touched)
+                if on_first_tokens is not None:
+                    on_first_tokens([self._report(r) for r in touched if not r.finished])
             decoding = [r for r in self.running if not r.finished]
             if decoding:
                 self._decode(decoding)
@@ -207,10 +240,10 @@ class LLMEngine:
             return
         for req in [r for r in self.waiting if r.request_id in aborted]:
             self.waiting.remove(req)
-            req.finish_reason = "abort"
+            self._finish(req, "abort")
             reports[req.request_id] = self._report(req)
         for req in [r for r in self.running if r.request_id in aborted]:
-            req.finish_reason = "abort"
+            self._finish(req, "abort")
             reports[req.request_id] = self._report(req)
             self._retire_if_finished(req)
 
@@ -252,8 +285,10 @@ class LLMEngine:
         slots = torch.tensor([r.slot for r in reqs], device=dev)
         positions = torch.arange(T, device=dev)[None].expand(B, T)
         # Pad rows write past each prompt's end: stale entries that the first decode step overwrites.
+        # Prompt log-probabilities need the logits of every prompt row, the first token only those of the last.
+        every_row = any(r.params.prompt_logprobs is not None for r in reqs)
         out = self.target(tokens, BatchLayout.build(slots, positions), self.target_cache,
-                          logit_index=(lens - 1)[:, None])
+                          logit_index=positions if every_row else (lens - 1)[:, None])
         if self.spec is not None and T > 1:
             # The drafter sees row t = (token x_{t+1}, feature g_t).
             self.drafter(tokens[:, 1:], out.features[:, :-1], BatchLayout.build(slots, positions[:, :-1]),
@@ -261,11 +296,16 @@ class LLMEngine:
         now = time.perf_counter()
         for b, req in enumerate(reqs):
             m = len(req.prompt_ids)
-            first = self._sample_one(req, out.logits[b, 0])
+            logits = out.logits[b, m - 1 : m] if every_row else out.logits[b, :1]
+            first = self._sample_one(req, logits[0])
             req.pending_features = out.features[b, m - 1 : m]
             req.pending_start = m - 1
             req.first_token_at = now
-            self._commit(req, [first])
+            if req.params.prompt_logprobs is not None:
+                # The prompt is not drawn from anything: its log-probabilities are the model's own softmax.
+                lp = torch.log_softmax(out.logits[b, : m - 1], dim=-1)
+                req.prompt_logprobs = [None, *_token_logprobs(lp, req.prompt_ids[1:], req.params.prompt_logprobs)]
+            self._commit(req, [first], logits)
             req.pending_tokens = [first]
 
     def _decode(self, reqs: list[Request]) -> None:
@@ -297,7 +337,7 @@ class LLMEngine:
                     self.policy.observe(req.request_id, K, a)
                 # Positions n..n+a are now verified: they become the drafter's next real rows.
                 self._queue_drafter_rows(req, int(n[b]), out.features[b, : a + 1], new)
-            self._commit(req, new)
+            self._commit(req, new, out.logits[b])
         if self.spec is not None and K == 0 and max(len(r.pending_tokens) for r in reqs) >= MAX_PENDING_ROWS:
             self._run_pending_rows(reqs)
         if self.policy is not None:
@@ -376,9 +416,11 @@ class LLMEngine:
         return int(torch.multinomial(target_probs(logits, req.params), 1, generator=req.generator))
 
     # -- output ------------------------------------------------------------------------------------------------
-    def _commit(self, req: Request, tokens: list[int]) -> None:
-        """Append tokens one by one, stopping exactly at EOS, a stop token, max_tokens or a stop string."""
+    def _commit(self, req: Request, tokens: list[int], logits: torch.Tensor) -> None:
+        """Append tokens one by one, stopping exactly at EOS, a stop token, max_tokens or a stop string.
+        logits[i] are the target's logits that tokens[i] was drawn from (for log-probabilities)."""
         p = req.params
+        before = len(req.output_ids)
         for tok in tokens:
             req.output_ids.append(tok)
             if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
@@ -387,17 +429,29 @@ class LLMEngine:
             if len(req.output_ids) >= p.max_tokens:
                 req.finish_reason = "length"
                 break
-        req.text = self._decode_text(req.output_ids)
+        if p.logprobs is not None:
+            kept = req.output_ids[before:]
+            req.logprobs += _token_logprobs(target_logprobs(logits[: len(kept)], p), kept, p.logprobs)
+        searched_from = len(req.text)
+        req.text += req.detokenizer.step(req.output_ids, final=req.finished)
         for s in p.stop:
-            i = req.text.find(s, max(0, req.reported_text_len - len(s)))
+            i = req.text.find(s, max(0, searched_from - len(s) + 1))
             if i != -1:
                 req.text = req.text[:i]
                 req.finish_reason = "stop"
                 self._truncate_ids_to_text(req)
+                del req.logprobs[len(req.output_ids):]
+
+    def _finish(self, req: Request, reason: str) -> None:
+        """End a request from outside the decode (abort): text held back for an incomplete character is flushed,
+        as the whole output's decode would show it."""
+        req.finish_reason = reason
+        req.text += req.detokenizer.step(req.output_ids, final=True)
 
     def _truncate_ids_to_text(self, req: Request) -> None:
-        """After a stop string: drop output tokens that lie wholly past the kept text."""
-        while req.output_ids and len(self._decode_text(req.output_ids[:-1])) >= len(req.text):
+        """After a stop string: drop output tokens that lie wholly past the kept text (the rest still spell all of
+        it, including a last character split across tokens)."""
+        while req.output_ids and self._decode_text(req.output_ids[:-1]).startswith(req.text):
             req.output_ids.pop()
 
     def _decode_text(self, ids: list[int]) -> str:
@@ -405,15 +459,15 @@ class LLMEngine:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
     def _report(self, req: Request) -> RequestOutput:
-        text = req.text
+        text = req.text  # never ends inside a character before the request finishes (the detokenizer holds back)
         if not req.finished:
-            # Hold back text that may still turn into a stop string or is an incomplete character.
+            # Hold back text that may still turn into a stop string.
             hold = max((len(s) - 1 for s in req.params.stop), default=0)
             text = text[: max(req.reported_text_len, len(text) - hold)]
-            while text.endswith("\ufffd"):
-                text = text[:-1]
         delta = text[req.reported_text_len:] if len(text) >= req.reported_text_len else ""
         delta_ids = req.output_ids[req.reported_token_len:]
+        want_logprobs = req.params.logprobs is not None
+        delta_logprobs = req.logprobs[req.reported_token_len:] if want_logprobs else None
         req.reported_text_len = max(req.reported_text_len, len(text))
         req.reported_token_len = len(req.output_ids)
         now = req.finished_at or time.perf_counter()
@@ -422,7 +476,8 @@ class LLMEngine:
             delta_token_ids=delta_ids, finished=req.finished, finish_reason=req.finish_reason,
             num_prompt_tokens=len(req.prompt_ids), spec=req.spec,
             time_to_first_token=(req.first_token_at - req.arrival) if req.first_token_at else None,
-            elapsed=now - req.arrival)
+            elapsed=now - req.arrival, logprobs=list(req.logprobs) if want_logprobs else None,
+            delta_logprobs=delta_logprobs, prompt_logprobs=req.prompt_logprobs)
 
     # -- blocking helpers --------------------------------------------------------------------------------------
     def generate(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
@@ -453,3 +508,17 @@ def _copy(params: SamplingParams | None) -> SamplingParams:
     from dataclasses import replace
 
     return replace(params) if params is not None else SamplingParams()
+
+
+def _token_logprobs(logprobs: torch.Tensor, tokens: list[int], num_top: int) -> list[TokenLogprob]:
+    """logprobs [n, V] at the positions of tokens[:n] -> each token's log-probability and the num_top most likely."""
+    if not tokens:
+        return []
+    ids = torch.tensor(tokens, device=logprobs.device)
+    chosen = logprobs.gather(-1, ids[:, None])[:, 0].tolist()
+    if num_top:
+        top_lp, top_ids = logprobs.topk(num_top, dim=-1)
+        tops = [tuple(zip(i, v)) for i, v in zip(top_ids.tolist(), top_lp.tolist())]
+    else:
+        tops = [()] * len(tokens)
+    return [TokenLogprob(t, lp, top) for t, lp, top in zip(tokens, chosen, tops)]

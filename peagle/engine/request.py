@@ -1,13 +1,36 @@
-"""One request's state inside the engine, and what the engine reports about it after each step."""
+"""One request's state inside the engine, what the engine reports about it after each step, and the error a request
+that cannot be served raises."""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from peagle.engine.sampling import SamplingParams
 from peagle.engine.stats import SpecDecodeStats
+
+if TYPE_CHECKING:
+    from peagle.engine.detokenize import IncrementalDetokenizer
+    from peagle.engine.sampling import SamplingParams
+
+
+class RequestError(ValueError):
+    """A request that cannot be served as asked (too long, bad parameters); other requests are unaffected.
+    `param` names the sampling parameter or input at fault ("prompt", "max_tokens", ...), `code` a machine-readable
+    reason (e.g. "context_length_exceeded"); the server maps both onto its own field names."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One position's log-probabilities: the token there, and the most likely tokens (most likely first)."""
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -23,6 +46,11 @@ class RequestOutput:
     spec: SpecDecodeStats
     time_to_first_token: float | None  # seconds
     elapsed: float  # seconds since arrival
+    # With SamplingParams.logprobs: one entry per output token (all so far, and those of delta_token_ids).
+    logprobs: list[TokenLogprob] | None = None
+    delta_logprobs: list[TokenLogprob] | None = None
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing predicts it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -52,9 +80,13 @@ class Request:
     pending_features: torch.Tensor | None = None
     pending_start: int = 0
     # Text bookkeeping for streaming and stop strings.
+    detokenizer: IncrementalDetokenizer | None = None
     text: str = ""
     reported_text_len: int = 0
     reported_token_len: int = 0
+    # Log-probabilities, when the params ask for them (output: aligned with output_ids).
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def num_tokens(self) -> int:

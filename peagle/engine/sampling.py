@@ -5,6 +5,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from peagle.engine.request import RequestError
+
+# Most alternatives a request may ask for per token (vLLM's default --max-logprobs).
+MAX_LOGPROBS = 20
+# Log-probability reported for a token the processing removed (top-k / top-p): JSON has no -inf; OpenAI and vLLM
+# use this value.
+MASKED_LOGPROB = -9999.0
+
 
 @dataclass
 class SamplingParams:
@@ -12,10 +20,12 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: off
-    seed: int | None = None
+    seed: int | None = None  # any int; folded into torch's unsigned 64-bit seed range
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; n: each output token's log-probability and the n most likely tokens
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -23,13 +33,17 @@ class SamplingParams:
         self.stop = [s for s in (self.stop or []) if s]
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+            raise RequestError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise RequestError(f"temperature must be >= 0, got {self.temperature}", "temperature")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off) or a positive integer, got {self.top_k}")
+            raise RequestError(f"top_k must be -1 (off) or a positive integer, got {self.top_k}", "top_k")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and not 0 <= n <= MAX_LOGPROBS:
+                raise RequestError(f"{name} must be between 0 and {MAX_LOGPROBS}, got {n}", name)
 
     @property
     def greedy(self) -> bool:
@@ -52,3 +66,12 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def target_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Log-probabilities [..., V] of the distribution a request's tokens are drawn from: the processed target
+    distribution when sampling, the model's own softmax for greedy requests (whose draw is its argmax), as OpenAI
+    reports them. Computed from the target's logits at each emitted position, so speculation does not change them."""
+    if params.greedy:
+        return torch.log_softmax(logits.float(), dim=-1)
+    return target_probs(logits, params).log().clamp_min(MASKED_LOGPROB)
