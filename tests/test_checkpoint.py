@@ -69,14 +69,25 @@ def layer_keys(prefix, in_dim, hidden_norm):
     return keys
 
 
-def expected_tensors(layer0: str, parallel: bool, num_layers: int, vd: int):
+def expected_tensors(layer0: str, parallel: bool, num_layers: int, vd: int, embeddings: bool | None = None):
     shapes = {"fc.weight": [H, 3 * H], "norm.weight": [H], "lm_head.weight": [vd, H], "d2t": [vd], "t2d": [V]}
     shapes.update(layer_keys(layer0, 2 * H, hidden_norm=True))
     for i in range(1, num_layers):
         shapes.update(layer_keys(f"layers.{i}", H, hidden_norm=False))
     if parallel:
-        shapes.update({"embed_tokens.weight": [V, H], "mask_hidden": [1, 1, 3 * H]})
+        shapes["mask_hidden"] = [1, 1, 3 * H]
+    if parallel if embeddings is None else embeddings:
+        shapes["embed_tokens.weight"] = [V, H]
     return shapes
+
+
+def with_norm_before_residual(head):
+    """The same weights under norm_before_residual = true (layer 0's residual is hidden_norm(h))."""
+    from peagle.model.drafter import Drafter, DrafterConfig
+
+    out = Drafter(DrafterConfig(**{**head.config.as_dict(), "norm_before_residual": True}))
+    out.load_state_dict(head.state_dict())
+    return out.to(head.fc.weight.dtype).eval().requires_grad_(False)
 
 
 def check_tensors(path, expected):
@@ -127,7 +138,8 @@ def test_vllm_layout_eagle3_has_no_mask_fields(eagle3_head, tmp_path):
 def test_speculators_layout(peagle_head, eagle3_head, tmp_path, method):
     head = peagle_head if method == "peagle" else eagle3_head
     save_head(head, tmp_path, layout="speculators", verifier="org/target-model", verifier_architectures=["X"])
-    check_tensors(tmp_path, expected_tensors("layers.0", parallel=method == "peagle",
+    # speculators 0.9 loads a head without embed_tokens as an all-zero table: every head carries it
+    check_tensors(tmp_path, expected_tensors("layers.0", parallel=method == "peagle", embeddings=True,
                                              num_layers=head.config.num_layers, vd=head.config.draft_vocab_size))
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["speculators_model_type"] == method
@@ -146,11 +158,17 @@ def test_speculators_layout(peagle_head, eagle3_head, tmp_path, method):
 
 
 @pytest.mark.parametrize("layout", ["vllm", "speculators"])
-def test_round_trip(peagle_head, eagle3_head, embeddings, tmp_path, layout):
-    for head in (peagle_head, eagle3_head):
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_round_trip(peagle_head, eagle3_head, embeddings, tmp_path, layout, norm_before_residual):
+    heads = (peagle_head, eagle3_head)
+    if norm_before_residual:
+        heads = tuple(with_norm_before_residual(h) for h in heads)
+        assert not torch.equal(draft_once(heads[0]), draft_once(peagle_head))  # the flag changes the drafts
+    for head in heads:
         out = tmp_path / f"{layout}-{head.config.parallel_capable}"
         save_head(head, out, layout=layout, dtype=torch.float32)
-        if head.config.parallel_capable:
+        assert json.loads((out / "config.json").read_text())["norm_before_residual"] is norm_before_residual
+        if head.config.parallel_capable or layout == "speculators":
             loaded = load_head(out, dtype=torch.float32)
         else:
             with pytest.raises(ValueError, match="embed_tokens"):
@@ -209,8 +227,8 @@ def test_bad_checkpoints_fail_clearly(peagle_head, tmp_path):
         load_head(tmp_path)
     save_head(peagle_head, tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**cfg, "norm_before_residual": True}))
-    with pytest.raises(ValueError, match="norm_before_residual"):
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "norm_before_fc": True}))
+    with pytest.raises(ValueError, match="norm_before_fc"):
         load_head(tmp_path)
     state = load_file(tmp_path / "model.safetensors")
     state.pop("mask_hidden")
@@ -273,6 +291,16 @@ def test_export_eagle3(tiny_llama, tmp_path, capsys):
     captured = capsys.readouterr()
     assert "vllm serve TARGET_MODEL" in captured.out and "--target" in captured.err
     assert set(load_file(tmp_path / "e3b" / "model.safetensors")) == set(state)
+    # The speculators layout carries the target's embedding table, so it needs to know the target.
+    assert main(["export", str(out), "--format", "speculators", "--out", str(tmp_path / "e3s")]) == 2
+    assert "--target" in capsys.readouterr().err
+    assert main(["export", str(out), "--format", "speculators", "--target", str(tiny_llama),
+                 "--out", str(tmp_path / "e3s")]) == 0
+    capsys.readouterr()
+    from peagle.model.export import target_embeddings
+
+    written = load_file(tmp_path / "e3s" / "model.safetensors")["embed_tokens.weight"]
+    assert torch.equal(written, target_embeddings(tiny_llama).to(written.dtype))
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -1,8 +1,8 @@
-"""The drafter against a reference written directly from DESIGN section 2.
+"""The drafter against a reference written directly from docs/design.md, "Drafter".
 
 `reference_hidden` below re-implements the head from the design's equations with plain tensor ops (no peagle
-layers): fc, the fusion layer (input_layernorm(embed) | hidden_norm(h) -> attention of width 2H, residual h), plain
-Llama layers, GQA attention with RoPE under a plain causal mask over one uncached sequence. The inputs for P-EAGLE
+layers): fc, the fusion layer (input_layernorm(embed) | hidden_norm(h) -> attention of width 2H, residual h, or
+hidden_norm(h) for a head with norm_before_residual), plain Llama layers, GQA attention with RoPE under a plain causal mask over one uncached sequence. The inputs for P-EAGLE
 are built by hand from the design's table (real rows: token x_{t+1}, feature g_t, position t; slots: mask token,
 mask_hidden, positions n, n+1, ...).
 """
@@ -26,10 +26,12 @@ def target_config() -> TargetConfig:
                                      rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=1024))
 
 
-def make_head(target: TargetConfig, parallel: bool = True, num_layers: int = 2, seed: int = 0) -> Drafter:
+def make_head(target: TargetConfig, parallel: bool = True, num_layers: int = 2, seed: int = 0,
+              norm_before_residual: bool = False) -> Drafter:
     """A random float32 head with a pruned draft vocab (random sorted subset of the target vocab)."""
     config = DrafterConfig.for_target(target, num_layers=num_layers, draft_vocab_size=VD,
-                                      mask_token_id=MASK_ID if parallel else None)
+                                      mask_token_id=MASK_ID if parallel else None,
+                                      norm_before_residual=norm_before_residual)
     g = torch.Generator().manual_seed(seed)
     head = Drafter(config)
     with torch.no_grad():
@@ -45,7 +47,7 @@ def make_head(target: TargetConfig, parallel: bool = True, num_layers: int = 2, 
     return head.eval().requires_grad_(False)
 
 
-# -- the reference, from DESIGN section 2 -------------------------------------------------------------------------
+# -- the reference, from docs/design.md, "Drafter" ---------------------------------------------------------------
 def _rms(x, w, eps):
     return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
@@ -84,7 +86,8 @@ def reference_hidden(head: Drafter, tokens, h_in, positions):
     c, eps = head.config, head.config.rms_norm_eps
     L0 = head.midlayer
     e = _rms(head.embed_tokens.weight[tokens], L0.input_layernorm.weight, eps)
-    x = h_in + _attention(L0, torch.cat([e, _rms(h_in, L0.hidden_norm.weight, eps)], -1), positions, c)
+    hn = _rms(h_in, L0.hidden_norm.weight, eps)
+    x = (hn if c.norm_before_residual else h_in) + _attention(L0, torch.cat([e, hn], -1), positions, c)
     x = x + _mlp(L0, _rms(x, L0.post_attention_layernorm.weight, eps))
     for layer in head.layers.values():
         x = x + _attention(layer, _rms(x, layer.input_layernorm.weight, eps), positions, c)
@@ -97,7 +100,7 @@ def reference_logits(head: Drafter, hidden):
 
 
 def reference_parallel(head: Drafter, next_tokens, feats, k):
-    """DESIGN's table for a request with n real rows (row t: token x_{t+1}, feature g_t, position t) + K-1 slots."""
+    """The design's table for a request with n real rows (row t: token x_{t+1}, feature g_t, position t) + K-1 slots."""
     n = len(next_tokens)
     tokens = torch.cat([next_tokens, torch.full((k - 1,), MASK_ID)])
     g = torch.cat([feats, head.mask_hidden.reshape(1, -1).expand(k - 1, -1)])
@@ -113,9 +116,9 @@ def context(n, seed):
 
 
 # -- P-EAGLE ------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("k", [1, 4, 7])
-def test_parallel_equals_reference_then_continues_over_stale_slots(target_config, k):
-    head = make_head(target_config)
+@pytest.mark.parametrize("k,norm_before_residual", [(1, False), (4, False), (7, False), (4, True)])
+def test_parallel_equals_reference_then_continues_over_stale_slots(target_config, k, norm_before_residual):
+    head = make_head(target_config, norm_before_residual=norm_before_residual)
     toks, feats = context(13, seed=1)
     cache = head.new_cache(2, 64)
     slot = torch.tensor([1])
@@ -195,9 +198,9 @@ def test_head_without_mask_hidden_refuses_parallel(target_config):
 
 
 # -- EAGLE-3 ------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("parallel_head", [False, True])
-def test_chain_equals_k_single_steps(target_config, parallel_head):
-    head = make_head(target_config, parallel=parallel_head, seed=10)
+@pytest.mark.parametrize("parallel_head,norm_before_residual", [(False, False), (True, False), (False, True)])
+def test_chain_equals_k_single_steps(target_config, parallel_head, norm_before_residual):
+    head = make_head(target_config, parallel=parallel_head, seed=10, norm_before_residual=norm_before_residual)
     toks, feats = context(8, seed=11)
     k = 4
     cache = head.new_cache(1, 32)

@@ -1,4 +1,4 @@
-"""COD sampling, the COD mask and sequence partitioning (DESIGN section 4)."""
+"""COD sampling, the COD mask and sequence partitioning (docs/design.md, "Training objective")."""
 from __future__ import annotations
 
 import sys

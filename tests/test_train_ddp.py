@@ -11,9 +11,7 @@ import pytest
 import torch
 
 from peagle.train.data import save_rows
-
-sys.path.insert(0, str(Path(__file__).parent))
-from conftest import make_tiny_model  # noqa: E402
+from tests.conftest import make_tiny_model
 
 
 @pytest.mark.parametrize("method", ["peagle"])

@@ -1,7 +1,6 @@
 """The trainer end to end on tiny random targets: families, exact resume, acceptance gains, the saved head."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -10,10 +9,7 @@ import torch
 from peagle.model.checkpoint import load_head
 from peagle.train.data import save_rows
 from peagle.train.trainer import TrainConfig, Trainer
-
-sys.path.insert(0, str(Path(__file__).parent))
-from conftest import make_tiny_model  # noqa: E402
-
+from tests.conftest import make_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -115,9 +111,17 @@ def test_init_head_continues_from_a_saved_head(tmp_path, method):
         mask_id = saved.config.mask_token_id
         assert torch.allclose(second.drafter.embed_tokens.mask_row[0], saved.embed_tokens.weight[mask_id], atol=1e-2)
     assert torch.isfinite(torch.tensor(second.train_step()["loss"]))
-    wrong = "eagle3" if method == "peagle" else "peagle"
-    with pytest.raises(ValueError, match="needs the other kind"):
-        Trainer(_cfg(tmp_path / "c", target, tmp_path / "other", method=wrong, max_steps=1, init_head=str(head)))
+    if method == "peagle":
+        with pytest.raises(ValueError, match="needs an EAGLE-3 head"):
+            Trainer(_cfg(tmp_path / "c", target, tmp_path / "other", method="eagle3", max_steps=1,
+                         init_head=str(head)))
+    else:  # an EAGLE-3 head warm-starts P-EAGLE: its layers, plus a fresh mask row and mask_hidden
+        warm = Trainer(_cfg(tmp_path / "c", target, tmp_path / "other", method="peagle", max_steps=1,
+                            init_head=str(head)))
+        assert warm.drafter.config.parallel_capable and warm.drafter.config.num_layers == 2
+        assert torch.allclose(warm.drafter.fc.weight, saved.fc.weight.float(), atol=1e-2)
+        assert warm.drafter.mask_hidden.std() > 0.5  # standard normal, not zeros or a feature
+        assert torch.isfinite(torch.tensor(warm.train_step()["loss"]))
 
 
 def test_teacher_cache_gives_identical_training(tmp_path):

@@ -1,4 +1,4 @@
-"""Train/serve parity: what training computes is what the serving drafter computes (DESIGN sections 2-4)."""
+"""Train/serve parity: what training computes is what the serving drafter computes (docs/design.md)."""
 from __future__ import annotations
 
 import sys

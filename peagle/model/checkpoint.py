@@ -23,8 +23,9 @@ MASK_ROW = "mask_token_embedding"  # [1, H]: the learned mask row, in heads save
 def save_head(drafter: Drafter, out: str | Path, layout: str = "vllm", verifier: str | None = None,
               include_embeddings: bool | None = None, dtype: torch.dtype = torch.bfloat16,
               num_speculative_tokens: int | None = None, verifier_architectures: list[str] | None = None) -> Path:
-    """Write a head. Embeddings are written for P-EAGLE heads (the mask row is learned); EAGLE-3 heads share the
-    target's, as vLLM does when `embed_tokens.weight` is absent.
+    """Write a head. Embeddings are written for P-EAGLE heads (the mask row is learned) and for every head in the
+    speculators layout (speculators 0.9 loads a head without them as an all-zero table); vLLM-layout EAGLE-3 heads
+    share the target's, as vLLM does when `embed_tokens.weight` is absent.
 
     `vllm` names layer 0 `midlayer.*` (as SpecForge and EAGLE do); `speculators` names it `layers.0.*` (as the
     speculators library does). vLLM loads both."""
@@ -36,7 +37,7 @@ def save_head(drafter: Drafter, out: str | Path, layout: str = "vllm", verifier:
     out.mkdir(parents=True, exist_ok=True)
     c = drafter.config
     if include_embeddings is None:
-        include_embeddings = c.parallel_capable
+        include_embeddings = c.parallel_capable or layout == "speculators"
     state = {}
     for name, t in drafter.state_dict().items():
         if name.startswith("embed_tokens.") and not include_embeddings:
@@ -83,7 +84,7 @@ def speculators_config(cfg: dict, verifier: str | None, method: str, num_specula
         "transformer_layer_config": layer,
         "draft_vocab_size": cfg["draft_vocab_size"],
         "target_hidden_size": cfg["target_hidden_size"],
-        "norm_before_residual": False,
+        "norm_before_residual": cfg["norm_before_residual"],
         "eagle_aux_hidden_state_layer_ids": cfg["eagle_aux_hidden_state_layer_ids"],
         "torch_dtype": cfg.get("torch_dtype", "bfloat16"),
         "speculators_config": {
@@ -133,10 +134,9 @@ def load_head(path: str | Path, target_embeddings: torch.Tensor | None = None, d
     if isinstance(layer_cfg, dict):
         # speculators layout: the decoder-layer fields live in transformer_layer_config, the head's at top level.
         raw = {**layer_cfg, **{k: v for k, v in raw.items() if k != "architectures"}}
-    for flag in ("norm_before_residual", "norm_before_fc"):
-        if raw.get(flag):
-            raise ValueError(f"{path}: {flag}=true heads are not supported (peagle's drafter normalises after the "
-                             "residual and feeds fc the raw features, as vLLM does by default for EAGLE-3 heads)")
+    if raw.get("norm_before_fc"):
+        raise ValueError(f"{path}: norm_before_fc=true heads are not supported (peagle's drafter feeds fc the raw "
+                         "target features, as vLLM does for EAGLE-3 heads)")
     missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size") if k not in raw]
     if missing:
         raise ValueError(f"{path / 'config.json'} is not a drafter head config: missing {', '.join(missing)}")

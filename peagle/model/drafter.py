@@ -1,12 +1,13 @@
 """The drafter head in EAGLE-3 layout, with P-EAGLE's two learned placeholders.
 
     g_t (3*Ht) --fc--> h_t (H)
-    layer 0 (fusion):  e = input_layernorm(embed(token)); x = attn(cat[e, hidden_norm(h)]) + h
+    layer 0 (fusion):  e = input_layernorm(embed(token)); x = attn(cat[e, hidden_norm(h)]) + r
+                       r = h, or hidden_norm(h) when norm_before_residual (vLLM and speculators read the flag)
                        out = x + mlp(post_attention_layernorm(x))
     layers 1..N-1:     plain Llama decoder layers
     logits:            lm_head(norm(out)) over the draft vocab; draft id i -> target id i + d2t[i]
 
-Two ways to draft K tokens (DESIGN section 2):
+Two ways to draft K tokens (docs/design.md, "Drafter"):
   * chain (EAGLE-3): K passes, each feeding back the previous pass's pre-norm output and its own draft;
   * parallel (P-EAGLE): one pass over [real rows | K-1 mask slots], each slot carrying the mask token and
     `mask_hidden` at the next position.
@@ -39,6 +40,8 @@ class DrafterConfig:
     max_position_embeddings: int
     feature_layer_ids: tuple[int, ...]
     mask_token_id: int | None = None  # set for P-EAGLE heads
+    # Layer 0's residual is hidden_norm(h) instead of h: a large fc(feature) then cannot swamp what attention adds.
+    norm_before_residual: bool = False
     extra: dict = field(default_factory=dict)  # unknown config.json keys, kept on save
 
     @property
@@ -47,17 +50,18 @@ class DrafterConfig:
 
     @classmethod
     def for_target(cls, target: TargetConfig, num_layers: int = 1, draft_vocab_size: int | None = None,
-                   mask_token_id: int | None = None) -> "DrafterConfig":
+                   mask_token_id: int | None = None, norm_before_residual: bool = False) -> "DrafterConfig":
         return cls(hidden_size=target.hidden_size, intermediate_size=target.intermediate_size, num_layers=num_layers,
                    num_heads=target.num_heads, num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
                    rms_norm_eps=target.rms_norm_eps, vocab_size=target.vocab_size,
                    draft_vocab_size=draft_vocab_size or target.vocab_size, target_hidden_size=target.hidden_size,
                    rope_parameters=dict(target.rope_parameters),
                    max_position_embeddings=target.max_position_embeddings,
-                   feature_layer_ids=tuple(target.feature_layer_ids), mask_token_id=mask_token_id)
+                   feature_layer_ids=tuple(target.feature_layer_ids), mask_token_id=mask_token_id,
+                   norm_before_residual=norm_before_residual)
 
     def to_hf_dict(self) -> dict:
-        """config.json in the layout vLLM's LlamaForCausalLMEagle3 loads (DESIGN section 5)."""
+        """config.json in the layout vLLM's LlamaForCausalLMEagle3 loads (docs/design.md, "Checkpoints")."""
         rope = dict(self.rope_parameters)
         scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
         d = dict(self.extra)
@@ -84,7 +88,7 @@ class DrafterConfig:
             "eagle_aux_hidden_state_layer_ids": list(self.feature_layer_ids),
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.feature_layer_ids),
                              "use_aux_hidden_state": True},
-            "norm_before_residual": False,
+            "norm_before_residual": self.norm_before_residual,
             "tie_word_embeddings": False,
             "torch_dtype": "bfloat16",
         })
@@ -108,6 +112,7 @@ class DrafterConfig:
                    target_hidden_size=d.get("target_hidden_size") or d["hidden_size"],
                    rope_parameters=rope_parameters_of(d), max_position_embeddings=d.get("max_position_embeddings", 4096),
                    feature_layer_ids=tuple(ids) if ids else (), mask_token_id=mask_id,
+                   norm_before_residual=bool(d.get("norm_before_residual", False)),
                    extra={k: v for k, v in d.items() if k not in known})
 
     @staticmethod
@@ -132,10 +137,16 @@ class FusionLayer(DecoderLayer):
         super().__init__(c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,
                          attn_in_dim=2 * c.hidden_size)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.norm_before_residual = c.norm_before_residual
+
+    def inputs(self, embeds: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention input cat[e, hidden_norm(h)] of width 2H, the residual the attention output is added to)."""
+        hn = self.hidden_norm(h)
+        return torch.cat([self.input_layernorm(embeds), hn], dim=-1), hn if self.norm_before_residual else h
 
     def forward(self, embeds: torch.Tensor, h: torch.Tensor, rope, layout: BatchLayout, cache_k, cache_v):
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(h)], dim=-1)
-        x = h + self.self_attn(x, rope, layout, cache_k, cache_v)
+        x, residual = self.inputs(embeds, h)
+        x = residual + self.self_attn(x, rope, layout, cache_k, cache_v)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -85,9 +85,10 @@ def export_head(args) -> tuple[Path, bool, str | None]:
     import torch
 
     from peagle.model.checkpoint import load_head, save_head
+    from peagle.model.heads import resolve_head
 
     _check_k(args.num_speculative_tokens)
-    src = _resolve_head(args.head)
+    src = resolve_head(args.head)
     raw = json.loads((src / "config.json").read_text())
     verifier = (((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path"))
     if verifier is None and _is_bundled(src):
@@ -95,12 +96,15 @@ def export_head(args) -> tuple[Path, bool, str | None]:
     target = _target_name(args.target) if args.target else verifier
     has_embed = _has_tensor(src, "embed_tokens.weight")
     embeddings = None
-    if _has_tensor(src, MASK_ROW):
-        # A compact P-EAGLE head (the bundled ones) keeps only its learned mask row; vLLM wants the whole table, so
-        # the target's is written with that row in it.
+    compact = _has_tensor(src, MASK_ROW)
+    if compact or (not has_embed and args.format == "speculators"):
+        # A compact P-EAGLE head (the bundled ones) keeps only its learned mask row, and an EAGLE-3 head shares the
+        # target's table; vLLM wants P-EAGLE's whole table and speculators every head's (it loads a missing one
+        # as zeros), so the target's is written, with the learned row in it.
+        what = "stores only its mask-token row" if compact else "has no embedding table"
         if not (args.target or verifier):
-            raise ExportError(f"{src} stores only its mask-token row and does not name its target: pass --target "
-                              "MODEL so the full embedding table vLLM needs can be written")
+            raise ExportError(f"{src} {what} and does not name its target: pass --target MODEL so the full "
+                              f"embedding table {args.format} needs can be written")
         from peagle.model.loading import resolve_model
 
         embeddings = target_embeddings(resolve_model(args.target or verifier))
@@ -192,18 +196,6 @@ def _is_bundled(head: Path) -> bool:
     from peagle.model.heads import HEADS_DIR
 
     return head.resolve().parent == HEADS_DIR
-
-
-def _resolve_head(name: str) -> Path:
-    try:
-        from peagle.model.heads import resolve_head
-
-        return resolve_head(name)
-    except ImportError:
-        path = Path(name).expanduser()
-        if not path.is_dir():
-            raise FileNotFoundError(f"drafter head {name!r} is not a folder") from None
-        return path
 
 
 def _target_name(target: str | None) -> str:

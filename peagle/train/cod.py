@@ -1,4 +1,4 @@
-"""COD sampling, the COD attention mask and sequence partitioning (DESIGN section 4).
+"""COD sampling, the COD attention mask and sequence partitioning (docs/design.md, "Training objective").
 
 A training *element* is (anchor p, depth d) of one sequence of n tokens x_0..x_{n-1}:
 
@@ -131,7 +131,7 @@ def eval_elements(loss_mask: torch.Tensor, num_depths: int, max_anchors: int | N
 
 
 def cod_mask(q: Elements, k: Elements | None = None) -> torch.Tensor:
-    """[Eq, Ek] bool: query element i may attend to key element j (DESIGN's rule, vectorised)."""
+    """[Eq, Ek] bool: query element i may attend to key element j (the design's rule, vectorised)."""
     k = q if k is None else k
     same_doc = q.doc[:, None] == k.doc[None, :]
     context = (k.depth[None, :] == 0) & (k.anchor[None, :] <= q.anchor[:, None])

@@ -11,9 +11,9 @@ generate after the generation prompt of messages[:j] (so template-added text suc
 included), up to the end of the message content plus the end-of-turn special token that follows it (the model
 must learn to stop). Tokens are supervised when their character span lies inside a supervised span.
 
-HumanEval and MT-Bench are this project's held-out evaluation sets (DESIGN section 7): a conversation that contains
-one of their prompts is refused, with the benchmark item named, so acceptance numbers are never inflated by
-training on the test prompts.
+HumanEval and MT-Bench are this project's held-out evaluation sets (docs/design.md, "Benchmark definitions"): a
+conversation that contains one of their prompts is refused, with the benchmark item named, so acceptance numbers are
+never inflated by training on the test prompts.
 """
 from __future__ import annotations
 

@@ -284,10 +284,10 @@ def forward_rows(drafter: Drafter, tokens: torch.Tensor, feats: torch.Tensor, po
     causal = self_mask is None
     kvs = []
     mid = drafter.midlayer
-    x = torch.cat([mid.input_layernorm(drafter.embed_tokens(tokens[None])), mid.hidden_norm(h)], dim=-1)
+    x, residual = mid.inputs(drafter.embed_tokens(tokens[None]), h)
     a, kv = _attention(mid.self_attn, x, rope, self_mask, None if ext is None else ext[0], ext_mask, causal)
     kvs.append(kv)
-    x = h + a
+    x = residual + a
     h = x + mid.mlp(mid.post_attention_layernorm(x))
     for i, layer in enumerate(drafter.layers.values(), start=1):
         a, kv = _attention(layer.self_attn, layer.input_layernorm(h), rope, self_mask,
@@ -354,7 +354,6 @@ def ttt_loss(drafter: Drafter, seq: TeacherSeq, el: Elements, num_steps: int, de
              chunk: int = 1024, attn_chunk: int = 2048) -> tuple[torch.Tensor, Stats]:
     """Sum over steps of decay^k * (summed loss of step k's supervised rows)."""
     total = torch.zeros((), dtype=torch.float32, device=seq.labels.device)
-    raw = torch.zeros((), dtype=torch.float32)
     correct = torch.zeros(num_steps, dtype=torch.long)
     count = torch.zeros(num_steps, dtype=torch.long)
     sup0 = el.supervised[el.depth == 0].to(seq.input_ids.device)
@@ -363,7 +362,6 @@ def ttt_loss(drafter: Drafter, seq: TeacherSeq, el: Elements, num_steps: int, de
         rows = (A + k + 1)[sel]
         loss, drafts = head_loss(drafter, h[sel], seq, rows, kl, chunk)
         total = total + (decay ** k) * loss
-        raw += loss.detach().float().cpu()
         correct[k] = int((drafts == seq.argmax[rows]).sum())
         count[k] = int(sel.sum())
     return total, Stats(total.detach(), correct, count)

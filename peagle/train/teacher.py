@@ -8,6 +8,7 @@ argmax over its full vocab (for accuracy and acceptance).
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -126,7 +127,10 @@ class Teacher:
                     ok = (last.logits.shape[1] == 1
                           and torch.allclose(mine, full.logits[0].float(), rtol=1e-2, atol=1e-2)
                           and torch.allclose(mine[-1], last.logits[0, -1].float(), rtol=1e-2, atol=1e-2))
-                except (TypeError, ValueError, RuntimeError):
+                except (TypeError, ValueError, RuntimeError) as e:  # e.g. a model without logits_to_keep
+                    print(f"peagle train: {type(self.model).__name__} cannot skip full-vocab logits "
+                          f"({type(e).__name__}: {e}); the teacher computes them for every position (slower, "
+                          "same labels)", file=sys.stderr)
                     ok = False
             self._plain_head = ok
         return self._plain_head
@@ -156,11 +160,3 @@ class Teacher:
             labels[a:a + self.logits_chunk] = chunk.index_select(-1, used).to(labels.dtype)
         del out, hs
         return features, labels, argmax
-
-    def mean_feature(self, input_ids: torch.Tensor, max_tokens: int = 1024) -> torch.Tensor:
-        """The mean feature over (a prefix of) a sequence: where P-EAGLE's mask_hidden starts."""
-        with torch.no_grad():
-            ids = input_ids[:max_tokens].to(self.device)[None]
-            out = self.model(input_ids=ids, output_hidden_states=True, use_cache=False, logits_to_keep=1) \
-                if self._head_is_plain() else self.model(input_ids=ids, output_hidden_states=True, use_cache=False)
-            return torch.cat([out.hidden_states[i][0] for i in self.feature_layer_ids], -1).float().mean(0)
