@@ -82,7 +82,7 @@ def main(argv=None) -> None:
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     print(f"model {path.name} {args.dtype}, batch {B}, context {L}, threads {torch.get_num_threads()}, "
           f"weights {weight_bytes / 1e6:.0f} MB, median of {args.iters}")
-    print(f"cpu {cpu}; peagle kernels: {'AMX matmul + attention' if kernels.amx_available() else 'off'}; "
+    print(f"cpu {cpu}; {kernels.describe()}; "
           f"load average at start {os.getloadavg()[0]:.2f}")
     print(f"{'rows':>5} {'peagle ms':>10} {'GB/s':>6} {'transformers ms':>16} {'GB/s':>6} {'speed-up':>9}")
     for T in args.rows:

@@ -30,6 +30,7 @@
 #define MAX_ROWS 4    /* rows per register block */
 #define MAX_PANELS 4  /* panels per register block (a "column block" of 64 outputs) */
 #define ROW_BLOCK 64  /* rows per cache block of the activations (prefill) */
+#define HEADS_PER_PASS 4  /* attention: query heads of one key/value head computed together */
 
 /* ---------------------------------------------------------------------------------------------------------------
    Scalar helpers (no ISA needed) */
@@ -258,15 +259,83 @@ void peagle_rope_bf16(uint16_t *x, const uint16_t *cos_, const uint16_t *sin_, i
     }
 }
 
+/* Attention for one query row and one key/value head: its G query heads over keys 0..n-1 of K/V [*, D], D = 8 nd.
+   nd is a compile-time constant at each call site, so the vectors of a row stay in registers. */
+static inline __attribute__((always_inline)) void attend_group(
+        const int nd, const uint16_t *qrow, const uint16_t *Kg, const uint16_t *Vg, uint16_t *orow, int G, int g,
+        int n, float scale, float *scores, int max_len) {
+    int D = 8 * nd, npad = (n + 7) / 8 * 8;
+    /* The query heads sharing this key/value head, a few per pass, so each key and value row is loaded
+       and widened once for all of them. A head's arithmetic is the same in every pass shape. */
+    for (int h0 = 0; h0 < G; h0 += HEADS_PER_PASS) {
+        int hn = G - h0 < HEADS_PER_PASS ? G - h0 : HEADS_PER_PASS;
+        __m256 qv[HEADS_PER_PASS][32];
+        for (int i = 0; i < hn; i++)
+            for (int c = 0; c < nd; c++)
+                qv[i][c] = bf16x8_to_f32(qrow + (size_t)(g * G + h0 + i) * D + 8 * c);
+        /* scores: per (head, key) one FMA chain over D, then one fixed tree */
+        for (int j = 0; j < n; j++) {
+            const uint16_t *kj = Kg + (size_t)j * D;
+            __m256 kv[32], a[HEADS_PER_PASS];
+            for (int c = 0; c < nd; c++) kv[c] = bf16x8_to_f32(kj + 8 * c);
+            for (int i = 0; i < hn; i++) a[i] = _mm256_mul_ps(qv[i][0], kv[0]);
+            for (int c = 1; c < nd; c++)
+                for (int i = 0; i < hn; i++) a[i] = _mm256_fmadd_ps(qv[i][c], kv[c], a[i]);
+            for (int i = 0; i < hn; i++) scores[(size_t)i * (max_len + 8) + j] = hsum8(a[i]) * scale;
+        }
+        /* softmax per head; the padding to whole vectors gets exactly 0 */
+        float inv[HEADS_PER_PASS];
+        for (int i = 0; i < hn; i++) {
+            float *s = scores + (size_t)i * (max_len + 8), mx = -INFINITY;
+            for (int j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+            for (int j = n; j < npad; j++) s[j] = -INFINITY;
+            __m256 mv = _mm256_set1_ps(mx), sum = _mm256_setzero_ps();
+            for (int j = 0; j < npad; j += 8) {
+                __m256 sj = _mm256_loadu_ps(s + j);
+                __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(sj, mv)),
+                                         _mm256_cmp_ps(sj, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
+                _mm256_storeu_ps(s + j, e);
+                sum = _mm256_add_ps(sum, e);
+            }
+            inv[i] = 1.0f / hsum8(sum);
+        }
+        /* weighted values, 16 dimensions at a time (accumulators stay in registers) */
+        for (int c = 0; c < nd; c += 2) {
+            int two = nd - c >= 2 ? 2 : 1;
+            __m256 acc[HEADS_PER_PASS][2];
+            for (int i = 0; i < hn; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+            for (int j = 0; j < n; j++) {
+                const uint16_t *vj = Vg + (size_t)j * D + 8 * c;
+                __m256 v0 = bf16x8_to_f32(vj), v1 = two == 2 ? bf16x8_to_f32(vj + 8) : v0;
+                for (int i = 0; i < hn; i++) {
+                    __m256 p = _mm256_broadcast_ss(scores + (size_t)i * (max_len + 8) + j);
+                    acc[i][0] = _mm256_fmadd_ps(p, v0, acc[i][0]);
+                    acc[i][1] = _mm256_fmadd_ps(p, v1, acc[i][1]);
+                }
+            }
+            for (int i = 0; i < hn; i++) {
+                uint16_t *o = orow + (size_t)(g * G + h0 + i) * D + 8 * c;
+                __m256 iv = _mm256_set1_ps(inv[i]);
+                store_bf16x8(o, _mm256_mul_ps(acc[i][0], iv), 8);
+                if (two == 2) store_bf16x8(o + 8, _mm256_mul_ps(acc[i][1], iv), 8);
+            }
+        }
+    }
+}
+
 /* Write this call's keys and values into each row's cache slot at its positions, then causal attention over the
    slot, each (query row, head) on its own, so the result never depends on which other rows share the call:
    out[b, t, h] = softmax_{j <= pos}(q[b, t, h] . K[slot_b, g, j] * scale) V[slot_b, g, j], g = h / (nh / nkv).
    q, k, v rows: base + (b*T + t) * row_stride, heads contiguous (D each). Cache: [slots, nkv, max_len, D].
-   out: [B, T, nh, D] contiguous. D: a multiple of 8, at most 256. Returns 0, or -1 when a thread's score buffer
-   could not be allocated (out is then incomplete). */
+   out: [B, T, nh, D] contiguous. D: a multiple of 8, at most 256. Returns 0; -2 (nothing written) when a slot or
+   position lies outside the cache; -1 when a thread's score buffer could not be allocated (out is incomplete). */
 int peagle_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, const uint16_t *v, long kv_stride,
                           uint16_t *kc, uint16_t *vc, const int64_t *slots, const int64_t *positions, uint16_t *out,
-                          int B, int T, int nh, int nkv, int D, int max_len, float scale, int nthreads) {
+                          int B, int T, int nh, int nkv, int D, int num_slots, int max_len, float scale,
+                          int nthreads) {
+    for (int bt = 0; bt < B * T; bt++)
+        if (slots[bt / T] < 0 || slots[bt / T] >= num_slots || positions[bt] < 0 || positions[bt] >= max_len)
+            return -2;
     for (int bt = 0; bt < B * T; bt++) /* every write lands before any row reads: a window sees its own keys */
         for (int g = 0; g < nkv; g++) {
             size_t at = (((size_t)slots[bt / T] * nkv + g) * max_len + (size_t)positions[bt]) * D;
@@ -276,50 +345,25 @@ int peagle_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, c
     int G = nh / nkv, nd = D / 8, failed = 0;
     #pragma omp parallel num_threads(nthreads)
     {
-        float *s = malloc(((size_t)max_len + 8) * sizeof(float));
-        if (!s) {
+        float *scores = malloc((size_t)HEADS_PER_PASS * ((size_t)max_len + 8) * sizeof(float));
+        if (!scores) {
             #pragma omp atomic write
             failed = 1;
         }
         #pragma omp for schedule(dynamic, 1) collapse(2)
         for (int bt = 0; bt < B * T; bt++)
-            for (int h = 0; h < nh; h++) {
-                if (!s) continue;
-                int b = bt / T, g = h / G, n = (int)positions[bt] + 1;
-                const uint16_t *Kg = kc + ((size_t)slots[b] * nkv + g) * (size_t)max_len * D;
-                const uint16_t *Vg = vc + ((size_t)slots[b] * nkv + g) * (size_t)max_len * D;
-                const uint16_t *qh = q + (size_t)bt * q_stride + (size_t)h * D;
-                __m256 qv[32], acc[32];
-                for (int c = 0; c < nd; c++) qv[c] = bf16x8_to_f32(qh + 8 * c);
-                /* scores: one fixed FMA chain and tree per key */
-                for (int j = 0; j < n; j++) {
-                    const uint16_t *kj = Kg + (size_t)j * D;
-                    __m256 a = _mm256_mul_ps(qv[0], bf16x8_to_f32(kj));
-                    for (int c = 1; c < nd; c++) a = _mm256_fmadd_ps(qv[c], bf16x8_to_f32(kj + 8 * c), a);
-                    s[j] = hsum8(a) * scale;
-                }
-                float mx = -INFINITY;
-                for (int j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
-                for (int j = n; j < (n + 7) / 8 * 8; j++) s[j] = -INFINITY; /* pad to whole vectors */
-                __m256 mv = _mm256_set1_ps(mx), sum = _mm256_setzero_ps();
-                for (int j = 0; j < n; j += 8) {
-                    __m256 sj = _mm256_loadu_ps(s + j);
-                    __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(sj, mv)),  /* padding lanes: exactly 0 */
-                                             _mm256_cmp_ps(sj, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
-                    _mm256_storeu_ps(s + j, e);
-                    sum = _mm256_add_ps(sum, e);
-                }
-                __m256 inv = _mm256_set1_ps(1.0f / hsum8(sum));
-                for (int c = 0; c < nd; c++) acc[c] = _mm256_setzero_ps();
-                for (int j = 0; j < n; j++) {
-                    __m256 p = _mm256_set1_ps(s[j]);
-                    const uint16_t *vj = Vg + (size_t)j * D;
-                    for (int c = 0; c < nd; c++) acc[c] = _mm256_fmadd_ps(p, bf16x8_to_f32(vj + 8 * c), acc[c]);
-                }
-                uint16_t *o = out + ((size_t)bt * nh + h) * D;
-                for (int c = 0; c < nd; c++) store_bf16x8(o + 8 * c, _mm256_mul_ps(acc[c], inv), 8);
+            for (int g = 0; g < nkv; g++) {
+                if (!scores) continue;
+                int n = (int)positions[bt] + 1;
+                const uint16_t *Kg = kc + ((size_t)slots[bt / T] * nkv + g) * (size_t)max_len * D;
+                const uint16_t *Vg = vc + ((size_t)slots[bt / T] * nkv + g) * (size_t)max_len * D;
+                const uint16_t *qrow = q + (size_t)bt * q_stride;
+                uint16_t *orow = out + (size_t)bt * nh * D;
+                if (nd == 8) attend_group(8, qrow, Kg, Vg, orow, G, g, n, scale, scores, max_len);
+                else if (nd == 16) attend_group(16, qrow, Kg, Vg, orow, G, g, n, scale, scores, max_len);
+                else attend_group(nd, qrow, Kg, Vg, orow, G, g, n, scale, scores, max_len);
             }
-        free(s);
+        free(scores);
     }
     return failed ? -1 : 0;
 }

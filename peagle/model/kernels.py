@@ -111,7 +111,7 @@ def _declare(lib) -> None:
         "peagle_rms_norm_bf16": ([p, p, p, i, i, f], None),
         "peagle_rope_bf16": ([p, p, p, i, i, i, i], None),
         "peagle_silu_mul_bf16": ([p, p, i, i], None),
-        "peagle_attention_bf16": ([p, l, p, p, l, p, p, p, p, p, i, i, i, i, i, i, f, i], i),
+        "peagle_attention_bf16": ([p, l, p, p, l, p, p, p, p, p, i, i, i, i, i, i, i, f, i], i),
     }
     for name, (args, res) in signatures.items():
         if hasattr(lib, name):  # the AMX / AVX-512 sections may be compiled out
@@ -187,13 +187,16 @@ def describe() -> str:
     return f"peagle {path} kernels: greedy speculation is bit-exact"
 
 
-def _no_grad(*tensors: torch.Tensor) -> bool:
-    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-
-
 def _usable(*tensors: torch.Tensor) -> bool:
-    return (all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors) and _no_grad(*tensors)
-            and available())
+    """bf16 CPU tensors that need no gradients, on a machine where the kernels run. Called several times per layer
+    per step, so it is written for speed."""
+    if not available():
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t.dtype is not torch.bfloat16 or not t.is_cpu or (grad and t.requires_grad):
+            return False
+    return True
 
 
 @dataclass
@@ -223,6 +226,10 @@ class PackedWeight:
             _lib.peagle_pack_panels(w.data_ptr(), N, K, data.data_ptr(), torch.get_num_threads())
         return cls(data, N, K, path)
 
+    def __post_init__(self) -> None:
+        self.gemm = getattr(_lib, _GEMM_SYMBOL[self.path])  # looked up once: packed_linear runs every step
+        self.data_ptr = self.data.data_ptr()
+
 
 def packed_linear(x: torch.Tensor, packed: PackedWeight | None) -> torch.Tensor | None:
     """x [..., K] @ W^T for a packed W, or None when the packed path does not apply (then use F.linear)."""
@@ -233,13 +240,11 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight | None) -> torch.Tensor 
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    y = torch.empty(M, N, dtype=torch.bfloat16)
-    if M:
-        gemm = getattr(_lib, _GEMM_SYMBOL[packed.path])
-        if gemm(x2.data_ptr(), x2.stride(0), packed.data.data_ptr(), y.data_ptr(), N, M, N, K,
-                torch.get_num_threads()):
-            raise MemoryError(f"peagle {packed.path} matmul: could not allocate the {M}x{K} activation copy")
-    return y.view(*x.shape[:-1], N)
+    y = torch.empty(*x.shape[:-1], N, dtype=torch.bfloat16)
+    if M and packed.gemm(x2.data_ptr(), x2.stride(0), packed.data_ptr, y.data_ptr(), N, M, N, K,
+                         torch.get_num_threads()):
+        raise MemoryError(f"peagle {packed.path} matmul: could not allocate the {M}x{K} activation copy")
+    return y
 
 
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
@@ -300,12 +305,12 @@ def attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: t
     positions = positions.to(torch.int64).contiguous()
     if positions.shape != (B, T) or slots.shape != (B,):
         return None
-    lo, hi = torch.aminmax(positions)
-    if int(lo) < 0 or int(hi) >= max_len or int(slots.min()) < 0 or int(slots.max()) >= S:
-        raise IndexError(f"positions must lie in [0, {max_len}) and slots in [0, {S}) for this cache")
     out = torch.empty(B, T, nh, D, dtype=torch.bfloat16)
-    if _lib.peagle_attention_bf16(q.data_ptr(), q.stride(1), k.data_ptr(), v.data_ptr(), k.stride(1),
-                                  cache_k.data_ptr(), cache_v.data_ptr(), slots.data_ptr(), positions.data_ptr(),
-                                  out.data_ptr(), B, T, nh, nkv, D, max_len, D ** -0.5, torch.get_num_threads()):
+    rc = _lib.peagle_attention_bf16(q.data_ptr(), q.stride(1), k.data_ptr(), v.data_ptr(), k.stride(1),
+                                    cache_k.data_ptr(), cache_v.data_ptr(), slots.data_ptr(), positions.data_ptr(),
+                                    out.data_ptr(), B, T, nh, nkv, D, S, max_len, D ** -0.5, torch.get_num_threads())
+    if rc == -2:
+        raise IndexError(f"positions must lie in [0, {max_len}) and slots in [0, {S}) for this cache")
+    if rc:
         raise MemoryError(f"peagle attention: could not allocate a {max_len}-entry score buffer")
     return out
