@@ -54,7 +54,7 @@ def run_one(method: str, k: int, dataset: str, head: str, num_prompts: int | Non
 
 
 def report(results: list[dict]) -> str:
-    from peagle.bench.cli import machine
+    from peagle.bench.plan import machine
 
     lines = [f"Measured by `python benchmarks/acceptance.py` on {machine()['summary']}; greedy, chat template, up to "
              f"{', '.join(sorted({str(r['max_tokens']) for r in results}))} new tokens per prompt.", ""]

@@ -147,3 +147,25 @@ def test_markdown_has_every_section():
     for needle in ("## Output tokens/s", "## Targets", "Mean acceptance length", "Per-position acceptance",
                    "## Latency", "UNTRAINED", "![otps_vs_concurrency](otps_vs_concurrency.png)", "**met**"):
         assert needle in text, needle
+
+
+def test_adaptive_against_the_better_of_best_fixed_k_and_no_speculation():
+    def adaptive(c, otps, mean_k):
+        run = _run("peagle", 7, c, otps, 1.5)
+        run.policy, run.acceptance["mean_k"] = "adaptive", mean_k
+        return run
+
+    # c=1: speculation wins (best fixed 27.0), adaptive keeps 26.5 (0.98x); c=8: plain decoding is close to the best
+    # fixed K (55.0), adaptive reaches only 52.0 (0.945x).
+    runs = _sweep() + [adaptive(1, 26.5, 5.1), adaptive(8, 52.0, 0.4)]
+    report = build_report(runs, {"dataset": "mtbench"})
+    c1, c8 = report["table"]
+    assert c1["best_k"]["peagle"] == 7 and c8["best_k"]["peagle"] == 3  # adaptive runs are not a fixed K
+    assert c1["adaptive_vs_best"] == {"peagle": pytest.approx(26.5 / 27, abs=1e-4)}
+    targets = {t["id"]: t for t in report["targets"]}
+    assert targets["c1_peagle_adaptive"]["status"] == "met" and targets["c8_peagle_adaptive"]["status"] == "missed"
+    assert targets["c8_peagle_adaptive"]["against"] == "P-EAGLE K=3"
+    assert "0.40 drafts per step" in targets["c8_peagle_adaptive"]["why"]
+    table = otps_table(report)
+    assert "P-EAGLE adaptive K<=7" in table and "| 0.98x |" in table and "| 0.95x |" in table
+    assert "Drafts verified per decode step" in markdown(report)

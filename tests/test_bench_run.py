@@ -38,34 +38,39 @@ def _check_outputs(out, expected_runs: int) -> dict:
 
 def test_offline_bench_every_method(tiny_chat_llama, tmp_path, capsys, one_thread):
     out = tmp_path / "offline"
-    assert main(_common(tiny_chat_llama, out, "--offline", "--concurrency", "1,2", "--k", "2,3")) == 0
-    err = capsys.readouterr().err
-    assert "Estimated sweep time: about" in err and "calibration took" in err
-    # baseline x2, EAGLE-3 and P-EAGLE x 2 K x 2 concurrencies, transformers x2, prompt lookup at c=1
-    report = _check_outputs(out, 2 + 4 + 4 + 2 + 1)
+    assert main(_common(tiny_chat_llama, out, "--offline", "--concurrency", "1,2", "--k", "2,3,adaptive")) == 0
+    # baseline x2, EAGLE-3 and P-EAGLE x (2 fixed K + adaptive) x 2 concurrencies, transformers x2, prompt lookup
+    report = _check_outputs(out, 2 + 6 + 6 + 2 + 1)
     assert [row["concurrency"] for row in report["table"]] == [1, 2]
     assert all(row["peagle_vs_eagle3"] > 0 and row["peagle_vs_baseline"] > 0 for row in report["table"])
     assert {t["status"] for t in report["targets"][:2]} <= {"met", "missed"}
     assert report["targets"][2]["status"] == "not measured"  # no concurrency 8 here
     assert report["meta"]["heads"]["peagle"]["untrained"] is True
+    adaptive = [t for t in report["targets"] if t["id"].endswith("_adaptive")]
+    assert [t["concurrency"] for t in adaptive] == [1, 2, 1, 2]  # EAGLE-3, then P-EAGLE
+    assert all(t["status"] in ("met", "missed") and t["ratio"] > 0 for t in adaptive)
+    assert all(r["acceptance"]["mean_k"] <= 3 for r in report["runs"] if r["policy"] == "adaptive")
     table = (out / "results.md").read_text()
-    for col in ("No speculation", "EAGLE-3 K=3", "P-EAGLE K=2", "P-EAGLE / EAGLE-3 (best K)",
-                "P-EAGLE / no spec (best K)", "transformers generate()", "transformers prompt lookup"):
+    for col in ("No speculation", "EAGLE-3 K=3", "P-EAGLE K=2", "P-EAGLE adaptive K<=3", "P-EAGLE / EAGLE-3 (best K)",
+                "P-EAGLE / no spec (best K)", "P-EAGLE adaptive / best of (fixed K, no spec)",
+                "transformers generate()", "transformers prompt lookup", "Drafts verified per decode step"):
         assert col in table, col
 
 
 def test_server_per_configuration(tiny_chat_llama, tmp_path, one_thread):
-    from peagle.bench.cli import TargetHolder, create_random_head
+    from peagle.bench.plan import TargetHolder, create_random_head
 
     # An EAGLE-3 head given as the P-EAGLE head: that server refuses to start, and the sweep goes on without it.
     head = create_random_head("eagle3", tiny_chat_llama, TargetHolder(), tmp_path / "eagle3-head")
     out = tmp_path / "served"
-    assert main(_common(tiny_chat_llama, out, "--methods", "eagle3,peagle", "--k", "2", "--concurrency", "1,2",
-                        "--eagle3-head", str(head), "--peagle-head", str(head), "--no-estimate")) == 0
-    report = _check_outputs(out, 2)
+    assert main(_common(tiny_chat_llama, out, "--methods", "eagle3,peagle", "--k", "2,adaptive", "--concurrency",
+                        "1,2", "--eagle3-head", str(head), "--peagle-head", str(head))) == 0
+    report = _check_outputs(out, 4)
     assert report["meta"]["mode"] == "server"
     assert {r["method"] for r in report["runs"]} == {"eagle3"}
-    assert (out / "logs" / "eagle3-k2.log").read_text().count("listening on http://127.0.0.1:") == 1
+    assert [r["policy"] for r in report["runs"]] == ["fixed", "fixed", "adaptive", "adaptive"]
+    for log in ("eagle3-k2.log", "eagle3-k2-adaptive.log"):
+        assert (out / "logs" / log).read_text().count("listening on http://127.0.0.1:") == 1
     assert report["meta"]["server_startup_s"]["EAGLE-3 K=2"] > 0
     failed = [n for n in report["meta"]["notes"] if n.startswith("P-EAGLE K=2 was not measured")]
     assert failed and "parallel_drafting" in failed[0]
@@ -73,7 +78,7 @@ def test_server_per_configuration(tiny_chat_llama, tmp_path, one_thread):
 
 
 def test_url_of_a_running_server(tiny_chat_llama, tmp_path, one_thread):
-    from peagle.bench.cli import TargetHolder, create_random_head
+    from peagle.bench.plan import TargetHolder, create_random_head
     from peagle.bench.loadgen import ServerProcess
 
     head = create_random_head("peagle", tiny_chat_llama, TargetHolder(), tmp_path / "head")

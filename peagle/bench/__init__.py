@@ -6,5 +6,7 @@
                  the same clients on the engine directly (offline), and transformers' generate()
     metrics.py   OTPS, TTFT / TPOT / ITL percentiles, acceptance, best-K ratios
     report.py    the Markdown table in the P-EAGLE launch's format, JSON and PNG plots
-    cli.py       the `peagle bench` command: the sweep, its time estimate and progress bar
+    plan.py      what a run measures: prompts, configurations (method x K x speculation policy), heads
+    run.py       the sweep over configurations and concurrencies, with a progress bar
+    cli.py       the `peagle bench` command's options
 """

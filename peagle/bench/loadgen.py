@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from peagle.bench.datasets import BenchPrompt
-from peagle.bench.metrics import RequestResult, finish_spec
+from peagle.bench.metrics import RequestResult
 
 Progress = Callable[[RequestResult], None] | None
 
@@ -173,7 +173,9 @@ def spec_metrics_delta(before: dict, after: dict) -> dict | None:
     k = (max(positions) + 1) if positions else 0
     d["accepted_per_position"] = [int(round(after["accepted_per_position"].get(p, 0)
                                             - before["accepted_per_position"].get(p, 0))) for p in range(k)]
-    return finish_spec(d)
+    from peagle.engine.stats import SpecDecodeStats
+
+    return SpecDecodeStats.from_dict(d).as_dict()
 
 
 def scrape_spec_metrics(url: str, api_key: str | None = None) -> dict | None:

@@ -59,35 +59,19 @@ def distribution_ms(values: list[float]) -> dict:
 
 
 def merge_spec(stats: list[dict | None]) -> dict | None:
-    """Sum per-request speculative stats into one set (None when no request carried any drafts)."""
-    stats = [s for s in stats if s and s.get("num_drafts")]
-    if not stats:
-        return None
-    k = max(len(s.get("accepted_per_position") or []) for s in stats)
-    total = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_position": [0] * k}
-    for s in stats:
-        for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
-            total[key] += int(s.get(key) or 0)
-        for i, n in enumerate(s.get("accepted_per_position") or []):
-            total["accepted_per_position"][i] += int(n)
-    return finish_spec(total)
+    """Sum per-request speculative stats (`SpecDecodeStats.as_dict()` of each) into one set; None when no request
+    carried any drafts."""
+    from peagle.engine.stats import SpecDecodeStats
 
-
-def finish_spec(total: dict) -> dict:
-    """Add the derived rates to summed counters."""
-    d = total["num_drafts"]
-    total["acceptance_per_position"] = [round(n / d, 4) if d else 0.0 for n in total["accepted_per_position"]]
-    total["acceptance_rate"] = round(total["num_accepted_tokens"] / total["num_draft_tokens"], 4) \
-        if total["num_draft_tokens"] else 0.0
-    total["mean_acceptance_length"] = round(1.0 + total["num_accepted_tokens"] / d, 4) if d else 1.0
-    return total
+    total = SpecDecodeStats.total(SpecDecodeStats.from_dict(s) for s in stats if s)
+    return total.as_dict() if total.num_drafts else None
 
 
 @dataclass
 class RunMetrics:
     """One measured cell: a method at one K and one concurrency."""
     method: str  # baseline, eagle3, peagle, transformers, transformers-pld
-    k: int  # speculative tokens (0 for none)
+    k: int  # speculative tokens (0 for none; the largest K under the adaptive policy)
     concurrency: int
     num_requests: int
     num_failed: int
@@ -102,10 +86,11 @@ class RunMetrics:
     e2el_ms: dict
     acceptance: dict | None = None
     errors: list[str] = field(default_factory=list)
+    policy: str = "fixed"  # the engine's speculation policy: fixed or adaptive
 
     @property
     def label(self) -> str:
-        return config_label(self.method, self.k)
+        return config_label(self.method, self.k, self.policy)
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -119,7 +104,7 @@ class RunMetrics:
 
 
 def summarize(results: list[RequestResult], duration: float, method: str, k: int, concurrency: int,
-              acceptance: dict | None = None) -> RunMetrics:
+              acceptance: dict | None = None, policy: str = "fixed") -> RunMetrics:
     """Aggregate a run. `acceptance` overrides the per-request stats (e.g. a /metrics counter delta)."""
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
@@ -137,7 +122,7 @@ def summarize(results: list[RequestResult], duration: float, method: str, k: int
         itl_ms=distribution_ms(itl),
         e2el_ms=distribution_ms([r.latency for r in ok]),
         acceptance=acceptance,
-        errors=sorted({r.error for r in results if r.error})[:5])
+        errors=sorted({r.error for r in results if r.error})[:5], policy=policy)
 
 
 def best_k(otps_by_k: dict[int, float | None]) -> tuple[int | None, float | None]:
@@ -159,6 +144,8 @@ METHOD_NAMES = {"baseline": "No speculation", "eagle3": "EAGLE-3", "peagle": "P-
 SPEC_METHODS = ("eagle3", "peagle")
 
 
-def config_label(method: str, k: int) -> str:
+def config_label(method: str, k: int, policy: str = "fixed") -> str:
     name = METHOD_NAMES.get(method, method)
-    return f"{name} K={k}" if method in SPEC_METHODS else name
+    if method not in SPEC_METHODS:
+        return name
+    return f"{name} adaptive K<={k}" if policy == "adaptive" else f"{name} K={k}"

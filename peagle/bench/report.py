@@ -1,14 +1,13 @@
 """Benchmark output: the table in the P-EAGLE launch's format (per concurrency: OTPS of no speculation, EAGLE-3 at
-each K, P-EAGLE at each K, then the best-K ratios P-EAGLE/EAGLE-3 and P-EAGLE/no speculation), the speed
-targets marked met or missed, acceptance and latency tables, the same as JSON, and PNG plots (matplotlib, Agg
+each K, P-EAGLE at each K, then the best-K ratios P-EAGLE/EAGLE-3 and P-EAGLE/no speculation, and the adaptive
+speculation policy against the better of best fixed K and no speculation), the speed targets marked met or missed, acceptance and latency tables, the same as JSON, and PNG plots (matplotlib, Agg
 backend)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from peagle.bench.metrics import (METHOD_NAMES, SPEC_METHODS, RunMetrics, best_k, config_label, finish_spec,
-                                  ratio)
+from peagle.bench.metrics import METHOD_NAMES, SPEC_METHODS, RunMetrics, best_k, config_label, ratio
 
 METHOD_ORDER = ("baseline", "eagle3", "peagle", "transformers", "transformers-pld")
 # The speed this project aims for (P-EAGLE's published ratios), measured on HumanEval with `peagle bench` (not in
@@ -21,38 +20,49 @@ TARGETS = (
     {"id": "c8_peagle_vs_eagle3", "concurrency": 8, "against": "eagle3", "min_ratio": 1.0,
      "text": "concurrency 8: P-EAGLE best-K >= EAGLE-3 best-K"},
 )
+# The adaptive speculation policy must keep at least this share of the better of its method's best fixed K and no
+# speculation, at every concurrency and on every dataset.
+ADAPTIVE_MIN_RATIO = 0.97
 TARGET_DATASET = "humaneval"
 LOW_ACCEPTANCE = 1.2  # mean acceptance length below this: drafts are hardly ever accepted
 
 
+Key = tuple[str, int, str]  # (method, K, speculation policy): one configuration
+
+
+def _key(r: RunMetrics) -> Key:
+    return (r.method, r.k, r.policy)
+
+
+def _order(key: Key) -> tuple:
+    method, k, policy = key
+    return (METHOD_ORDER.index(method) if method in METHOD_ORDER else len(METHOD_ORDER), policy == "adaptive", k)
+
+
 def _sort_key(r: RunMetrics):
-    m = METHOD_ORDER.index(r.method) if r.method in METHOD_ORDER else len(METHOD_ORDER)
-    return (m, r.k, r.concurrency)
+    return (*_order(_key(r)), r.concurrency)
 
 
 def best_of(runs: list[RunMetrics], method: str, concurrency: int) -> tuple[int | None, float | None]:
-    """(K, OTPS) of a method's fastest K at a concurrency; baseline-like methods have the single K=0."""
+    """(K, OTPS) of a method's fastest fixed K at a concurrency; baseline-like methods have the single K=0."""
     return best_k({r.k: r.otps for r in runs if r.method == method and r.concurrency == concurrency
-                   and r.num_requests > r.num_failed})
+                   and r.policy == "fixed" and r.num_requests > r.num_failed})
 
 
-def pooled_acceptance(runs: list[RunMetrics]) -> dict[tuple[str, int], dict]:
-    """Acceptance of each (method, K) summed over its concurrencies."""
-    out: dict[tuple[str, int], dict] = {}
+def adaptive_of(runs: list[RunMetrics], method: str, concurrency: int) -> RunMetrics | None:
+    return next((r for r in runs if r.method == method and r.concurrency == concurrency and r.policy == "adaptive"
+                 and r.num_requests > r.num_failed), None)
+
+
+def pooled_acceptance(runs: list[RunMetrics]) -> dict[Key, dict]:
+    """Acceptance of each configuration summed over its concurrencies."""
+    from peagle.engine.stats import SpecDecodeStats
+
+    out: dict[Key, SpecDecodeStats] = {}
     for r in sorted(runs, key=_sort_key):
-        if not r.acceptance:
-            continue
-        a = r.acceptance
-        t = out.setdefault((r.method, r.k), {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
-                                             "accepted_per_position": []})
-        for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
-            t[key] += a[key]
-        app = a["accepted_per_position"]
-        if len(t["accepted_per_position"]) < len(app):
-            t["accepted_per_position"] += [0] * (len(app) - len(t["accepted_per_position"]))
-        for i, n in enumerate(app):
-            t["accepted_per_position"][i] += n
-    return {key: finish_spec(v) for key, v in out.items()}
+        if r.acceptance:
+            out.setdefault(_key(r), SpecDecodeStats()).merge(SpecDecodeStats.from_dict(r.acceptance))
+    return {key: v.as_dict() for key, v in out.items()}
 
 
 def evaluate_targets(runs: list[RunMetrics], dataset: str, heads: dict | None = None) -> list[dict]:
@@ -63,7 +73,7 @@ def evaluate_targets(runs: list[RunMetrics], dataset: str, heads: dict | None = 
         kp, vp = best_of(runs, "peagle", c)
         ka, va = best_of(runs, t["against"], c)
         r = ratio(vp, va)
-        entry = {**t, "peagle_k": kp, "peagle_otps": vp, "against_k": ka, "against_otps": va,
+        entry = {**t, "peagle_k": kp, "peagle_otps": vp, "otps": vp, "against_k": ka, "against_otps": va,
                  "ratio": round(r, 4) if r is not None else None, "dataset": dataset}
         if r is None:
             entry["status"] = "not measured"
@@ -81,18 +91,46 @@ def evaluate_targets(runs: list[RunMetrics], dataset: str, heads: dict | None = 
             entry["why"] = (entry["why"] + " " if entry["why"] else "") + \
                 f"(measured on {dataset}; the target is defined on HumanEval)"
         out.append(entry)
+    return out + adaptive_targets(runs)
+
+
+def adaptive_targets(runs: list[RunMetrics]) -> list[dict]:
+    """Per method and concurrency with an adaptive run: adaptive >= ADAPTIVE_MIN_RATIO x the better of the method's
+    best fixed K and no speculation (speculation that never loses, and keeps its wins)."""
+    out = []
+    for m in SPEC_METHODS:
+        for c in sorted({r.concurrency for r in runs if r.method == m and r.policy == "adaptive"}):
+            run = adaptive_of(runs, m, c)
+            k, v = best_of(runs, m, c)
+            _, vb = best_of(runs, "baseline", c)
+            against, against_otps = max(((f"{METHOD_NAMES[m]} K={k}", v), ("no speculation", vb)),
+                                        key=lambda x: x[1] if x[1] is not None else -1.0)
+            r = ratio(run.otps if run else None, against_otps)
+            entry = {"id": f"c{c}_{m}_adaptive", "concurrency": c, "against": against, "min_ratio": ADAPTIVE_MIN_RATIO,
+                     "text": f"concurrency {c}: {METHOD_NAMES[m]} adaptive >= {ADAPTIVE_MIN_RATIO}x the better of its "
+                             "best fixed K and no speculation",
+                     "otps": run.otps if run else None, "against_otps": against_otps,
+                     "ratio": round(r, 4) if r is not None else None}
+            if r is None:
+                entry.update(status="not measured", why=f"no fixed-K or no-speculation run at concurrency {c}")
+            else:
+                mean_k = (run.acceptance or {}).get("mean_k")
+                entry.update(status="met" if r >= ADAPTIVE_MIN_RATIO else "missed",
+                             why=f"against {against}" + (f"; adaptive verified {mean_k:.2f} drafts per step on average"
+                                                        if mean_k is not None else ""))
+            out.append(entry)
     return out
 
 
 def _why(entry: dict, acc: dict) -> str:
     reasons = []
-    lp = acc.get(("peagle", entry["peagle_k"])) if entry["peagle_k"] is not None else None
+    lp = acc.get(("peagle", entry["peagle_k"], "fixed")) if entry["peagle_k"] is not None else None
     if lp is not None and lp["mean_acceptance_length"] < LOW_ACCEPTANCE:
         reasons.append(f"P-EAGLE's mean acceptance length is {lp['mean_acceptance_length']:.2f}: its drafts are "
                        "hardly ever accepted (an untrained or mismatched head), so each step pays for drafting and "
                        "verifying K tokens and still yields about one")
     if entry["against"] == "eagle3" and entry["against_k"] is not None:
-        le = acc.get(("eagle3", entry["against_k"]))
+        le = acc.get(("eagle3", entry["against_k"], "fixed"))
         if lp is not None and le is not None:
             reasons.append(f"acceptance length P-EAGLE K={entry['peagle_k']} {lp['mean_acceptance_length']:.2f} "
                            f"vs EAGLE-3 K={entry['against_k']} {le['mean_acceptance_length']:.2f}")
@@ -113,12 +151,17 @@ def build_report(runs: list[RunMetrics], meta: dict) -> dict:
         _, vb = best_of(runs, "baseline", c)
         row.update(best_k={"peagle": kp, "eagle3": ke}, peagle_vs_eagle3=_r(ratio(vp, ve)),
                    peagle_vs_baseline=_r(ratio(vp, vb)), eagle3_vs_baseline=_r(ratio(ve, vb)))
+        # Adaptive against the better of its method's best fixed K and no speculation.
+        row["adaptive_vs_best"] = {m: _r(ratio(a.otps, max((x for x in (best_of(runs, m, c)[1], vb) if x),
+                                                            default=None)))
+                                   for m in SPEC_METHODS if (a := adaptive_of(runs, m, c)) is not None}
         rows.append(row)
     acc = pooled_acceptance(runs)
     return {
         "meta": meta,
         "table": rows,
-        "acceptance": [{"method": m, "k": k, "label": config_label(m, k), **a} for (m, k), a in acc.items()],
+        "acceptance": [{"method": m, "k": k, "policy": p, "label": config_label(m, k, p), **a}
+                       for (m, k, p), a in acc.items()],
         "targets": evaluate_targets(runs, meta.get("dataset", "?"), meta.get("heads")),
         "runs": [r.as_dict() for r in runs],
     }
@@ -134,9 +177,8 @@ def _fmt(x, nd=1) -> str:
     return "—" if x is None else f"{x:.{nd}f}"
 
 
-def _columns(runs: list[RunMetrics]) -> list[tuple[str, int]]:
-    return sorted({(r.method, r.k) for r in runs}, key=lambda mk: (METHOD_ORDER.index(mk[0])
-                                                                    if mk[0] in METHOD_ORDER else 99, mk[1]))
+def _columns(runs: list[RunMetrics]) -> list[Key]:
+    return sorted({_key(r) for r in runs}, key=_order)
 
 
 def otps_table(report: dict) -> str:
@@ -144,26 +186,30 @@ def otps_table(report: dict) -> str:
     cols = _columns(runs)
     main = [c for c in cols if c[0] in ("baseline",) + SPEC_METHODS]
     extra = [c for c in cols if c not in main]
-    has_ratio = any(m == "peagle" for m, _ in cols)
-    head = ["Concurrency"] + [config_label(m, k) for m, k in main]
+    has_ratio = any(m == "peagle" and p == "fixed" for m, _, p in cols)
+    adaptive = [m for m in SPEC_METHODS if any(mm == m and p == "adaptive" for mm, _, p in cols)]
+    head = ["Concurrency"] + [config_label(*c) for c in main]
     if has_ratio:
         head += ["P-EAGLE / EAGLE-3 (best K)", "P-EAGLE / no spec (best K)"]
-    head += [config_label(m, k) for m, k in extra]
+    head += [f"{METHOD_NAMES[m]} adaptive / best of (fixed K, no spec)" for m in adaptive]
+    head += [config_label(*c) for c in extra]
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for row in report["table"]:
-        c = row["concurrency"]
-        cells = [str(c)]
-        for m, k in main:
-            v = row["otps"].get(config_label(m, k))
+        cells = [str(row["concurrency"])]
+        for m, k, p in main:
+            v = row["otps"].get(config_label(m, k, p))
             s = _fmt(v)
-            if m in SPEC_METHODS and v is not None and row["best_k"].get(m) == k:
+            if m in SPEC_METHODS and p == "fixed" and v is not None and row["best_k"].get(m) == k:
                 s = f"**{s}**"
             cells.append(s)
         if has_ratio:
             cells.append(_ratio_cell(row["peagle_vs_eagle3"], row["best_k"]["peagle"], row["best_k"]["eagle3"]))
             cells.append(_ratio_cell(row["peagle_vs_baseline"], row["best_k"]["peagle"], None))
-        for m, k in extra:
-            cells.append(_fmt(row["otps"].get(config_label(m, k))))
+        for m in adaptive:
+            r = (row.get("adaptive_vs_best") or {}).get(m)
+            cells.append("—" if r is None else f"{r:.2f}x")
+        for c in extra:
+            cells.append(_fmt(row["otps"].get(config_label(*c))))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -179,7 +225,7 @@ def targets_table(report: dict) -> str:
     lines = ["| Target | Measured | Status | Why |", "|---|---:|---|---|"]
     for t in report["targets"]:
         measured = "—" if t["ratio"] is None else \
-            f"{t['ratio']:.2f}x ({_fmt(t['peagle_otps'])} vs {_fmt(t['against_otps'])} tok/s)"
+            f"{t['ratio']:.2f}x ({_fmt(t['otps'])} vs {_fmt(t['against_otps'])} tok/s)"
         status = {"met": "**met**", "missed": "**missed**"}.get(t["status"], t["status"])
         lines.append(f"| {t['text']} | {measured} | {status} | {t['why'] or ''} |")
     return "\n".join(lines)
@@ -187,31 +233,39 @@ def targets_table(report: dict) -> str:
 
 def acceptance_tables(report: dict) -> str:
     runs = [RunMetrics.from_dict(d) for d in report["runs"]]
-    specs = [(m, k) for m, k in _columns(runs) if m in SPEC_METHODS]
+    specs = [c for c in _columns(runs) if c[0] in SPEC_METHODS]
     if not specs:
         return "_No speculative runs in this sweep._"
     concs = sorted({r.concurrency for r in runs})
-    by = {(r.method, r.k, r.concurrency): r for r in runs}
-    head = ["Method"] + [f"c={c}" for c in concs] + ["pooled"]
-    lines = ["Mean acceptance length (1 + accepted / drafts, as vLLM reports it):", "",
-             "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
-    pooled = {(a["method"], a["k"]): a for a in report["acceptance"]}
-    for m, k in specs:
-        cells = [config_label(m, k)]
-        for c in concs:
-            r = by.get((m, k, c))
-            cells.append(_fmt(r.acceptance["mean_acceptance_length"], 3) if r and r.acceptance else "—")
-        p = pooled.get((m, k))
-        cells.append(_fmt(p["mean_acceptance_length"], 3) if p else "—")
-        lines.append("| " + " | ".join(cells) + " |")
-    kmax = max(k for _, k in specs)
+    by = {(*_key(r), r.concurrency): r for r in runs}
+    pooled = {(a["method"], a["k"], a.get("policy", "fixed")): a for a in report["acceptance"]}
+    tables = [("Mean acceptance length (1 + accepted / drafts, as vLLM reports it):", "mean_acceptance_length", 3,
+               specs)]
+    adaptive = [key for key in specs if key[2] == "adaptive"]
+    if adaptive:
+        tables.append(("Drafts verified per decode step under the adaptive policy (mean K, plain steps counted as "
+                       "K = 0):", "mean_k", 2, adaptive))
+    lines = []
+    for title, field, nd, keys in tables:
+        head = ["Method"] + [f"c={c}" for c in concs] + ["pooled"]
+        lines += [title, "", "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+        for key in keys:
+            cells = [config_label(*key)]
+            for c in concs:
+                r = by.get((*key, c))
+                cells.append(_fmt(r.acceptance.get(field), nd) if r and r.acceptance else "—")
+            p = pooled.get(key)
+            cells.append(_fmt(p.get(field), nd) if p else "—")
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    kmax = max(k for _, k, _ in specs)
     head = ["Method"] + [f"pos {i + 1}" for i in range(kmax)]
-    lines += ["", "Per-position acceptance (fraction of steps whose i-th draft was accepted), pooled over "
+    lines += ["Per-position acceptance (fraction of steps whose i-th draft was accepted), pooled over "
               "concurrencies:", "", "| " + " | ".join(head) + " |", "|---|" + "---:|" * kmax]
-    for m, k in specs:
-        p = pooled.get((m, k))
+    for key in specs:
+        p = pooled.get(key)
         rates = p["acceptance_per_position"] if p else []
-        cells = [config_label(m, k)] + [_fmt(rates[i], 3) if i < len(rates) else "" for i in range(kmax)]
+        cells = [config_label(*key)] + [_fmt(rates[i], 3) if i < len(rates) else "" for i in range(kmax)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -281,8 +335,7 @@ def _wall(m: dict) -> str | None:
         return None
     parts = [m["wall_time"]]
     if m.get("sweep_s") is not None:
-        parts.append(f"sweep {m['sweep_s']:.0f} s" + (f", estimated beforehand {m['estimate_s']:.0f} s"
-                                                      if m.get("estimate_s") else ""))
+        parts.append(f"sweep {m['sweep_s']:.0f} s")
     return parts[0] + (f" ({parts[1]})" if len(parts) > 1 else "")
 
 
@@ -306,21 +359,23 @@ def plot(report: dict, out_dir: Path) -> dict[str, str]:
     cols = _columns(runs)
     files = {}
 
-    def series(method, k, attr):
-        pts = sorted((r.concurrency, attr(r)) for r in runs if r.method == method and r.k == k)
+    def series(key, attr):
+        pts = sorted((r.concurrency, attr(r)) for r in runs if _key(r) == key)
         return [p[0] for p in pts], [p[1] for p in pts]
 
     for name, attr, ylabel in (("otps_vs_concurrency", lambda r: r.otps, "output tokens/s"),
                                ("tpot_vs_concurrency", lambda r: r.tpot_ms["median"], "median TPOT (ms)")):
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for m, k in cols:
-            ks = sorted({kk for mm, kk in cols if mm == m})
-            x, y = series(m, k, attr)
+        for m, k, p in cols:
+            ks = sorted({kk for mm, kk, pp in cols if mm == m and pp == p})
+            x, y = series((m, k, p), attr)
             if any(v is not None for v in y):
+                adaptive = p == "adaptive"
                 ax.plot(x, [v if v is not None else float("nan") for v in y], color=_COLORS.get(m),
-                        marker=_MARKERS[ks.index(k) % len(_MARKERS)],
-                        linestyle="--" if m.startswith("transformers") else "-", label=config_label(m, k),
-                        alpha=0.35 + 0.65 * (ks.index(k) + 1) / len(ks))
+                        marker="*" if adaptive else _MARKERS[ks.index(k) % len(_MARKERS)],
+                        linestyle=":" if adaptive else "--" if m.startswith("transformers") else "-",
+                        label=config_label(m, k, p), linewidth=2.5 if adaptive else 1.5,
+                        alpha=1.0 if adaptive else 0.35 + 0.65 * (ks.index(k) + 1) / len(ks))
         ax.set_xlabel("concurrency (clients)")
         ax.set_ylabel(ylabel)
         ax.set_xticks(sorted({r.concurrency for r in runs}))
@@ -332,16 +387,17 @@ def plot(report: dict, out_dir: Path) -> dict[str, str]:
         plt.close(fig)
         files[name] = f"{name}.png"
 
-    acc = {(a["method"], a["k"]): a for a in report["acceptance"]}
-    methods = [m for m in SPEC_METHODS if any(mm == m for mm, _ in acc)]
+    acc = {(a["method"], a["k"], a.get("policy", "fixed")): a for a in report["acceptance"]}
+    methods = [m for m in SPEC_METHODS if any(key[0] == m for key in acc)]
     if methods:
         fig, axes = plt.subplots(1, len(methods), figsize=(5.5 * len(methods), 4), squeeze=False)
         for ax, m in zip(axes[0], methods):
-            for i, k in enumerate(sorted(k for mm, k in acc if mm == m)):
-                rates = acc[(m, k)]["acceptance_per_position"]
-                ax.plot(range(1, len(rates) + 1), rates, marker=_MARKERS[i % len(_MARKERS)], label=f"K={k}")
-            kmax = max(k for mm, k in acc if mm == m)
-            ax.set_xticks(range(1, kmax + 1))
+            keys = sorted((key for key in acc if key[0] == m), key=_order)
+            for i, key in enumerate(keys):
+                rates = acc[key]["acceptance_per_position"]
+                ax.plot(range(1, len(rates) + 1), rates, marker=_MARKERS[i % len(_MARKERS)], label=_window(key[1], key[2]),
+                        linestyle=":" if key[2] == "adaptive" else "-")
+            ax.set_xticks(range(1, max(k for _, k, _ in keys) + 1))
             ax.set_title(f"{METHOD_NAMES[m]}: per-position acceptance")
             ax.set_xlabel("draft position")
             ax.set_ylabel("accepted fraction of steps")
@@ -354,12 +410,14 @@ def plot(report: dict, out_dir: Path) -> dict[str, str]:
         files["acceptance_per_position"] = "acceptance_per_position.png"
 
         fig, ax = plt.subplots(figsize=(6, 4))
-        ks = sorted({k for _, k in acc})
+        windows = sorted({(key[2], key[1]) for key in acc}, key=lambda pk: (pk[0] == "adaptive", pk[1]))
         width = 0.8 / len(methods)
         for j, m in enumerate(methods):
-            vals = [acc[(m, k)]["mean_acceptance_length"] if (m, k) in acc else 0 for k in ks]
-            ax.bar([i + j * width for i in range(len(ks))], vals, width, color=_COLORS[m], label=METHOD_NAMES[m])
-        ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(ks))], [f"K={k}" for k in ks])
+            vals = [acc[(m, k, p)]["mean_acceptance_length"] if (m, k, p) in acc else 0 for p, k in windows]
+            ax.bar([i + j * width for i in range(len(windows))], vals, width, color=_COLORS[m],
+                   label=METHOD_NAMES[m])
+        ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(windows))],
+                      [_window(k, p) for p, k in windows])
         ax.set_ylabel("mean acceptance length")
         ax.set_title("Mean acceptance length (1 + accepted / drafts)")
         ax.grid(alpha=0.3, axis="y")
@@ -369,6 +427,10 @@ def plot(report: dict, out_dir: Path) -> dict[str, str]:
         plt.close(fig)
         files["acceptance_length"] = "acceptance_length.png"
     return files
+
+
+def _window(k: int, policy: str) -> str:
+    return f"adaptive K<={k}" if policy == "adaptive" else f"K={k}"
 
 
 def write_all(report: dict, out_dir: Path) -> dict[str, Path]:

@@ -1,0 +1,233 @@
+"""Running a `peagle bench` plan: every configuration at every concurrency, one after another (a `peagle serve`
+subprocess per configuration, a running server, or engines in this process), with a progress bar over requests
+(its rate gives the time left); then the report."""
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+from peagle.bench.metrics import SPEC_METHODS, RunMetrics, config_label, summarize
+from peagle.bench.plan import (BenchError, Config, Plan, TargetHolder, _loadavg, canonical_command, machine,
+                               make_plan, parse_k)
+from peagle.model.heads import is_untrained
+
+
+def _params(args, max_tokens: int | None = None, seed: int | None = None, ignore_eos: bool | None = None):
+    from peagle.engine.sampling import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens or args.max_tokens, temperature=args.temperature,
+                          seed=seed, ignore_eos=args.ignore_eos if ignore_eos is None else ignore_eos)
+
+
+
+def _hf_runner(args, plan: Plan, hf_holder: dict):
+    if "runner" not in hf_holder:
+        from peagle.bench.loadgen import HFRunner
+        from peagle.model.loading import torch_dtype
+
+        device = args.device or ("cuda" if __import__("torch").cuda.is_available() else "cpu")
+        hf_holder["runner"] = HFRunner(plan.model_path, dtype=torch_dtype(args.dtype), device=device)
+    return hf_holder["runner"]
+
+
+def _fmt_s(s: float) -> str:
+    return f"{s:.0f} s" if s < 90 else f"{s / 60:.1f} min"
+
+
+def sweep(args) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    started = _dt.datetime.now().astimezone()
+    t_start = time.perf_counter()
+    holder = TargetHolder(args.dtype, args.device)
+    hf_holder: dict = {}
+    plan = make_plan(args, holder)
+    runs_planned = [(cfg, c) for cfg in plan.configs for c in plan.concurrencies_for(cfg)]
+    n = len(plan.prompts)
+    total_requests = n * len(runs_planned)
+    log = sys.stderr
+    print(f"peagle bench: {len(plan.configs)} configuration(s) x concurrency {plan.concurrencies} = "
+          f"{len(runs_planned)} runs of {n} {args.dataset} prompts, up to {args.max_tokens} tokens each "
+          f"({plan.mode} mode{', chat template' if plan.chat else ''})", file=log, flush=True)
+    for note in plan.notes:
+        print(f"peagle bench: note: {note}", file=log, flush=True)
+
+    t_sweep = time.perf_counter()
+    bar = _progress_bar(total_requests, args.no_progress)
+    meta = {"command": canonical_command(args), "dataset": args.dataset, "num_prompts": n,
+            "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "temperature": args.temperature,
+            "seed": args.seed, "chat": plan.chat, "mode": plan.mode, "concurrency": plan.concurrencies,
+            "model": str(args.model or (f"served at {args.url}" if args.url else
+                                        f"embedded SmolLM2-135M-Instruct ({plan.model_path})")),
+            "max_model_len": plan.max_model_len, "heads": plan.heads, "notes": plan.notes,
+            "started": started.isoformat(timespec="seconds"), "machine": machine()}
+    results: list[RunMetrics] = []
+    try:
+        for cfg in plan.configs:
+            cs = plan.concurrencies_for(cfg)
+            try:
+                for r in _run_config(args, plan, cfg, cs, holder, hf_holder, bar, out):
+                    results.append(r)
+                    bar.set_postfix_str(f"{r.label} c={r.concurrency}: {r.otps:.1f} tok/s")
+                    _save_partial(results, meta, out)
+            except BenchError as e:
+                if plan.mode == "url":
+                    raise
+                # One broken configuration must not cost the rest of a long sweep: note it and go on.
+                plan.notes.append(f"{cfg.label} was not measured: {str(e).splitlines()[0]}")
+                print(f"\npeagle bench: {cfg.label} failed, skipping it: {e}", file=log, flush=True)
+                bar.update(len(plan.prompts) * len(cs) - sum(1 for r in results if r.label == cfg.label) *
+                           len(plan.prompts))
+    finally:
+        bar.close()
+    if not results:
+        raise BenchError("no configuration could be measured (see above)")
+    wall = time.perf_counter() - t_start
+    sweep = time.perf_counter() - t_sweep
+    meta["sweep_s"] = round(sweep, 1)
+    if plan.server_startup_s:
+        meta["server_startup_s"] = plan.server_startup_s
+    meta["machine"]["load_average_end"] = _loadavg()
+    meta["wall_time"] = _fmt_s(wall)
+    meta["wall_time_s"] = round(wall, 1)
+    from peagle.bench.report import build_report, otps_table, targets_table, write_all
+
+    report = build_report(results, meta)
+    paths = write_all(report, out)
+    print(otps_table(report))
+    print()
+    print(targets_table(report))
+    print(f"\npeagle bench: done in {_fmt_s(wall)}; the sweep itself took {_fmt_s(sweep)}; table "
+          f"{paths['markdown']}, JSON {paths['json']}, plots in {out}", file=log, flush=True)
+    return 0
+
+
+def _save_partial(results: list[RunMetrics], meta: dict, out: Path) -> None:
+    (out / "partial.json").write_text(json.dumps({"meta": meta, "runs": [r.as_dict() for r in results]}, indent=1))
+
+
+def _progress_bar(total: int, disable: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="req", desc="bench", file=sys.stderr, disable=disable, dynamic_ncols=True,
+                smoothing=0.1)
+
+
+def _run_config(args, plan: Plan, cfg: Config, concurrencies: list[int], holder: TargetHolder, hf_holder: dict,
+                bar, out: Path):
+    """Yield one RunMetrics per concurrency for one configuration."""
+    from peagle.bench import loadgen
+
+    def progress(_res):
+        bar.update(1)
+
+    warm = plan.prompts[: max(args.warmup, 0)]
+    if cfg.method.startswith("transformers"):
+        runner = _hf_runner(args, plan, hf_holder)
+        lookup = args.prompt_lookup_tokens if cfg.method == "transformers-pld" else None
+        if warm:
+            runner.run(warm, 1, min(8, args.max_tokens), args.temperature, args.seed, plan.chat, prompt_lookup=lookup)
+        for c in concurrencies:
+            bar.set_description(f"{cfg.label} c={c}")
+            res, dur = runner.run(plan.prompts, c, args.max_tokens, args.temperature,
+                                  args.seed if args.temperature > 0 else None, plan.chat, args.ignore_eos,
+                                  prompt_lookup=lookup, progress=progress)
+            yield summarize(res, dur, cfg.method, cfg.k, c)
+        return
+
+    if plan.mode == "offline":
+        engine = holder.engine(plan.model_path, cfg, max(plan.concurrencies), plan.max_model_len)
+        if warm:
+            engine.generate([p.chat_messages() if plan.chat else p.text for p in warm],
+                            _params(args, min(8, args.max_tokens)), chat=plan.chat)
+        for c in concurrencies:
+            bar.set_description(f"{cfg.label} c={c}")
+            seed = args.seed if args.temperature > 0 else None
+            res, dur = loadgen.run_offline(engine, plan.prompts, c,
+                                           lambda i: _params(args, seed=None if seed is None else seed + i),
+                                           plan.chat, progress)
+            yield summarize(res, dur, cfg.method, cfg.k, c, policy=cfg.policy)
+        del engine
+        gc.collect()
+        return
+
+    def http_runs(url: str, method: str, k: int, model_name: str | None, policy: str = "fixed"):
+        if warm:
+            res, _ = loadgen.run_http(url, warm, 1, min(8, args.max_tokens), args.temperature, None, plan.chat,
+                                      model_name, False, args.api_key)
+            bad = [r.error for r in res if not r.ok]
+            if bad:
+                raise BenchError(f"the server at {url} failed the warm-up request: {bad[0]}")
+        for c in concurrencies:
+            bar.set_description(f"{config_label(method, k, policy)} c={c}")
+            before = loadgen.scrape_spec_metrics(url, args.api_key)
+            res, dur = loadgen.run_http(url, plan.prompts, c, args.max_tokens, args.temperature,
+                                        args.seed if args.temperature > 0 else None, plan.chat, model_name,
+                                        args.ignore_eos, args.api_key, progress)
+            acceptance = None
+            if method in SPEC_METHODS and not any(r.spec for r in res) and before is not None:
+                after = loadgen.scrape_spec_metrics(url, args.api_key)
+                acceptance = loadgen.spec_metrics_delta(before, after) if after else None
+            # A running server's policy is in its responses' stats (peagle's extension); vLLM's is fixed.
+            policy = next((r.spec["speculation_policy"] for r in res if (r.spec or {}).get("speculation_policy")),
+                          policy)
+            yield summarize(res, dur, method, k, c, acceptance, policy)
+
+    if plan.mode == "url":
+        try:
+            info = loadgen.server_info(args.url, args.api_key)
+        except Exception as e:  # noqa: BLE001
+            raise BenchError(f"cannot reach {args.url}/v1/models: {e}") from None
+        method, k = _server_method(info, args)
+        if method in SPEC_METHODS:
+            head = (info.get("speculative_config") or {}).get("model")
+            plan.heads.setdefault(method, {"path": head, "untrained": bool(head) and is_untrained(head)})
+        yield from http_runs(args.url, method, k, info.get("id"))
+        return
+
+    spec = cfg.speculative_config()
+    log = out / "logs" / f"{cfg.method}-k{cfg.k}{'-adaptive' if cfg.policy == 'adaptive' else ''}.log"
+    server = loadgen.ServerProcess(args.model, json.dumps(spec) if spec else None, max(plan.concurrencies), log,
+                                   plan.max_model_len, None if args.dtype == "auto" else args.dtype, args.device,
+                                   extra_args=["--speculation-policy", cfg.policy] if spec else None,
+                                   threads=args.threads)
+    bar.set_description(f"{cfg.label}: starting server")
+    try:
+        server.start()
+    except loadgen.ServerError as e:
+        raise BenchError(str(e)) from None
+    plan.server_startup_s[cfg.label] = round(server.startup_s, 1)
+    try:
+        info = loadgen.server_info(server.url)
+        yield from http_runs(server.url, cfg.method, cfg.k, info.get("id"), cfg.policy)
+    finally:
+        server.stop()
+
+
+def _server_method(info: dict, args) -> tuple[str, int]:
+    """What a running server does: from peagle's /v1/models extension, else --methods/--k when they name one."""
+    spec = info.get("speculative_config")
+    if spec:
+        from peagle.config import SpeculativeConfig
+
+        try:
+            s = SpeculativeConfig.parse({k: v for k, v in spec.items() if k in SpeculativeConfig.model_fields})
+            return s.method_name, s.num_speculative_tokens
+        except ValueError:
+            pass
+    if "speculative_config" in info and info["speculative_config"] is None:
+        return "baseline", 0
+    methods = [m for m in args.methods.split(",") if m.strip() and not m.startswith("transformers")]
+    ks, _ = parse_k(args.k)
+    if len(methods) == 1 and (methods[0] == "baseline" or len(ks) == 1):
+        return methods[0], (0 if methods[0] == "baseline" else ks[0])
+    return "server", 0
+
