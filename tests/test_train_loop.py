@@ -67,26 +67,26 @@ def test_eagle3_trains_with_ttt(tmp_path):
     assert not head.config.parallel_capable
 
 
-@pytest.mark.parametrize("method", ["peagle", "eagle3"])
-def test_resume_is_exact(tmp_path, method):
+@pytest.mark.parametrize("method,optimizer", [("peagle", "adamw"), ("eagle3", "adamw"), ("peagle", "muon")])
+def test_resume_is_exact(tmp_path, method, optimizer):
     target = make_tiny_model(tmp_path / "t", "llama", num_hidden_layers=8, vocab_size=128)
     save_rows(_random_rows(10, 40, 128, seed=3), tmp_path / "data", {})
-    straight = Trainer(_cfg(tmp_path / "a", target, tmp_path / "data", method=method, max_steps=4, partitions=2))
+    kw = dict(method=method, max_steps=4, partitions=2, optimizer=optimizer)
+    straight = Trainer(_cfg(tmp_path / "a", target, tmp_path / "data", **kw))
     for _ in range(4):
         straight.train_step()
-    first = Trainer(_cfg(tmp_path / "b", target, tmp_path / "data", method=method, max_steps=4, partitions=2))
+    first = Trainer(_cfg(tmp_path / "b", target, tmp_path / "data", **kw))
     for _ in range(2):
         first.train_step()
     first.save_checkpoint()
-    resumed = Trainer(_cfg(tmp_path / "b", target, tmp_path / "data", method=method, max_steps=4, partitions=2,
-                           resume="latest"))
+    resumed = Trainer(_cfg(tmp_path / "b", target, tmp_path / "data", resume="latest", **kw))
     assert resumed.step == 2
     for _ in range(2):
         resumed.train_step()
     a, b = straight.head.state_dict(), resumed.head.state_dict()
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    assert straight.optimizer.state_dict()["state"].keys() == resumed.optimizer.state_dict()["state"].keys()
+    assert len(straight.optimizer.state) == len(resumed.optimizer.state) > 0
 
 
 @pytest.mark.parametrize("method", ["peagle", "eagle3"])

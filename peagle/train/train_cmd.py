@@ -83,6 +83,15 @@ def register(name: str, parser) -> None:
     p.add_argument("--attn-chunk", type=int, default=2048, help="anchors per attention chunk in the TTT unroll")
     p.add_argument("--no-init-from-target", action="store_true",
                    help="random lm_head/norm instead of the target's (restricted to the draft vocab)")
+    p.add_argument("--norm-before-residual", action="store_true",
+                   help="layer 0 adds attention to hidden_norm(h) instead of h (vLLM and speculators read the flag)")
+    p.add_argument("--freeze-lm-head", action="store_true",
+                   help="keep the LM head at the target's rows of the draft vocab (speculators does)")
+    p.add_argument("--train-embeddings", action="store_true",
+                   help="train the whole embedding table, not only the mask token's row (the head then ships the "
+                        "table: +H x V parameters)")
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="adamw, or muon: torch.optim.Muon for the layers' matrices, AdamW for the rest [adamw]")
     p.set_defaults(func=run)
 
 

@@ -154,9 +154,12 @@ class _MuonWithAdamW(torch.optim.Optimizer):
 
     def __init__(self, muon: torch.optim.Optimizer, adamw: torch.optim.Optimizer):
         self.parts = (muon, adamw)
-        self.param_groups = muon.param_groups + adamw.param_groups
         self.defaults = {}
         self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
+
+    @property
+    def param_groups(self) -> list[dict]:  # live: load_state_dict replaces the parts' group dicts
+        return self.parts[0].param_groups + self.parts[1].param_groups
 
     def step(self, closure=None):
         for part in self.parts:
