@@ -120,7 +120,7 @@ def resolve(args) -> dict:
     """Turn arguments into what to serve: model, speculative config, names, address. Raises ServeError."""
     from peagle.config import SpeculativeConfig, SpeculativeConfigError
     from peagle.model.heads import bundled_heads, default_speculative_config, resolve_head
-    from peagle.model.loading import is_embedded
+    from peagle.model.loading import EMBEDDED_MODEL, is_embedded
     from peagle.serve import catalog
 
     name = args.model_tag or args.model
@@ -185,7 +185,7 @@ def resolve(args) -> dict:
 
     host = args.host or ("0.0.0.0" if args.sagemaker else "127.0.0.1")
     port = args.port or (SAGEMAKER_PORT if args.sagemaker else 8000)
-    served = args.served_model_name or [preset.name if preset else (name or "SmolLM2-135M-Instruct")]
+    served = args.served_model_name or [preset.name if preset else (name or EMBEDDED_MODEL)]
     return {"model": model, "preset": preset, "spec": spec, "host": host, "port": port, "served": served,
             "notes": notes}
 
