@@ -51,6 +51,9 @@ def embedded_preset() -> Preset:
     )
 
 
+# The gpt-oss heads' model cards give the same serving flags for both sizes.
+_GPT_OSS_ARGS = ["--max-model-len", "32768", "--max-num-seqs", "128", "--kv-cache-dtype", "fp8",
+                 "--no-enable-prefix-caching", "--async-scheduling"]
 PRESETS: dict[str, Preset] = {p.name: p for p in [
     embedded_preset(),
     Preset(
@@ -59,8 +62,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
         head="amazon/gpt-oss-120b-p-eagle",
         speculative_config=_spec("amazon/gpt-oss-120b-p-eagle", 5),
         source="model card of amazon/gpt-oss-120b-p-eagle (its vllm serve line)",
-        vllm_args=["--max-model-len", "32768", "--max-num-seqs", "128", "--kv-cache-dtype", "fp8",
-                   "--no-enable-prefix-caching", "--async-scheduling"],
+        vllm_args=_GPT_OSS_ARGS,
         notes="4-layer head trained with 8 parallel positions; amazon/gpt-oss-120b-p-eagle-long-context for "
               "contexts over ~10K tokens",
     ),
@@ -70,8 +72,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
         head="amazon/GPT-OSS-20B-P-EAGLE",
         speculative_config=_spec("amazon/GPT-OSS-20B-P-EAGLE", 7),
         source="model card of amazon/GPT-OSS-20B-P-EAGLE (its vllm serve line)",
-        vllm_args=["--max-model-len", "32768", "--max-num-seqs", "128", "--kv-cache-dtype", "fp8",
-                   "--no-enable-prefix-caching", "--async-scheduling"],
+        vllm_args=_GPT_OSS_ARGS,
         notes="hybrid sliding-window attention: needs a vLLM with the P-EAGLE KV-cache-group fix; "
               "amazon/gpt-oss-20b-p-eagle-long-context for long contexts",
     ),
