@@ -95,7 +95,8 @@ class LiveServer:
 
 
 def make_server(model_dir: Path, head_dir: Path | None, *, max_num_seqs: int = 8, max_waiting: int = 256,
-                api_key: str | None = None, baseline: bool = True, name: str = "tiny") -> LiveServer:
+                api_key: str | None = None, baseline: bool = True, name: str = "tiny", **app_options) -> LiveServer:
+    """A live server over the tiny model; `app_options` go to build_app (max_body_bytes, protect_metrics)."""
     from peagle.engine import LLMEngine
     from peagle.serve.app import build_app
     from peagle.serve.async_engine import AsyncEngine
@@ -107,5 +108,5 @@ def make_server(model_dir: Path, head_dir: Path | None, *, max_num_seqs: int = 8
     base = (LLMEngine(engine.target, engine.tokenizer, max_num_seqs=2, max_model_len=engine.max_model_len,
                       model_name=engine.model_name) if baseline and spec else None)
     aengine = AsyncEngine(engine, base, max_waiting=max_waiting, metrics=Metrics(name, engine.k))
-    app = build_app(aengine, [name], api_key=api_key, model_path=str(model_dir), drain_timeout=5)
+    app = build_app(aengine, [name], api_key=api_key, model_path=str(model_dir), drain_timeout=5, **app_options)
     return LiveServer(app, aengine)

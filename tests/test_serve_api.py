@@ -224,11 +224,22 @@ BAD = [
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 10 ** 9}, 400, "max_tokens"),
     ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 10 ** 6}, 400, "max_completion_tokens"),
-    ("/v1/chat/completions", {"messages": CHAT, "n": 2}, 400, "n"),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 0}, 400, "n"),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 10 ** 6}, 400, "n"),
+    ("/v1/chat/completions", {"messages": CHAT, "seed": 2 ** 64, "temperature": 1}, 400, "seed"),
+    ("/v1/chat/completions", {"messages": CHAT, "seed": -2 ** 63 - 1, "temperature": 1}, 400, "seed"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 400, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("/v1/chat/completions", b'{"messages": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, None),
+    ("/v1/chat/completions", {"messages": CHAT, "tool_choice": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]},
+     400, "tool_choice"),
     ("/v1/chat/completions", {"messages": CHAT, "model": "gpt-4o"}, 404, "model"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": CHAT, "stream_options": {"include_usage": True}}, 400, "stream_options"),
-    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": -1}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": ["a", "b", "c"], "n": 100}, 400, "n"),
     ("/v1/completions", {"max_tokens": 5}, 400, "prompt"),
     ("/v1/completions", {"prompt": 5}, 400, "prompt"),
     ("/v1/completions", {"prompt": LONG}, 400, "prompt"),
@@ -350,9 +361,12 @@ def test_api_key(small_server):
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     r = httpx.post(url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401
-    for path in ("/v1/models", "/metrics", "/invocations"):
-        assert httpx.request("GET" if path != "/invocations" else "POST", url + path, json=body).status_code == 401
+    assert httpx.get(url + "/v1/models").status_code == 401
+    assert httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 401
+    # vLLM's scope: only /v1/* needs the key; health checks, SageMaker's /invocations and Prometheus stay open
     assert httpx.get(url + "/health").status_code == 200 and httpx.get(url + "/ping").status_code == 200
+    assert httpx.get(url + "/metrics").status_code == 200
+    assert httpx.post(url + "/invocations", json=body, timeout=60).status_code == 200
     good = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
     assert good.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3).usage.completion_tokens == 3
     with pytest.raises(openai.AuthenticationError):

@@ -67,6 +67,8 @@ class TokenStrings:
         hit = self._cache.get(token_id)
         if hit is not None:
             return hit
+        if self.tokenizer is None:  # an engine fed token ids: name tokens as vLLM does then
+            return f"token_id:{token_id}", []
         alphabet = self._byte_of_char
         piece = self.tokenizer.convert_ids_to_tokens(token_id) if alphabet is not None else None
         if piece is not None and all(c in alphabet for c in piece):

@@ -4,10 +4,17 @@ Routes
   POST /v1/chat/completions   chat (streamed as SSE when "stream": true)
   POST /v1/completions        text completion (one prompt, token ids, or a list of prompts)
   GET  /v1/models             the served model, with its speculative config
-  GET  /health, GET /ping     200 once the engine runs (503 while draining); never need the API key
+  GET  /health, GET /ping     200 once the engine runs (503 while draining)
   POST /invocations           SageMaker: a chat-completions body when it has "messages", else a completions body
   GET  /metrics               Prometheus, vLLM's metric names
   GET  /                      the playground (a static page; it asks for the API key itself when one is set)
+
+With an API key, as in vLLM, only /v1/* needs it (and /metrics too with `protect_metrics`): health checks,
+SageMaker's /invocations (authenticated by SageMaker itself) and the static page stay open.
+
+Every request is bounded before it can cost the others anything: bodies over `max_body_bytes` get 413 while being
+read; parsing, validation and tokenisation run in a worker thread, never on the event loop that streams to other
+clients; text that cannot fit the context is refused before it is tokenised (the engine's `make_request`).
 
 Every non-streamed response, and the last chunk(s) of a stream, carry the request's own speculative-decoding stats
 (`speculative_decoding`) and timing (`metrics`). Errors use OpenAI's shape and name the field at fault.
@@ -18,24 +25,31 @@ import asyncio
 import hmac
 import json
 import logging
+import time
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from peagle.engine import RequestError, RequestOutput, SamplingParams, SpecDecodeStats
+from peagle.engine import LLMEngine, RequestError, RequestOutput, SamplingParams, SpecDecodeStats
+from peagle.engine.detokenize import TokenStrings
+from peagle.engine.request import Request as EngineRequest
+from peagle.engine.request import TokenLogprob
 from peagle.serve.async_engine import AsyncEngine, EngineFailure, RequestStream
 from peagle.serve.metrics import CONTENT_TYPE_LATEST
 from peagle.serve.protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                   ChatCompletionResponse, ChatMessageOut, CompletionChoice, CompletionChunk,
-                                   CompletionRequest, CompletionResponse, DeltaMessage, ModelCard, ModelList, new_id,
-                                   now, parse, parse_json)
+                                   ChatCompletionResponse, ChatLogprobs, ChatMessageOut, ChatTokenLogprob,
+                                   CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest,
+                                   CompletionResponse, DeltaMessage, ModelCard, ModelList, TopLogprob, new_id, now,
+                                   parse, parse_json)
 
 log = logging.getLogger("peagle.serve")
 STATIC = Path(__file__).resolve().parent / "static"
-OPEN_PATHS = {"/health", "/ping", "/", "/favicon.ico"}
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DONE = "data: [DONE]\n\n"
 
 
 class ServerState:
@@ -52,28 +66,40 @@ class ServerState:
         self.speculative_config = spec.model_dump(exclude_none=True) if spec is not None else None
         self.method = self.engine.method
         self.k = self.engine.k
+        self.token_strings = TokenStrings(self.engine.tokenizer)
+        self.open_streams = 0  # SSE responses still writing
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.names:
             raise APIError(f"the model `{model}` does not exist; this server serves {', '.join(self.names)}", 404,
                            param="model", code="model_not_found")
 
+    async def drain(self, deadline: float | None = None) -> None:
+        """Refuse new requests (503), let those in flight finish for up to `deadline` seconds, abort the rest (their
+        streams end with finish_reason "abort" and [DONE]), and return once every stream has been written out."""
+        await self.aengine.drain(self.drain_timeout if deadline is None else deadline)
+        end = time.monotonic() + 5
+        while self.open_streams and time.monotonic() < end:
+            await asyncio.sleep(0.02)
+
 
 def build_app(aengine: AsyncEngine, served_model_names: list[str] | None = None, api_key: str | None = None,
-              model_path: str | None = None, drain_timeout: float = 30.0) -> FastAPI:
+              model_path: str | None = None, drain_timeout: float = 30.0,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, protect_metrics: bool = False) -> FastAPI:
     state = ServerState(aengine, served_model_names or [], api_key, model_path, drain_timeout)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         aengine.start()
         yield
-        await aengine.drain(state.drain_timeout)
+        await state.drain()
 
     app = FastAPI(title="peagle", description="P-EAGLE speculative decoding, OpenAI-compatible", lifespan=lifespan,
                   docs_url="/docs", redoc_url=None)
     app.state.peagle = state
+    app.add_middleware(BodySizeLimit, limit=max_body_bytes)
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, protect_metrics=protect_metrics)
 
     # -- errors -----------------------------------------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -95,11 +121,8 @@ def build_app(aengine: AsyncEngine, served_model_names: list[str] | None = None,
 
     # -- routes -----------------------------------------------------------------------------------------------
     @app.get("/health")
-    async def health():
-        return Response(status_code=200 if aengine.healthy and not aengine.draining else 503)
-
     @app.get("/ping")
-    async def ping():
+    async def health():
         return Response(status_code=200 if aengine.healthy and not aengine.draining else 503)
 
     @app.get("/v1/models")
@@ -111,21 +134,15 @@ def build_app(aengine: AsyncEngine, served_model_names: list[str] | None = None,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await _chat(state, request, parse_json(await request.body()))
+        return await _serve(state, request, "chat")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _completion(state, request, parse_json(await request.body()))
+        return await _serve(state, request, "completion")
 
     @app.post("/invocations")
     async def invocations(request: Request):
-        data = parse_json(await request.body())
-        if isinstance(data, dict) and "messages" in data:
-            return await _chat(state, request, data)
-        if isinstance(data, dict) and "prompt" in data:
-            return await _completion(state, request, data)
-        raise APIError("send a chat-completions body (with \"messages\") or a completions body (with \"prompt\")",
-                       400, param="messages")
+        return await _serve(state, request, None)
 
     @app.get("/metrics")
     async def metrics():
@@ -145,14 +162,21 @@ def build_app(aengine: AsyncEngine, served_model_names: list[str] | None = None,
     return app
 
 
-class APIKeyMiddleware:
-    """Bearer-token auth on every route but the open ones (health checks and the static playground page)."""
+# ------------------------------------------------------------------------------------------------------------
+# middleware
 
-    def __init__(self, app, api_key: str):
-        self.app, self.key = app, api_key.encode()
+
+class APIKeyMiddleware:
+    """Bearer-token auth on /v1/* (vLLM's scope), and on /metrics when `protect_metrics`."""
+
+    def __init__(self, app, api_key: str, protect_metrics: bool = False):
+        self.app, self.key, self.protect_metrics = app, api_key.encode(), protect_metrics
+
+    def guards(self, path: str) -> bool:
+        return path.startswith("/v1/") or path == "/v1" or (self.protect_metrics and path == "/metrics")
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not self.guards(scope["path"]):
             return await self.app(scope, receive, send)
         auth = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, token = auth.partition(b" ")
@@ -163,48 +187,220 @@ class APIKeyMiddleware:
         await JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
 
 
+class BodySizeLimit:
+    """413 for a request body over `limit` bytes, decided from Content-Length before anything is read or as soon as
+    a streamed body passes the limit. The rest of the body is read and dropped (cheap: nothing is kept or parsed),
+    so the client gets the 413 instead of a broken connection."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    def error(self) -> APIError:
+        return APIError(f"the request body is larger than this server's limit of {self.limit} bytes; send a smaller "
+                        "request, or start the server with a larger --max-request-bytes", 413,
+                        code="request_too_large")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            await _drop_body(receive)
+            err = self.error()
+            return await JSONResponse(err.body(), status_code=413)(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    if message.get("more_body"):
+                        await _drop_body(receive)
+                    raise self.error()
+            return message
+
+        await self.app(scope, limited, send)
+
+
+async def _drop_body(receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body"):
+            return
+
+
 # ------------------------------------------------------------------------------------------------------------
 # request handling
 
 
-def _sampling(req, prompt_len: int, max_model_len: int, prompt_param: str) -> SamplingParams:
-    if prompt_len >= max_model_len:
-        raise APIError(f"this model's maximum context length is {max_model_len} tokens, but the prompt has "
-                       f"{prompt_len} tokens; shorten the prompt", 400, param=prompt_param,
-                       code="context_length_exceeded")
-    limit, param = req.output_limit(), req.output_limit_param()
-    if limit is not None and prompt_len + limit > max_model_len:
-        raise APIError(f"{param}={limit} is too large: this model's maximum context length is {max_model_len} "
-                       f"tokens and the prompt has {prompt_len}, leaving room for {max_model_len - prompt_len} "
-                       f"output tokens", 400, param=param, code="context_length_exceeded")
+@dataclass
+class Job:
+    """One HTTP request as engine requests: choice i is requests[i], for prompt i // n."""
+    kind: str  # "chat" or "completion"
+    req: ChatCompletionRequest | CompletionRequest
+    engine: LLMEngine
+    requests: list[EngineRequest]
+    id: str
+    model: str
+    count_param: str  # the field that sets how many requests there are
+    echoes: list[str] | None = None  # completions with echo: each choice's prompt text
+    created: int = field(default_factory=now)
+    text_offsets: list[int] = field(default_factory=list)  # completions logprobs: each choice's text so far
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(r.prompt_ids) for r in self.requests[:: self.req.n])
+
+
+def _prepare(state: ServerState, raw: bytes, kind: str | None, arrival: float) -> Job:
+    """Parse, validate and tokenise one HTTP request (CPU-heavy for big ones: runs in a worker thread)."""
+    data = parse_json(raw)
+    if kind is None:  # /invocations
+        kind = ("chat" if isinstance(data, dict) and "messages" in data else
+                "completion" if isinstance(data, dict) and "prompt" in data else None)
+        if kind is None:
+            raise APIError("send a chat-completions body (with \"messages\") or a completions body (with "
+                           "\"prompt\")", 400, param="messages")
+    req = parse(ChatCompletionRequest if kind == "chat" else CompletionRequest, data)
+    req.check()
+    state.check_model(req.model)
+    engine = state.aengine.engine_for(req.speculation)
+    prompts = [req.as_messages()] if kind == "chat" else req.prompts()
+    count_param = "n" if req.n > 1 else "prompt"
+    state.aengine.check_room(len(prompts) * req.n, count_param)  # before tokenising anything
+    base = new_id("chatcmpl" if kind == "chat" else "cmpl")
+    requests: list[EngineRequest] = []
+    for i, prompt in enumerate(prompts):
+        param = "messages" if kind == "chat" else "prompt" if len(prompts) == 1 else f"prompt.{i}"
+        for j in range(req.n):
+            rid = base if len(prompts) * req.n == 1 else f"{base}-{len(requests)}"
+            # n copies of one prompt: tokenise it once
+            source = prompt if j == 0 else requests[-1].prompt_ids
+            try:
+                requests.append(engine.make_request(source, _sampling(req, j), rid, chat=kind == "chat",
+                                                    arrival=arrival))
+            except RequestError as e:
+                raise _request_error(e, req, param) from None
+    echoes = None
+    if kind == "completion" and req.echo:
+        echoes = [p if isinstance(p, str) else state.engine.tokenizer.decode(p) if state.engine.tokenizer else ""
+                  for p in prompts for _ in range(req.n)]
+    return Job(kind, req, engine, requests, base, req.model or state.names[0], count_param, echoes,
+               text_offsets=[0] * len(requests))
+
+
+def _sampling(req: ChatCompletionRequest | CompletionRequest, index: int) -> SamplingParams:
+    """The engine's parameters for choice `index` of a request (n > 1 with a seed: seed, seed + 1, ...)."""
     top_k = req.top_k if req.top_k not in (None, 0) else -1
-    try:
-        return SamplingParams(max_tokens=limit, temperature=1.0 if req.temperature is None else req.temperature,
-                              top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k, seed=req.seed,
-                              stop=req.stop_list(), stop_token_ids=req.stop_token_ids or [],
-                              ignore_eos=req.ignore_eos)
-    except ValueError as e:
-        raise APIError(str(e), 400) from None
+    echo_logprobs = isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None
+    return SamplingParams(max_tokens=req.output_limit(), temperature=1.0 if req.temperature is None else req.temperature,
+                          top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
+                          seed=None if req.seed is None else req.seed + index, stop=req.stop_list(),
+                          stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
+                          logprobs=req.num_logprobs(), prompt_logprobs=req.logprobs if echo_logprobs else None)
 
 
-def _encode(state: ServerState, prompt, chat: bool, param: str) -> list[int]:
-    try:
-        ids = state.engine.encode_prompt(prompt, chat=chat)
-    except RequestError as e:
-        raise APIError(str(e), 400, param=param) from None
-    if not ids:
-        raise APIError(f"{param}: the prompt is empty", 400, param=param)
-    vocab = state.engine.target.config.vocab_size
-    if min(ids) < 0 or max(ids) >= vocab:
-        raise APIError(f"{param}: token ids must be in [0, {vocab})", 400, param=param)
-    return ids
+def _request_error(e: RequestError, req: ChatCompletionRequest | CompletionRequest, prompt_param: str) -> APIError:
+    """The engine names its own parameters; the API's field for each is this request's."""
+    param = {"prompt": prompt_param, "max_tokens": req.output_limit_param(), "logprobs": req.logprobs_param(),
+             "prompt_logprobs": req.logprobs_param()}.get(e.param, e.param)
+    message = str(e) if param is None or str(e).startswith(param) else f"{param}: {e}"
+    return APIError(message, 400, param=param, code=e.code)
+
+
+async def _serve(state: ServerState, request: Request, kind: str | None) -> Response:
+    arrival = time.perf_counter()
+    raw = await request.body()
+    job = await asyncio.to_thread(_prepare, state, raw, kind, arrival)
+    streams = state.aengine.submit(job.engine, job.requests, job.count_param)
+    if job.req.stream:
+        return SSEResponse(_events(state, job, streams), streams, state)
+    outs = await _collect(request, streams)
+    if job.kind == "chat":
+        choices = [ChatChoice(index=i, message=ChatMessageOut(content=o.text), finish_reason=o.finish_reason,
+                              logprobs=_chat_logprobs(state, o.logprobs)) for i, o in enumerate(outs)]
+        cls = ChatCompletionResponse
+    else:
+        choices = [CompletionChoice(index=i, text=(job.echoes[i] if job.echoes else "") + o.text,
+                                    finish_reason=o.finish_reason, logprobs=_prompt_then_output_logprobs(state, job, i, o))
+                   for i, o in enumerate(outs)]
+        cls = CompletionResponse
+    body = cls(id=job.id, created=job.created, model=job.model, choices=choices,
+               usage=_usage(job.prompt_tokens, sum(o.num_output_tokens for o in outs)),
+               speculative_decoding=spec_stats(state, _merged_stats(outs), job.req.speculation),
+               metrics=request_metrics(outs))
+    return JSONResponse(body.body())
+
+
+# ------------------------------------------------------------------------------------------------------------
+# log-probabilities in OpenAI's two shapes
+
+
+def _top(state: ServerState, entry: TokenLogprob) -> list[TopLogprob]:
+    out = []
+    for token_id, logprob in entry.top:
+        text, raw = state.token_strings(token_id)
+        out.append(TopLogprob(token=text, logprob=logprob, bytes=raw))
+    return out
+
+
+def _chat_logprobs(state: ServerState, entries: list[TokenLogprob] | None) -> ChatLogprobs | None:
+    if entries is None:
+        return None
+    content = []
+    for e in entries:
+        text, raw = state.token_strings(e.token_id)
+        content.append(ChatTokenLogprob(token=text, logprob=e.logprob, bytes=raw, top_logprobs=_top(state, e)))
+    return ChatLogprobs(content=content)
+
+
+def _completion_logprobs(state: ServerState, job: Job, index: int, out: RequestOutput, delta: bool = False,
+                         prompt: bool = False) -> CompletionLogprobs | None:
+    """Choice `index`'s log-probabilities: its prompt's (echo), or its output's (all, or the report's new ones)."""
+    if out is None and not prompt or job.req.logprobs is None:
+        return None
+    if prompt:
+        req = job.requests[index]
+        entries = [None, *req.prompt_logprobs[1:]] if req.prompt_logprobs else []
+        ids = req.prompt_ids
+    else:
+        entries = out.delta_logprobs if delta else out.logprobs
+        ids = [e.token_id for e in entries]
+    result = CompletionLogprobs()
+    for token_id, e in zip(ids, entries):
+        text, _ = state.token_strings(token_id)
+        result.tokens.append(text)
+        result.token_logprobs.append(None if e is None else e.logprob)
+        result.top_logprobs.append(None if e is None else {
+            **{state.token_strings(t)[0]: lp for t, lp in e.top}, text: e.logprob})
+        result.text_offset.append(job.text_offsets[index])
+        job.text_offsets[index] += len(text)
+    return result
+
+
+def _prompt_then_output_logprobs(state: ServerState, job: Job, index: int, out: RequestOutput
+                                 ) -> CompletionLogprobs | None:
+    head = _completion_logprobs(state, job, index, None, prompt=True) if job.echoes else None
+    tail = _completion_logprobs(state, job, index, out)
+    if head is None or tail is None:
+        return tail
+    return CompletionLogprobs(**{k: getattr(head, k) + getattr(tail, k) for k in CompletionLogprobs.model_fields})
+
+
+# ------------------------------------------------------------------------------------------------------------
+# shared pieces of responses
 
 
 def spec_stats(state: ServerState, stats: SpecDecodeStats | None, speculation: bool = True) -> dict:
     if stats is None or not speculation or state.engine.spec is None:
-        return {"method": "none", "num_speculative_tokens": 0, **SpecDecodeStats().as_dict()}
-    return {"method": state.method, "speculation_policy": state.engine.policy.name, "num_speculative_tokens": state.k,
-            **stats.as_dict()}
+        return {"method": "none", "num_speculative_tokens": 0, "num_drafts": 0, "num_draft_tokens": 0,
+                "num_accepted_tokens": 0, "accepted_per_position": [], "acceptance_per_position": [],
+                "acceptance_rate": 0.0, "mean_acceptance_length": 1.0}
+    d = stats.as_dict()
+    return {"method": state.method, "num_speculative_tokens": state.k, **d,
+            "acceptance_rate": round(stats.acceptance_rate, 4)}
 
 
 def request_metrics(outs: list[RequestOutput]) -> dict:
@@ -218,7 +414,10 @@ def request_metrics(outs: list[RequestOutput]) -> dict:
 
 
 def _merged_stats(outs: list[RequestOutput]) -> SpecDecodeStats:
-    return SpecDecodeStats.total(o.spec for o in outs)
+    total = SpecDecodeStats(outs[0].spec.num_speculative_tokens)
+    for o in outs:
+        total.merge(o.spec)
+    return total
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -253,56 +452,6 @@ async def _collect(request: Request, streams: list[RequestStream]) -> list[Reque
             s.abort()
 
 
-async def _chat(state: ServerState, request: Request, data) -> Response:
-    req: ChatCompletionRequest = parse(ChatCompletionRequest, data)
-    req.check()
-    state.check_model(req.model)
-    ids = _encode(state, req.as_messages(), True, "messages")
-    params = _sampling(req, len(ids), state.engine.max_model_len, "messages")
-    rid = new_id("chatcmpl")
-    stream = state.aengine.add(ids, params, rid, speculation=req.speculation)
-    model = req.model or state.names[0]
-    if req.stream:
-        return SSEResponse(_chat_events(state, req, stream, rid, model, len(ids)), [stream])
-    (out,) = await _collect(request, [stream])
-    body = ChatCompletionResponse(
-        id=rid, created=now(), model=model,
-        choices=[ChatChoice(message=ChatMessageOut(content=out.text), finish_reason=out.finish_reason)],
-        usage=_usage(len(ids), out.num_output_tokens),
-        speculative_decoding=spec_stats(state, out.spec, req.speculation), metrics=request_metrics([out]))
-    return JSONResponse(body.body())
-
-
-async def _completion(state: ServerState, request: Request, data) -> Response:
-    req: CompletionRequest = parse(CompletionRequest, data)
-    req.check()
-    state.check_model(req.model)
-    prompts = req.prompts()
-    encoded = []
-    for i, p in enumerate(prompts):
-        param = "prompt" if len(prompts) == 1 else f"prompt.{i}"
-        ids = _encode(state, p, False, param)
-        encoded.append((ids, _sampling(req, len(ids), state.engine.max_model_len, param)))
-    base = new_id("cmpl")
-    rids = [base if len(prompts) == 1 else f"{base}-{i}" for i in range(len(prompts))]
-    streams = state.aengine.add_many([(ids, params, rid) for (ids, params), rid in zip(encoded, rids)],
-                                     speculation=req.speculation)
-    model = req.model or state.names[0]
-    echoes = [p if isinstance(p, str) else state.engine.tokenizer.decode(p) if state.engine.tokenizer else ""
-              for p in prompts] if req.echo else None
-    prompt_tokens = sum(len(ids) for ids, _ in encoded)
-    if req.stream:
-        return SSEResponse(_completion_events(state, req, streams, base, model, prompt_tokens, echoes), streams)
-    outs = await _collect(request, streams)
-    body = CompletionResponse(
-        id=base, created=now(), model=model,
-        choices=[CompletionChoice(index=i, text=(echoes[i] if echoes else "") + o.text, finish_reason=o.finish_reason)
-                 for i, o in enumerate(outs)],
-        usage=_usage(prompt_tokens, sum(o.num_output_tokens for o in outs)),
-        speculative_decoding=spec_stats(state, _merged_stats(outs), req.speculation), metrics=request_metrics(outs))
-    return JSONResponse(body.body())
-
-
 # ------------------------------------------------------------------------------------------------------------
 # streaming
 
@@ -311,60 +460,83 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def _sse_error(e: APIError) -> str:
-    return _sse(e.body())
-
-
 class SSEResponse(StreamingResponse):
     """Server-sent events; whatever ends the response (done, client gone, server stopping) aborts its requests
     that are still running, so their slots are freed at once."""
 
-    def __init__(self, events, streams: list[RequestStream]):
+    def __init__(self, events, streams: list[RequestStream], state: ServerState):
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.streams = streams
+        self.streams, self.state = streams, state
 
     async def __call__(self, scope, receive, send):
+        self.state.open_streams += 1
         try:
             await super().__call__(scope, receive, send)
         finally:
+            self.state.open_streams -= 1
             for s in self.streams:
                 s.abort()
 
 
-async def _chat_events(state: ServerState, req: ChatCompletionRequest, stream: RequestStream, rid: str, model: str,
-                       prompt_tokens: int):
-    created = now()
-    opts = req.stream_options
+def _opening_choice(state: ServerState, job: Job, i: int) -> ChatChunkChoice | CompletionChoice | None:
+    """What choice i's stream starts with: chat announces the role; completions with echo repeat the prompt."""
+    if job.kind == "chat":
+        return ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+    if job.echoes:
+        return CompletionChoice(index=i, text=job.echoes[i],
+                                logprobs=_completion_logprobs(state, job, i, None, prompt=True))
+    return None
+
+
+def _delta_choice(state: ServerState, job: Job, i: int, out: RequestOutput) -> ChatChunkChoice | CompletionChoice:
+    finish = out.finish_reason if out.finished else None
+    if job.kind == "chat":
+        delta = DeltaMessage(content=out.delta_text) if out.delta_text or not out.finished else DeltaMessage()
+        return ChatChunkChoice(index=i, delta=delta, finish_reason=finish,
+                               logprobs=_chat_logprobs(state, out.delta_logprobs))
+    return CompletionChoice(index=i, text=out.delta_text, finish_reason=finish,
+                            logprobs=_completion_logprobs(state, job, i, out, delta=True))
+
+
+async def _events(state: ServerState, job: Job, streams: list[RequestStream]):
+    """The SSE events of a streamed chat or completions request, any number of choices: an opening chunk per
+    choice where the kind has one, then each report's delta as it arrives (the last one, once every choice has
+    finished, with the request's stats), the usage chunk when asked for, and [DONE]."""
+    chunk_cls = ChatCompletionChunk if job.kind == "chat" else CompletionChunk
+    opts = job.req.stream_options
     include_usage = bool(opts and opts.include_usage)
     continuous = bool(opts and opts.continuous_usage_stats)
+    latest: dict[int, RequestOutput] = {}
 
-    def chunk(delta: dict, finish=None, out: RequestOutput | None = None, final=False) -> str:
-        extra = {}
-        if include_usage:
-            extra["usage"] = _usage(prompt_tokens, out.num_output_tokens) if (continuous and out) else None
-        if out is not None and (final or continuous):
-            extra["speculative_decoding"] = spec_stats(state, out.spec, req.speculation)
-            extra["metrics"] = request_metrics([out])
-        return _sse(ChatCompletionChunk(id=rid, created=created, model=model, **extra, choices=[
-            ChatChunkChoice(delta=DeltaMessage(**delta), finish_reason=finish)]).body())
+    def chunk(choices: list, outs: list[RequestOutput] | None = None, **extra) -> str:
+        if include_usage and "usage" not in extra:
+            done = sum(o.num_output_tokens for o in latest.values())
+            extra["usage"] = _usage(job.prompt_tokens, done) if continuous and latest else None
+        if outs:
+            extra["speculative_decoding"] = spec_stats(state, _merged_stats(outs), job.req.speculation)
+            extra["metrics"] = request_metrics(outs)
+        return _sse(chunk_cls(id=job.id, created=job.created, model=job.model, choices=choices, **extra).body())
 
-    yield chunk({"role": "assistant", "content": ""})
-    out = None
+    for i in range(len(streams)):
+        opening = _opening_choice(state, job, i)
+        if opening is not None:
+            yield chunk([opening])
     try:
-        async for out in stream:
-            if out.delta_text or out.finished or continuous:
-                delta = {"content": out.delta_text} if out.delta_text or not out.finished else {}
-                yield chunk(delta, out.finish_reason if out.finished else None, out, final=out.finished)
+        async for i, out in _merge(streams):
+            latest[i] = out
+            if out.delta_text or out.delta_logprobs or out.finished or continuous:
+                finished = [o for o in latest.values() if o.finished]
+                last = out.finished and len(finished) == len(streams)
+                yield chunk([_delta_choice(state, job, i, out)], finished if last else [out] if continuous else None)
     except EngineFailure as e:
-        yield _sse_error(_failure(e))
-        yield "data: [DONE]\n\n"
+        yield _sse(_failure(e).body())
+        yield DONE
         return
-    if include_usage and out is not None:
-        yield _sse(ChatCompletionChunk(
-            id=rid, created=created, model=model, choices=[], usage=_usage(prompt_tokens, out.num_output_tokens),
-            speculative_decoding=spec_stats(state, out.spec, req.speculation), metrics=request_metrics([out])).body())
-    yield "data: [DONE]\n\n"
+    if include_usage and latest:
+        outs = list(latest.values())
+        yield chunk([], outs, usage=_usage(job.prompt_tokens, sum(o.num_output_tokens for o in outs)))
+    yield DONE
 
 
 async def _merge(streams: list[RequestStream]):
@@ -397,49 +569,3 @@ async def _merge(streams: list[RequestStream]):
     finally:
         for t in tasks:
             t.cancel()
-
-
-async def _completion_events(state: ServerState, req: CompletionRequest, streams: list[RequestStream], rid: str,
-                             model: str, prompt_tokens: int, echoes: list[str] | None):
-    created = now()
-    opts = req.stream_options
-    include_usage = bool(opts and opts.include_usage)
-    continuous = bool(opts and opts.continuous_usage_stats)
-    finals: dict[int, RequestOutput] = {}
-    latest: dict[int, RequestOutput] = {}
-
-    def chunk(i: int, text: str, finish=None, done_outs: list[RequestOutput] | None = None) -> str:
-        extra = {}
-        if include_usage:
-            done = sum(o.num_output_tokens for o in latest.values())
-            extra["usage"] = _usage(prompt_tokens, done) if continuous else None
-        if done_outs:
-            extra["speculative_decoding"] = spec_stats(state, _merged_stats(done_outs), req.speculation)
-            extra["metrics"] = request_metrics(done_outs)
-        return _sse(CompletionChunk(id=rid, created=created, model=model, **extra, choices=[
-            CompletionChoice(index=i, text=text, finish_reason=finish)]).body())
-
-    if echoes:
-        for i, text in enumerate(echoes):
-            yield chunk(i, text)
-    try:
-        async for i, out in _merge(streams):
-            latest[i] = out
-            if out.finished:
-                finals[i] = out
-            if out.delta_text or out.finished or continuous:
-                last = len(finals) == len(streams) and out.finished
-                extra = list(finals.values()) if last else ([out] if continuous else None)
-                yield chunk(i, out.delta_text, out.finish_reason if out.finished else None, extra)
-    except EngineFailure as e:
-        yield _sse_error(_failure(e))
-        yield "data: [DONE]\n\n"
-        return
-    if include_usage and finals:
-        outs = list(finals.values())
-        yield _sse(CompletionChunk(
-            id=rid, created=created, model=model, choices=[],
-            usage=_usage(prompt_tokens, sum(o.num_output_tokens for o in outs)),
-            speculative_decoding=spec_stats(state, _merged_stats(outs), req.speculation),
-            metrics=request_metrics(outs)).body())
-    yield "data: [DONE]\n\n"

@@ -5,10 +5,14 @@ handed to the event loop in one batch (`call_soon_threadsafe`) and fanned out to
 Requests join and leave the running batch between steps (continuous batching in the engine).
 
 - Admission: requests that have been accepted but have not yet produced a token count as *waiting*; when
-  `max_waiting` of them exist, new requests are refused with 503 and a `Retry-After` estimate.
+  `max_waiting` of them exist, new requests are refused with 503 and a `Retry-After` estimate. A request with more
+  prompts (times n) than `max_waiting` could never be taken: it gets 400.
+- Intake: handlers tokenise with the engine's `make_request` off the event loop, then `submit` here, on it.
+- First tokens: each step hands over the reports of requests that prefill just started before it decodes, so a
+  first token reaches its client one decode step sooner.
 - Abort: a handler whose client went away calls `abort`; the engine frees the slot at its next step.
 - Drain: `drain(deadline)` refuses new work (503), waits for in-flight requests up to the deadline, then aborts
-  what is left and stops the thread.
+  what is left (their streams end with finish_reason "abort"), waits for those reports, and stops the thread.
 - Optional *baseline* engine: the same target weights with no drafter, for requests that ask for
   `"speculation": false` (the playground's side-by-side mode). It has its own small KV cache and is stepped by
   the same thread, alternating with the main engine, so the two never run forward passes at the same time.
@@ -23,7 +27,8 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
-from peagle.engine import LLMEngine, RequestError, RequestOutput, SamplingParams
+from peagle.engine import LLMEngine, RequestOutput
+from peagle.engine.request import Request
 from peagle.serve.metrics import Metrics
 from peagle.serve.protocol import APIError
 
@@ -58,7 +63,9 @@ class RequestStream:
                 item = nxt
                 break
             item = dataclasses.replace(nxt, delta_text=item.delta_text + nxt.delta_text,
-                                       delta_token_ids=item.delta_token_ids + nxt.delta_token_ids)
+                                       delta_token_ids=item.delta_token_ids + nxt.delta_token_ids,
+                                       delta_logprobs=None if nxt.delta_logprobs is None
+                                       else item.delta_logprobs + nxt.delta_logprobs)
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -98,6 +105,11 @@ class AsyncEngine:
 
     # -- lifecycle --------------------------------------------------------------------------------------------
     @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the engine thread reports to (set by `start`)."""
+        return self._loop
+
+    @property
     def started(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
@@ -121,6 +133,8 @@ class AsyncEngine:
     async def drain(self, deadline: float = 30.0) -> None:
         """Refuse new work, let requests in flight finish for up to `deadline` seconds, abort the rest, stop."""
         self.draining = True
+        if not self.started:
+            return
         end = time.monotonic() + deadline
         while self._streams and time.monotonic() < end:
             await asyncio.sleep(0.05)
@@ -157,43 +171,43 @@ class AsyncEngine:
         return max(1, min(60, math.ceil(self._recent_latency * (self._waiting + 1) / max(1, slots))))
 
     # -- requests ---------------------------------------------------------------------------------------------
-    def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-            speculation: bool = True) -> RequestStream:
-        """Queue a request (from the event loop thread); raises APIError when it cannot be taken."""
-        return self.add_many([(prompt_ids, params, request_id)], speculation)[0]
+    def engine_for(self, speculation: bool) -> LLMEngine:
+        """The engine a request runs on: the main one, or the baseline for "speculation": false."""
+        if speculation or self.engine.spec is None:
+            return self.engine
+        if self.baseline is None:
+            raise APIError("speculation: false needs the baseline engine, which this server was started without "
+                           "(--no-baseline)", 400, param="speculation")
+        return self.baseline
 
-    def add_many(self, items: list[tuple[list[int], SamplingParams, str]], speculation: bool = True
-                 ) -> list[RequestStream]:
-        """Queue several requests at once (all or none)."""
+    def check_room(self, count: int, param: str) -> None:
+        """Raise APIError unless `count` more requests could be taken now (safe from any thread: a hint; `submit`
+        decides). `param` names the field that sets the count."""
         if self.draining or not self.healthy:
             self._reject("draining")
             raise APIError("the server is shutting down and takes no new requests", 503, type="service_unavailable",
                            code="server_shutting_down", headers={"Retry-After": "5"})
-        if self._waiting + len(items) > self.max_waiting:
+        if count > self.max_waiting:
+            raise APIError(f"{param}: this request asks for {count} completions (prompts times n), more than this "
+                           f"server ever queues at once ({self.max_waiting}, --max-waiting); split it into smaller "
+                           "requests", 400, param=param)
+        if self._waiting + count > self.max_waiting:
             self._reject("queue_full")
             raise APIError(f"the server is at capacity ({self._waiting} requests waiting, limit {self.max_waiting}); "
                            "retry later", 503, type="service_unavailable", code="queue_full",
                            headers={"Retry-After": str(self.retry_after())})
-        engine = self.engine
-        if not speculation and self.engine.spec is not None:
-            if self.baseline is None:
-                raise APIError("speculation: false needs the baseline engine, which this server was started "
-                               "without (--no-baseline)", 400, param="speculation")
-            engine = self.baseline
+
+    def submit(self, engine: LLMEngine, requests: list[Request], param: str = "prompt") -> list[RequestStream]:
+        """Queue requests from `engine.make_request`, all or none (on the event loop thread)."""
+        self.check_room(len(requests), param)
         streams = []
-        try:
-            for prompt_ids, params, rid in items:
-                engine.add_request(prompt_ids, params, request_id=rid)
-                # Registered after the engine took it; no report can arrive before: reports are delivered on
-                # this (the event loop's) thread.
-                stream = RequestStream(rid, engine, self)
-                self._streams[rid] = stream
-                self._waiting += 1
-                streams.append(stream)
-        except RequestError as e:
-            for s in streams:
-                self.abort(s.request_id)
-            raise APIError(str(e), 400) from None
+        for req in requests:
+            # Registered before the engine can see it; reports are delivered on this (the event loop's) thread.
+            stream = RequestStream(req.request_id, engine, self)
+            self._streams[req.request_id] = stream
+            self._waiting += 1
+            streams.append(stream)
+            engine.submit(req)
         self._wake.set()
         return streams
 
@@ -219,22 +233,26 @@ class AsyncEngine:
                     continue
                 busy = True
                 try:
-                    outputs = engine.step()
+                    outputs = engine.step(on_first_tokens=self._hand_over)
                 except Exception as e:  # noqa: BLE001 - an engine bug must not kill the server
                     log.exception("engine step failed")
                     self.error = e
                     self._post(self._fail_engine, engine, e)
                     continue
-                if self.metrics is not None:
-                    for out in outputs:
-                        self.metrics.record_output(out)
-                    if engine.spec is not None:
-                        self.metrics.record_spec(engine.stats)
-                if outputs:
-                    self._post(self._deliver, outputs)
+                self._hand_over(outputs)
+                if self.metrics is not None and engine.spec is not None:
+                    self.metrics.record_spec(engine.stats)
             if not busy:
                 self._wake.wait(self.idle_wait)
                 self._wake.clear()
+
+    def _hand_over(self, outputs: list[RequestOutput]) -> None:
+        """Record and deliver a batch of reports (from the engine thread, during or after a step)."""
+        if self.metrics is not None:
+            for out in outputs:
+                self.metrics.record_output(out)
+        if outputs:
+            self._post(self._deliver, outputs)
 
     def _post(self, fn, *args) -> None:
         try:

@@ -54,11 +54,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", nargs="+", help="name(s) clients use in \"model\"")
     parser.add_argument("--dtype", default="auto", help="auto (bfloat16), bfloat16, float16 or float32")
     parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health, /ping")
+    parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1/* (as vLLM does; health checks, "
+                                          "/invocations and /metrics stay open)")
+    parser.add_argument("--protect-metrics", action="store_true", help="with --api-key: require the key on /metrics too")
+    parser.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024,
+                        help="larger request bodies get 413 (default 4 MiB)")
     parser.add_argument("--max-waiting", type=int, default=256,
                         help="requests allowed to wait for a slot before new ones get 503 (default 256)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
-                        help="seconds in-flight requests get to finish after SIGTERM (default 30)")
+                        help="seconds in-flight requests get to finish after SIGTERM before they are aborted "
+                             "(default 30)")
     parser.add_argument("--no-baseline", action="store_true",
                         help="do not keep a no-speculation engine for \"speculation\": false requests")
     parser.add_argument("--baseline-max-num-seqs", type=int, default=2,
@@ -230,11 +235,14 @@ def build_server(args, plan):
     aengine = AsyncEngine(engine, baseline, max_waiting=args.max_waiting, metrics=metrics)
     model_path = str(plan["model"]) if plan["model"] else engine.model_name
     app = build_app(aengine, plan["served"], api_key=args.api_key, model_path=model_path,
-                    drain_timeout=args.drain_timeout)
+                    drain_timeout=args.drain_timeout, max_body_bytes=args.max_request_bytes,
+                    protect_metrics=args.protect_metrics)
     return app, aengine
 
 
 def serve(args, plan) -> int:
+    import asyncio
+
     import uvicorn
 
     try:
@@ -252,13 +260,24 @@ def serve(args, plan) -> int:
           flush=True)
 
     class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame):
-            aengine.draining = True  # refuse new work at once; in-flight requests finish (drain timeout)
-            super().handle_exit(sig, frame)
+        """The first SIGTERM/SIGINT drains while still listening (new requests get 503, in-flight ones finish or
+        are aborted at the deadline and end their streams cleanly), then shuts uvicorn down; a second one stops
+        at once."""
 
+        def handle_exit(self, sig, frame):
+            if aengine.draining or aengine.loop is None:
+                return super().handle_exit(sig, frame)
+            aengine.draining = True  # refuse new work at once
+            aengine.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.drain_then_exit()))
+
+        async def drain_then_exit(self):
+            await app.state.peagle.drain()
+            self.should_exit = True
+
+    # Streams have ended by the time uvicorn shuts down; what is left is idle connections.
     config = uvicorn.Config(app, host=plan["host"], port=plan["port"], log_level=args.log_level,
-                            access_log=not args.disable_uvicorn_access_log,
-                            timeout_graceful_shutdown=args.drain_timeout, timeout_keep_alive=30)
+                            access_log=not args.disable_uvicorn_access_log, timeout_graceful_shutdown=5,
+                            timeout_keep_alive=30)
     server = Server(config)
     server.run()
     return 0 if server.started else 1

@@ -11,9 +11,14 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
+
+from peagle.engine.sampling import MAX_LOGPROBS
+
+# Deepest JSON nesting a request may have; no field of the API nests deeper than a few levels.
+MAX_JSON_DEPTH = 32
 
 # --------------------------------------------------------------------------------------------------------------
 # errors
@@ -29,7 +34,8 @@ class APIError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return ErrorResponse(error=ErrorDetail(message=self.message, type=self.type, param=self.param,
+                                               code=self.code)).model_dump()
 
 
 class ErrorDetail(BaseModel):
@@ -76,10 +82,31 @@ def parse_json(raw: bytes) -> Any:
     if not raw.strip():
         raise APIError("the request body is empty; send a JSON object", 400)
     try:
-        return json.loads(raw)
+        data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         where = f" (line {e.lineno} column {e.colno})" if isinstance(e, json.JSONDecodeError) else ""
         raise APIError(f"the request body is not valid JSON: {getattr(e, 'msg', str(e))}{where}", 400) from None
+    except RecursionError:
+        raise _too_deep(None) from None
+    _check_depth(data)
+    return data
+
+
+def _too_deep(param: str | None) -> APIError:
+    return APIError(f"{param + ': ' if param else ''}the request body nests JSON more than {MAX_JSON_DEPTH} levels "
+                    "deep; no field of this API needs that", 400, param)
+
+
+def _check_depth(data: Any) -> None:
+    """Refuse JSON nested deeper than MAX_JSON_DEPTH (iteratively: the check itself must not recurse)."""
+    todo = [(v, 2, k) for k, v in data.items()] if isinstance(data, dict) else [(data, 1, None)]
+    while todo:
+        value, depth, top = todo.pop()
+        if isinstance(value, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise _too_deep(top)
+            items = value.values() if isinstance(value, dict) else value
+            todo.extend((v, depth + 1, top) for v in items)
 
 
 def parse(model: type[BaseModel], data: Any) -> BaseModel:
@@ -94,7 +121,11 @@ def parse(model: type[BaseModel], data: Any) -> BaseModel:
 # --------------------------------------------------------------------------------------------------------------
 # requests
 
-_STRICT = ConfigDict(strict=True, extra="ignore", protected_namespaces=())
+_STRICT = ConfigDict(strict=True, extra="ignore", protected_namespaces=(), allow_inf_nan=False)
+MAX_STOP_SEQUENCES = 16
+MAX_PROMPTS = 64  # prompts in one completions request
+# Content-part types of OpenAI's chat API that carry something other than text.
+IMAGE_PARTS = {"image_url", "image", "input_image"}
 
 
 class StreamOptions(BaseModel):
@@ -116,6 +147,17 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
     name: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, v):
+        for part in v if isinstance(v, list) else []:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in IMAGE_PARTS:
+                raise ValueError("image input is not supported by this model")
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(f"content parts of type {kind!r} are not supported by this model; send text")
+        return v
+
     def text(self) -> str:
         if self.content is None:
             return ""
@@ -129,15 +171,15 @@ class _SamplingFields(BaseModel):
     model_config = _STRICT
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
+    seed: int | None = Field(None, ge=-2**63, lt=2**64)  # what a 64-bit generator seed can hold
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    n: int = 1
+    n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -146,41 +188,6 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     # peagle extension: false runs this request on the target alone (no drafter), for side-by-side comparisons.
     speculation: bool = True
-
-    @field_validator("max_tokens")
-    @classmethod
-    def _max_tokens(cls, v):
-        if v is not None and v < 1:
-            raise ValueError(f"must be at least 1, got {v}")
-        return v
-
-    @field_validator("temperature")
-    @classmethod
-    def _temperature(cls, v):
-        if v is not None and not 0 <= v <= 2:
-            raise ValueError(f"must be between 0 and 2, got {v}")
-        return v
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, v):
-        if v is not None and not 0 < v <= 1:
-            raise ValueError(f"must be in (0, 1], got {v}")
-        return v
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, v):
-        if v is not None and v < -1:
-            raise ValueError(f"must be -1 or 0 (off) or a positive integer, got {v}")
-        return v
-
-    @field_validator("n")
-    @classmethod
-    def _n(cls, v):
-        if v != 1:
-            raise ValueError(f"only n=1 is supported, got {v}; send separate requests for more samples")
-        return v
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -196,13 +203,6 @@ class _SamplingFields(BaseModel):
             raise ValueError("logit_bias is not supported by this server")
         return v
 
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v):
-        if isinstance(v, list) and len(v) > 16:
-            raise ValueError(f"at most 16 stop sequences, got {len(v)}")
-        return v
-
     def check(self) -> None:
         """Rules across fields (raised as APIError so they name their field)."""
         if self.stream_options is not None and not self.stream:
@@ -211,41 +211,30 @@ class _SamplingFields(BaseModel):
     def output_limit(self) -> int | None:
         return self.max_tokens
 
+    def output_limit_param(self) -> str:
+        return "max_tokens"
+
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def num_logprobs(self) -> int | None:
+        """Alternatives per output token the engine should report; None for no log-probabilities."""
+        return None
+
+    def logprobs_param(self) -> str:
+        return "logprobs"
+
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(...)
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict] | None = None
     tool_choice: Any = None
     response_format: dict | None = None
-
-    @field_validator("messages")
-    @classmethod
-    def _messages(cls, v):
-        if not v:
-            raise ValueError("must contain at least one message")
-        return v
-
-    @field_validator("max_completion_tokens")
-    @classmethod
-    def _mct(cls, v):
-        if v is not None and v < 1:
-            raise ValueError(f"must be at least 1, got {v}")
-        return v
-
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v):
-        if v:
-            raise ValueError("logprobs are not supported by this server")
-        return v
 
     @field_validator("tools")
     @classmethod
@@ -261,41 +250,36 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("only {\"type\": \"text\"} is supported")
         return v
 
+    def check(self) -> None:
+        super().check()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError("top_logprobs: only allowed when logprobs is true", 400, "top_logprobs")
+
     def output_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def output_limit_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def logprobs_param(self) -> str:
+        return "top_logprobs"
+
     def as_messages(self) -> list[dict]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(...)
+    prompt: (str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+             | Annotated[list[int], Field(min_length=1)]
+             | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
+             ) = Field(...)
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
-    best_of: int | None = None
-
-    @field_validator("prompt")
-    @classmethod
-    def _prompt(cls, v):
-        if isinstance(v, list):
-            if not v:
-                raise ValueError("must not be empty")
-            if len(v) > 64:
-                raise ValueError(f"at most 64 prompts per request, got {len(v)}")
-            if isinstance(v[0], list) and any(not p for p in v):
-                raise ValueError("token-id prompts must not be empty")
-        return v
-
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v):
-        if v is not None:
-            raise ValueError("logprobs are not supported by this server")
-        return v
+    best_of: int | None = Field(None, ge=1, le=1)
 
     @field_validator("suffix")
     @classmethod
@@ -304,15 +288,8 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("suffix is not supported by this server")
         return v
 
-    @field_validator("best_of")
-    @classmethod
-    def _best_of(cls, v):
-        if v not in (None, 1):
-            raise ValueError(f"only best_of=1 is supported, got {v}")
-        return v
-
-    def output_limit_param(self) -> str:
-        return "max_tokens"
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request: one string, one list of token ids, or several of either."""
@@ -365,9 +342,30 @@ class RequestMetrics(BaseModel):
     elapsed: float = 0.0  # seconds from arrival to the last token
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists, one entry per token (None for the first prompt token)."""
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class _Choice(BaseModel):
     index: int = 0
-    logprobs: None = None
     finish_reason: str | None = None
 
 
@@ -378,6 +376,7 @@ class ChatMessageOut(BaseModel):
 
 class ChatChoice(_Choice):
     message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -392,10 +391,12 @@ class DeltaMessage(BaseModel):
 
 class ChatChunkChoice(_Choice):
     delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
 
 
 class CompletionChoice(_Choice):
     text: str
+    logprobs: CompletionLogprobs | None = None
 
 
 class _Envelope(BaseModel):
