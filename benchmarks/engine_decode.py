@@ -19,6 +19,7 @@ import torch
 from peagle.engine import LLMEngine, SamplingParams
 from peagle.model.checkpoint import random_head
 from peagle.model.loading import embedded_model_dir
+from peagle.model.mask_token import choose_mask_token_id
 from peagle.model.target import TargetModel
 
 PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring and an example."
@@ -50,9 +51,12 @@ def bench_plain(max_tokens: int, repeats: int) -> dict:
 
 
 def bench_drafting(ks: list[int], context: int, iters: int) -> dict:
+    from transformers import AutoTokenizer
+
     path = embedded_model_dir()
     target = TargetModel.from_pretrained(path)
-    heads = {"parallel": random_head(target.config, target.embed_tokens.weight, "peagle", mask_token_id=3),
+    mask_id = choose_mask_token_id(AutoTokenizer.from_pretrained(path), target.config.vocab_size)
+    heads = {"parallel": random_head(target.config, target.embed_tokens.weight, "peagle", mask_token_id=mask_id),
              "chain": random_head(target.config, target.embed_tokens.weight, "eagle3")}
     H3 = 3 * target.config.hidden_size
     out = {}
