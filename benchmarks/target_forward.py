@@ -1,12 +1,15 @@
-"""Target forward speed: peagle's TargetModel next to transformers' forward of the same weights.
+"""Target forward speed: peagle's TargetModel next to transformers' forward of the same weights, and next to what
+the machine's memory allows.
 
-For SmolLM2-135M-Instruct (the embedded default) in bf16, batch 1, a 512-token cache: the time of one forward of
-T = 1, 8, 16 query rows (logits for every row, as verification needs) and the achieved weight-read bandwidth
-(bytes of weights / step time). Both models see the same cache length every step (transformers' cache is cropped
-back after each step, ours simply overwrites the same positions).
+For SmolLM2-135M-Instruct (the embedded default) in bf16, batch 1: the machine's streaming read bandwidth (one and
+two threads); one forward of T = 1, 4, 8, 16, 32 query rows over a 512-token cache (logits for every row, as
+verification needs) with its weight-read rate (bytes of weights / step time) and its share of the streaming
+bandwidth; and a 512-token prefill (tokens/s). Both models see the same cache length every step (transformers'
+cache is cropped back after each step, ours simply overwrites the same positions).
 
-    python benchmarks/target_forward.py                      # the numbers in docs/performance.md
+    python benchmarks/target_forward.py --threads 1          # the numbers in docs/performance.md
     python benchmarks/target_forward.py --rows 1 --profile   # a torch.profiler table of our 1-row step
+    PEAGLE_CPU_KERNELS=avx2 python benchmarks/target_forward.py --threads 1   # another matrix path
 """
 from __future__ import annotations
 
@@ -38,7 +41,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2)")
     ap.add_argument("--context", type=int, default=512, help="tokens already in the cache")
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16], help="query rows per step")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32], help="query rows per step")
+    ap.add_argument("--prefill", type=int, default=512, help="prompt length of the prefill row (0: skip)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
@@ -80,11 +84,16 @@ def main(argv=None) -> None:
     from peagle.model import kernels
 
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    print(f"model {path.name} {args.dtype}, batch {B}, context {L}, threads {torch.get_num_threads()}, "
+    threads = torch.get_num_threads()
+    stream = {n: streaming_read_gbs(n) for n in (1, 2)}
+    torch.set_num_threads(threads)
+    print(f"model {path.name} {args.dtype}, batch {B}, context {L}, threads {threads}, "
           f"weights {weight_bytes / 1e6:.0f} MB, median of {args.iters}")
-    print(f"cpu {cpu}; {kernels.describe()}; "
-          f"load average at start {os.getloadavg()[0]:.2f}")
-    print(f"{'rows':>5} {'peagle ms':>10} {'GB/s':>6} {'transformers ms':>16} {'GB/s':>6} {'speed-up':>9}")
+    print(f"cpu {cpu}; {kernels.describe()}; load average at start {os.getloadavg()[0]:.2f}")
+    print(f"streaming read: {stream[1]:.1f} GB/s on one thread, {stream[2]:.1f} GB/s on two")
+    print(f"{'rows':>5} {'peagle ms':>10} {'GB/s':>6} {'of stream':>10} {'vs 1 row':>9} {'transformers ms':>16} "
+          f"{'GB/s':>6} {'speed-up':>9}")
+    first = None
     for T in args.rows:
         tokens = torch.randint(100, vocab, (B, T), generator=g)
         positions = (L + torch.arange(T))[None].expand(B, T)
@@ -103,7 +112,9 @@ def main(argv=None) -> None:
 
             fns["hf"] = step_hf
         ms = median_ms(fns, args.iters, args.warmup)
-        line = f"{T:>5} {ms['ours']:>10.1f} {weight_bytes / ms['ours'] / 1e6:>6.1f}"
+        first = first or ms["ours"]
+        gbs = weight_bytes / ms["ours"] / 1e6
+        line = f"{T:>5} {ms['ours']:>10.1f} {gbs:>6.1f} {gbs / stream[min(threads, 2)]:>9.0%} {ms['ours'] / first:>8.2f}x"
         if hf is not None:
             line += f" {ms['hf']:>16.1f} {weight_bytes / ms['hf'] / 1e6:>6.1f} {ms['hf'] / ms['ours']:>8.2f}x"
         print(line, flush=True)
@@ -114,6 +125,41 @@ def main(argv=None) -> None:
                 for _ in range(10):
                     step_ours()
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    if args.prefill:
+        prefill(ours, hf, args.prefill, vocab, max(3, args.iters // 10))
+
+
+def streaming_read_gbs(threads: int, mb: int = 512) -> float:
+    """How fast this machine streams memory into the cores: a sum over a buffer far larger than the caches."""
+    torch.set_num_threads(threads)
+    buf = torch.ones(mb * 2 ** 20 // 4)
+    buf.sum()
+    t = [time.perf_counter(), 0.0]
+    for _ in range(5):
+        t0 = time.perf_counter()
+        buf.sum()
+        t.append(time.perf_counter() - t0)
+    return buf.numel() * 4 / min(t[2:]) / 1e9
+
+
+def prefill(ours, hf, n: int, vocab: int, iters: int) -> None:
+    """One forward of an n-token prompt into an empty cache (logits for the last row only, as serving does)."""
+    from peagle.model.layers import BatchLayout
+
+    prompt = torch.randint(100, vocab, (1, n), generator=torch.Generator().manual_seed(1))
+    cache = ours.new_cache(1, n + 1)
+    fns = {"ours": lambda: ours(prompt, BatchLayout.build(torch.tensor([0]), torch.arange(n)[None]), cache)}
+    if hf is not None:
+        def step_hf():
+            with torch.inference_mode():
+                return hf(prompt, use_cache=True, logits_to_keep=1)
+
+        fns["hf"] = step_hf
+    ms = median_ms(fns, iters, 1)
+    line = f"prefill {n} tokens: peagle {ms['ours']:.0f} ms ({n / ms['ours'] * 1e3:.0f} tok/s)"
+    if hf is not None:
+        line += f", transformers {ms['hf']:.0f} ms ({n / ms['hf'] * 1e3:.0f} tok/s), {ms['hf'] / ms['ours']:.2f}x"
+    print(line, flush=True)
 
 
 def _done():

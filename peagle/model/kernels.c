@@ -31,6 +31,7 @@
 #define MAX_PANELS 4  /* panels per register block (a "column block" of 64 outputs) */
 #define ROW_BLOCK 64  /* rows per cache block of the activations (prefill) */
 #define HEADS_PER_PASS 4  /* attention: query heads of one key/value head computed together */
+#define ROWS_PER_PASS 4   /* attention: query rows of one cache slot computed together */
 
 /* ---------------------------------------------------------------------------------------------------------------
    Scalar helpers (no ISA needed) */
@@ -259,66 +260,80 @@ void peagle_rope_bf16(uint16_t *x, const uint16_t *cos_, const uint16_t *sin_, i
     }
 }
 
-/* Attention for one query row and one key/value head: its G query heads over keys 0..n-1 of K/V [*, D], D = 8 nd.
-   nd is a compile-time constant at each call site, so the vectors of a row stay in registers. */
-static inline __attribute__((always_inline)) void attend_group(
-        const int nd, const uint16_t *qrow, const uint16_t *Kg, const uint16_t *Vg, uint16_t *orow, int G, int g,
-        int n, float scale, float *scores, int max_len) {
-    int D = 8 * nd, npad = (n + 7) / 8 * 8;
-    /* The query heads sharing this key/value head, a few per pass, so each key and value row is loaded
-       and widened once for all of them. A head's arithmetic is the same in every pass shape. */
+/* Attention for up to ROWS_PER_PASS query rows of one cache slot and one key/value head: its G query heads over
+   the row's keys 0..n_r-1 of K/V [*, D], D = 8 nd. Rows and heads are blocked only so that each key and value row
+   is loaded and widened once for all of them (a prefill has hundreds of rows per slot); every (row, head) does the
+   same arithmetic in every block shape. nd is a compile-time constant at each call site (registers, not stack). */
+static inline __attribute__((always_inline)) void attend_block(
+        const int nd, int nr, const uint16_t *q0, long q_stride, const int64_t *pos, const uint16_t *Kg,
+        const uint16_t *Vg, uint16_t *o0, long o_stride, int G, int g, float scale, float *scores, int ld) {
+    int D = 8 * nd, n[ROWS_PER_PASS], nmax = 0;
+    for (int r = 0; r < nr; r++) {
+        n[r] = (int)pos[r] + 1;
+        nmax = n[r] > nmax ? n[r] : nmax;
+    }
     for (int h0 = 0; h0 < G; h0 += HEADS_PER_PASS) {
         int hn = G - h0 < HEADS_PER_PASS ? G - h0 : HEADS_PER_PASS;
-        __m256 qv[HEADS_PER_PASS][32];
-        for (int i = 0; i < hn; i++)
-            for (int c = 0; c < nd; c++)
-                qv[i][c] = bf16x8_to_f32(qrow + (size_t)(g * G + h0 + i) * D + 8 * c);
-        /* scores: per (head, key) one FMA chain over D, then one fixed tree */
-        for (int j = 0; j < n; j++) {
-            const uint16_t *kj = Kg + (size_t)j * D;
-            __m256 kv[32], a[HEADS_PER_PASS];
-            for (int c = 0; c < nd; c++) kv[c] = bf16x8_to_f32(kj + 8 * c);
-            for (int i = 0; i < hn; i++) a[i] = _mm256_mul_ps(qv[i][0], kv[0]);
-            for (int c = 1; c < nd; c++)
-                for (int i = 0; i < hn; i++) a[i] = _mm256_fmadd_ps(qv[i][c], kv[c], a[i]);
-            for (int i = 0; i < hn; i++) scores[(size_t)i * (max_len + 8) + j] = hsum8(a[i]) * scale;
-        }
-        /* softmax per head; the padding to whole vectors gets exactly 0 */
-        float inv[HEADS_PER_PASS];
-        for (int i = 0; i < hn; i++) {
-            float *s = scores + (size_t)i * (max_len + 8), mx = -INFINITY;
-            for (int j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
-            for (int j = n; j < npad; j++) s[j] = -INFINITY;
-            __m256 mv = _mm256_set1_ps(mx), sum = _mm256_setzero_ps();
-            for (int j = 0; j < npad; j += 8) {
-                __m256 sj = _mm256_loadu_ps(s + j);
-                __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(sj, mv)),
-                                         _mm256_cmp_ps(sj, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
-                _mm256_storeu_ps(s + j, e);
-                sum = _mm256_add_ps(sum, e);
+        __m256 qv[ROWS_PER_PASS][HEADS_PER_PASS][32];
+        for (int r = 0; r < nr; r++)
+            for (int i = 0; i < hn; i++)
+                for (int c = 0; c < nd; c++)
+                    qv[r][i][c] = bf16x8_to_f32(q0 + r * q_stride + (size_t)(g * G + h0 + i) * D + 8 * c);
+        /* scores: per (row, head, key) one FMA chain over D, then one fixed tree */
+        for (int j = 0; j < nmax; j++) {
+            __m256 kv[32];
+            for (int c = 0; c < nd; c++) kv[c] = bf16x8_to_f32(Kg + (size_t)j * D + 8 * c);
+            for (int r = 0; r < nr; r++) {
+                if (j >= n[r]) continue;
+                __m256 a[HEADS_PER_PASS];
+                for (int i = 0; i < hn; i++) a[i] = _mm256_mul_ps(qv[r][i][0], kv[0]);
+                for (int c = 1; c < nd; c++)
+                    for (int i = 0; i < hn; i++) a[i] = _mm256_fmadd_ps(qv[r][i][c], kv[c], a[i]);
+                for (int i = 0; i < hn; i++) scores[(size_t)(r * HEADS_PER_PASS + i) * ld + j] = hsum8(a[i]) * scale;
             }
-            inv[i] = 1.0f / hsum8(sum);
         }
-        /* weighted values, 16 dimensions at a time (accumulators stay in registers) */
-        for (int c = 0; c < nd; c += 2) {
-            int two = nd - c >= 2 ? 2 : 1;
-            __m256 acc[HEADS_PER_PASS][2];
-            for (int i = 0; i < hn; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-            for (int j = 0; j < n; j++) {
-                const uint16_t *vj = Vg + (size_t)j * D + 8 * c;
-                __m256 v0 = bf16x8_to_f32(vj), v1 = two == 2 ? bf16x8_to_f32(vj + 8) : v0;
-                for (int i = 0; i < hn; i++) {
-                    __m256 p = _mm256_broadcast_ss(scores + (size_t)i * (max_len + 8) + j);
-                    acc[i][0] = _mm256_fmadd_ps(p, v0, acc[i][0]);
-                    acc[i][1] = _mm256_fmadd_ps(p, v1, acc[i][1]);
+        /* softmax per (row, head); the padding to whole vectors gets exactly 0 */
+        float inv[ROWS_PER_PASS][HEADS_PER_PASS];
+        for (int r = 0; r < nr; r++)
+            for (int i = 0; i < hn; i++) {
+                float *s = scores + (size_t)(r * HEADS_PER_PASS + i) * ld, mx = -INFINITY;
+                int npad = (n[r] + 7) / 8 * 8;
+                for (int j = 0; j < n[r]; j++) mx = s[j] > mx ? s[j] : mx;
+                for (int j = n[r]; j < npad; j++) s[j] = -INFINITY;
+                __m256 mv = _mm256_set1_ps(mx), sum = _mm256_setzero_ps();
+                for (int j = 0; j < npad; j += 8) {
+                    __m256 sj = _mm256_loadu_ps(s + j);
+                    __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(sj, mv)),
+                                             _mm256_cmp_ps(sj, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
+                    _mm256_storeu_ps(s + j, e);
+                    sum = _mm256_add_ps(sum, e);
+                }
+                inv[r][i] = 1.0f / hsum8(sum);
+            }
+        /* weighted values: each (row, head, dimension) sums over its keys in order; 16 dimensions per pass when
+           few (row, head) pairs would leave the FMA chains too short to hide their latency, else 8 */
+        int cw = nr * hn <= 4 ? 2 : 1;
+        for (int c = 0; c < nd; c += cw) {
+            int w = nd - c < cw ? nd - c : cw;
+            __m256 acc[ROWS_PER_PASS][HEADS_PER_PASS][2];
+            for (int r = 0; r < nr; r++)
+                for (int i = 0; i < hn; i++) acc[r][i][0] = acc[r][i][1] = _mm256_setzero_ps();
+            for (int j = 0; j < nmax; j++) {
+                __m256 v[2];
+                for (int e = 0; e < w; e++) v[e] = bf16x8_to_f32(Vg + (size_t)j * D + 8 * (c + e));
+                for (int r = 0; r < nr; r++) {
+                    if (j >= n[r]) continue;
+                    for (int i = 0; i < hn; i++) {
+                        __m256 p = _mm256_broadcast_ss(scores + (size_t)(r * HEADS_PER_PASS + i) * ld + j);
+                        for (int e = 0; e < w; e++) acc[r][i][e] = _mm256_fmadd_ps(p, v[e], acc[r][i][e]);
+                    }
                 }
             }
-            for (int i = 0; i < hn; i++) {
-                uint16_t *o = orow + (size_t)(g * G + h0 + i) * D + 8 * c;
-                __m256 iv = _mm256_set1_ps(inv[i]);
-                store_bf16x8(o, _mm256_mul_ps(acc[i][0], iv), 8);
-                if (two == 2) store_bf16x8(o + 8, _mm256_mul_ps(acc[i][1], iv), 8);
-            }
+            for (int r = 0; r < nr; r++)
+                for (int i = 0; i < hn; i++)
+                    for (int e = 0; e < w; e++)
+                        store_bf16x8(o0 + r * o_stride + (size_t)(g * G + h0 + i) * D + 8 * (c + e),
+                                     _mm256_mul_ps(acc[r][i][e], _mm256_set1_ps(inv[r][i])), 8);
         }
     }
 }
@@ -345,23 +360,26 @@ int peagle_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, c
     int G = nh / nkv, nd = D / 8, failed = 0;
     #pragma omp parallel num_threads(nthreads)
     {
-        float *scores = malloc((size_t)HEADS_PER_PASS * ((size_t)max_len + 8) * sizeof(float));
+        int ld = max_len + 8, TB = (T + ROWS_PER_PASS - 1) / ROWS_PER_PASS;
+        float *scores = malloc((size_t)ROWS_PER_PASS * HEADS_PER_PASS * ld * sizeof(float));
         if (!scores) {
             #pragma omp atomic write
             failed = 1;
         }
         #pragma omp for schedule(dynamic, 1) collapse(2)
-        for (int bt = 0; bt < B * T; bt++)
+        for (int btb = 0; btb < B * TB; btb++)
             for (int g = 0; g < nkv; g++) {
                 if (!scores) continue;
-                int n = (int)positions[bt] + 1;
-                const uint16_t *Kg = kc + ((size_t)slots[bt / T] * nkv + g) * (size_t)max_len * D;
-                const uint16_t *Vg = vc + ((size_t)slots[bt / T] * nkv + g) * (size_t)max_len * D;
-                const uint16_t *qrow = q + (size_t)bt * q_stride;
-                uint16_t *orow = out + (size_t)bt * nh * D;
-                if (nd == 8) attend_group(8, qrow, Kg, Vg, orow, G, g, n, scale, scores, max_len);
-                else if (nd == 16) attend_group(16, qrow, Kg, Vg, orow, G, g, n, scale, scores, max_len);
-                else attend_group(nd, qrow, Kg, Vg, orow, G, g, n, scale, scores, max_len);
+                int b = btb / TB, t0 = btb % TB * ROWS_PER_PASS, nr = T - t0 < ROWS_PER_PASS ? T - t0 : ROWS_PER_PASS;
+                size_t bt = (size_t)b * T + t0;
+                const uint16_t *Kg = kc + ((size_t)slots[b] * nkv + g) * (size_t)max_len * D;
+                const uint16_t *Vg = vc + ((size_t)slots[b] * nkv + g) * (size_t)max_len * D;
+                const uint16_t *q0 = q + bt * q_stride;
+                uint16_t *o0 = out + bt * nh * D;
+                long os = (long)nh * D;
+                if (nd == 8) attend_block(8, nr, q0, q_stride, positions + bt, Kg, Vg, o0, os, G, g, scale, scores, ld);
+                else if (nd == 16) attend_block(16, nr, q0, q_stride, positions + bt, Kg, Vg, o0, os, G, g, scale, scores, ld);
+                else attend_block(nd, nr, q0, q_stride, positions + bt, Kg, Vg, o0, os, G, g, scale, scores, ld);
             }
         free(scores);
     }
