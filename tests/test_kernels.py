@@ -178,3 +178,42 @@ def test_silu_mul_equals_the_reference_rounding():
         assert torch.equal(kernels.silu_mul_bf16(gate_up[3:4]), out[3:4])
     assert (out != ref).float().mean() < 0.01  # exp's last bit may differ from PyTorch's
     assert (out.float() - ref.float()).abs().max() <= 0.01 * ref.float().abs().max()
+
+
+@needs_lib
+def test_an_allocation_failure_raises_instead_of_returning_garbage():
+    """Under an address-space limit the matmul's activation copy cannot be allocated: MemoryError, output untouched
+    (a subprocess, so the limit cannot hurt this test run)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import resource, torch
+        from peagle.model import kernels
+        torch.set_num_threads(1)
+        packed = kernels.PackedWeight.pack(torch.ones(16, 4096, dtype=torch.bfloat16))
+        x = torch.ones(12000, 4096, dtype=torch.bfloat16)  # 98 MB; the copy the kernel makes needs as much again
+        import re
+        vm = int(re.search(r"VmSize:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (vm + 64 * 2**20, resource.RLIM_INFINITY))
+        try:
+            with torch.inference_mode():
+                kernels.packed_linear(x, packed)
+        except MemoryError as e:
+            print("MemoryError:", e)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "MemoryError: peagle" in r.stdout and "could not allocate" in r.stdout, r.stdout + r.stderr
+
+
+@needs_lib
+def test_summary_names_the_kernels_and_whether_greedy_is_bit_exact(tiny_llama):
+    from peagle.engine import LLMEngine
+    from peagle.model.target import TargetModel
+
+    s = kernels.summary()
+    assert s == {"kernels": kernels.matmul_path(), "greedy_bit_exact": True}
+    assert kernels.summary("meta")["greedy_bit_exact"] is False
+    engine = LLMEngine(TargetModel.from_pretrained(tiny_llama), max_num_seqs=1, max_model_len=32)
+    assert engine.kernels == s

@@ -121,8 +121,12 @@ def machine() -> dict:
          "transformers": transformers.__version__, "python": platform.python_version(),
          "platform": platform.platform(), "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
     d["load_average"] = _loadavg()
+    from peagle.model import kernels
+
+    d["kernels"] = kernels.summary("cuda" if d["cuda"] else "cpu")
     d["summary"] = (f"{d['cuda'] or cpu}, {d['cpu_count']} CPU cores, torch {d['torch']} ({d['torch_threads']} "
-                    f"threads), transformers {d['transformers']}, Python {d['python']}")
+                    f"threads), transformers {d['transformers']}, Python {d['python']}, {d['kernels']['kernels']} "
+                    f"kernels")
     return d
 
 

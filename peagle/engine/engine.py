@@ -18,6 +18,7 @@ engine loop, or `generate`'s caller).
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -35,9 +36,12 @@ from peagle.engine.policy import Candidate, make_policy, timed
 from peagle.engine.sampling import SamplingParams, target_logprobs, target_probs
 from peagle.engine.stats import SpecDecodeStats
 from peagle.engine.verify import verify_greedy, verify_sampled
+from peagle.model import kernels
 from peagle.model.drafter import Drafter
 from peagle.model.layers import BatchLayout
 from peagle.model.target import TargetModel
+
+logger = logging.getLogger("peagle")
 
 Prompt = str | list[int] | list[dict]
 # Real rows a request may hold back from the drafter during plain (K = 0) steps before they are run anyway.
@@ -67,6 +71,8 @@ class LLMEngine:
         self.target_cache = target.new_cache(max_num_seqs, capacity)
         self.drafter_cache = drafter.new_cache(max_num_seqs, capacity) if self.spec else None
         self.device = target.embed_tokens.weight.device
+        self.kernels = kernels.summary(self.device)  # which kernels run the forward, and whether greedy is bit-exact
+        logger.info("peagle engine: %s", kernels.describe(self.device))
         self.eos_token_ids = set(target.config.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)

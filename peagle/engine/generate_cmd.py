@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         "num_speculative_tokens": engine.k,
         "speculation_policy": engine.policy.name if engine.policy else None,
         "head": engine.spec.model if engine.spec else None,
+        **engine.kernels,
         **{k: v for k, v in final.spec.as_dict().items()},
     }
     if args.json:
@@ -83,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"\n\n[{result['method']} {k}] {result['num_output_tokens']} tokens in "
               f"{result['elapsed_s']:.2f} s: {result['tokens_per_second']:.1f} tok/s, TTFT "
               f"{result['time_to_first_token_s'] * 1000:.0f} ms, mean acceptance length "
-              f"{result['mean_acceptance_length']:.2f}" + (f", per-position acceptance {per_pos}" if per_pos else ""),
+              f"{result['mean_acceptance_length']:.2f}" + (f", per-position acceptance {per_pos}" if per_pos else "")
+              + f"; {result['kernels']} kernels" + ("" if result["greedy_bit_exact"] else " (greedy not bit-exact)"),
               file=sys.stderr)
     return 0

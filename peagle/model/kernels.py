@@ -173,18 +173,21 @@ def matmul_path() -> str | None:
     return _matmul
 
 
-def summary() -> dict:
-    """What runs the forward here, for stats, /v1/models, bench metadata and logs."""
+def summary(device: torch.device | str = "cpu") -> dict:
+    """What runs a model's forward on `device`, for generate stats, /v1/models, bench metadata and logs."""
+    if torch.device(device).type != "cpu":
+        return {"kernels": f"pytorch ({torch.device(device).type})", "greedy_bit_exact": False}
     path = matmul_path()
-    return {"cpu_kernels": path or "pytorch", "greedy_bit_exact": path is not None}
+    return {"kernels": path or "pytorch", "greedy_bit_exact": path is not None}
 
 
-def describe() -> str:
-    path = matmul_path()
-    if path is None:
-        return ("PyTorch CPU kernels (no native path here): greedy speculation may differ from plain decoding "
-                "in rare near-ties")
-    return f"peagle {path} kernels: greedy speculation is bit-exact"
+def describe(device: torch.device | str = "cpu") -> str:
+    """One line for logs and benchmark headers."""
+    s = summary(device)
+    if s["greedy_bit_exact"]:
+        return f"peagle {s['kernels']} kernels: greedy speculation is bit-exact"
+    return (f"{s['kernels']} kernels (no batch-invariant path here): greedy speculation may differ from plain "
+            "decoding where two tokens are near-tied")
 
 
 def _usable(*tensors: torch.Tensor) -> bool:

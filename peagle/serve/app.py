@@ -128,7 +128,8 @@ def build_app(aengine: AsyncEngine, served_model_names: list[str] | None = None,
     @app.get("/v1/models")
     async def models():
         cards = [ModelCard(id=name, created=state.created, root=state.model_path or state.engine.model_name,
-                           max_model_len=state.engine.max_model_len, speculative_config=state.speculative_config)
+                           max_model_len=state.engine.max_model_len, speculative_config=state.speculative_config,
+                           kernels=state.engine.kernels)
                  for name in state.names]
         return ModelList(data=cards).model_dump()
 

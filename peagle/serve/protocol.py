@@ -445,8 +445,9 @@ class ModelCard(BaseModel):
     owned_by: str = "peagle"
     root: str | None = None
     max_model_len: int | None = None
-    # peagle extension: how this model decodes.
+    # peagle extensions: how this model decodes, and which kernels run its forward.
     speculative_config: dict | None = None
+    kernels: dict | None = None
 
 
 class ModelList(BaseModel):
