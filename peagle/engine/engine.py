@@ -32,7 +32,7 @@ import torch
 from peagle.config import SpeculativeConfig
 from peagle.engine.detokenize import IncrementalDetokenizer
 from peagle.engine.request import Request, RequestError, RequestOutput, TokenLogprob
-from peagle.engine.policy import Candidate, make_policy, timed
+from peagle.engine.policy import Candidate, make_policy, step_clock, timed
 from peagle.engine.sampling import SamplingParams, target_logprobs, target_probs
 from peagle.engine.stats import SpecDecodeStats
 from peagle.engine.verify import verify_greedy, verify_sampled
@@ -86,6 +86,7 @@ class LLMEngine:
         self.stats = SpecDecodeStats(self.k)  # engine-wide, since start
         self.num_finished = 0
         self.policy = make_policy(speculation_policy, self.k, max_num_seqs) if self.spec else None
+        self._step_clock = step_clock(self.device)
         if self.policy is not None and self.policy.name == "adaptive":
             self.policy.cost.calibrate(self._time_step)
 
@@ -315,7 +316,7 @@ class LLMEngine:
             req.pending_tokens = [first]
 
     def _decode(self, reqs: list[Request]) -> None:
-        started, dev = time.perf_counter(), self.device
+        started, dev = self._step_clock(), self.device
         K = 0
         if self.policy is not None:
             K = self.policy.choose([Candidate(r.request_id, r.params.max_tokens - len(r.output_ids)) for r in reqs])
@@ -347,7 +348,7 @@ class LLMEngine:
         if self.spec is not None and K == 0 and max(len(r.pending_tokens) for r in reqs) >= MAX_PENDING_ROWS:
             self._run_pending_rows(reqs)
         if self.policy is not None:
-            self.policy.observe_step(len(reqs), K, time.perf_counter() - started)
+            self.policy.observe_step(len(reqs), K, self._step_clock() - started)
 
     @staticmethod
     def _queue_drafter_rows(req: Request, start: int, features: torch.Tensor, tokens: list[int]) -> None:
@@ -414,7 +415,7 @@ class LLMEngine:
                     self._draft_fn(tokens, feats, num_real, start, slots, self.drafter_cache, window)
                 self.target(window_tokens, layout, self.target_cache, num_logits=None)
 
-        return timed(step)
+        return timed(step, self._step_clock)
 
     def _sample_one(self, req: Request, logits: torch.Tensor) -> int:
         if req.params.greedy:

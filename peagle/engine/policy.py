@@ -12,10 +12,11 @@ request b, with the engine-wide estimate as its prior (so a new request starts f
 request whose text changes character moves off it within a few steps). cost(B, W) is a table of step times for B
 requests and window W, measured at start-up (`StepCostModel.calibrate`) and corrected from every real step.
 
-W = 0 is a plain decoding step. One W serves the whole batch: the target verifies a rectangular [B, W + 1] batch,
-so a request given fewer drafts than its neighbours would still pay for its padded rows, and a request given more
-costs everyone. When W = 0 has won many steps in a row, one step at W = 1 re-measures acceptance (a head that was
-useless on one stretch of text may be good on the next).
+W = 0 is a plain decoding step, and a window must beat it by SPECULATION_MARGIN to be chosen. One W serves the whole
+batch: the target verifies a rectangular [B, W + 1] batch, so a request given fewer drafts than its neighbours
+would still pay for its padded rows, and a request given more costs everyone. When W = 0 has won many steps in a
+row, one step at W = 1 re-measures acceptance (a head that was useless on one stretch of text may be good on the
+next); the wait doubles after every probe that does not bring drafting back.
 """
 from __future__ import annotations
 
@@ -32,7 +33,11 @@ ENGINE_MEMORY = 0.98  # engine-wide counts: about 50 observations
 REQUEST_PRIOR_WEIGHT = 2.0  # the engine-wide estimate counts as this many observations in a request's estimate
 INITIAL_ACCEPTANCE = 0.5  # before anything is seen: optimistic enough that the first steps draft and learn
 INITIAL_WEIGHT = 0.5  # but weak: a few observations outweigh it
-PROBE_AFTER = 16  # plain steps in a row after which one step drafts a single token to re-measure acceptance
+PROBE_AFTER = 16  # plain steps in a row after which one step drafts a single token to re-measure acceptance ...
+PROBE_AFTER_MAX = 256  # ... a wait that doubles after every probe that does not bring drafting back, up to this
+# A window must promise this much more than a plain step to be chosen: estimates and timings are noisy, and a wrong
+# window costs more (drafter, verify rows) than a wrongly plain step loses.
+SPECULATION_MARGIN = 1.05
 COST_CELL_RATE = 0.2  # how fast one (B, W) cell follows its own timings
 COST_DRIFT_RATE = 0.05  # how fast every cell follows the machine's drift (load from other processes, heat)
 
@@ -110,6 +115,15 @@ class StepCostModel:
     def predict(self, batch: int, window: int) -> float:
         return self.base[batch][window] * self.cell[batch][window] * self.drift
 
+    def predict_row(self, batch: int) -> list[float]:
+        """predict(batch, W) for W = 0..max_k, made non-decreasing in W: a wider window never costs less, and a
+        noisy timing must not make it look so."""
+        out, top = [], 0.0
+        for w in range(self.max_k + 1):
+            top = max(top, self.predict(batch, w))
+            out.append(top)
+        return out
+
     def observe(self, batch: int, window: int, seconds: float) -> None:
         base = self.base[batch][window]
         self.drift += COST_DRIFT_RATE * (seconds / (base * self.cell[batch][window]) - self.drift)
@@ -155,6 +169,7 @@ class AdaptiveK:
         self.engine_wide = AcceptanceEstimate(max_k, ENGINE_MEMORY)
         self.requests: dict[str, AcceptanceEstimate] = {}
         self.plain_steps_in_a_row = 0
+        self.probe_after = PROBE_AFTER
 
     def estimate(self, request_id: str) -> AcceptanceEstimate:
         est = self.requests.get(request_id)
@@ -178,16 +193,18 @@ class AdaptiveK:
     def choose(self, requests: Sequence[Candidate]) -> int:
         batch = len(requests)
         tokens = self.expected_tokens(requests)
-        rates = [tokens[w] / self.cost.predict(batch, w) for w in range(self.max_k + 1)]
-        best = max(range(self.max_k + 1), key=lambda w: (rates[w], -w))
-        if best == 0:
-            self.plain_steps_in_a_row += 1
-            if self.plain_steps_in_a_row > PROBE_AFTER:
-                self.plain_steps_in_a_row = 0
-                return 1
-            return 0
-        self.plain_steps_in_a_row = 0
-        return best
+        costs = self.cost.predict_row(batch)
+        rates = [tokens[w] / costs[w] for w in range(self.max_k + 1)]
+        best = max(range(1, self.max_k + 1), key=lambda w: (rates[w], -w), default=0)
+        if best and rates[best] >= SPECULATION_MARGIN * rates[0]:
+            self.plain_steps_in_a_row, self.probe_after = 0, PROBE_AFTER
+            return best
+        self.plain_steps_in_a_row += 1
+        if self.plain_steps_in_a_row > self.probe_after and self.max_k:
+            self.plain_steps_in_a_row = 0
+            self.probe_after = min(2 * self.probe_after, PROBE_AFTER_MAX)
+            return 1
+        return 0
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
         self.estimate(request_id).observe(num_drafted, num_accepted)
@@ -212,14 +229,30 @@ def make_policy(name: str, max_k: int, max_batch: int) -> SpeculationPolicy:
                      f"(--speculation-policy or {ENV_VAR})")
 
 
-def timed(fn: Callable[[], object], repeats: int = 2) -> float:
-    """The fastest of `repeats` runs of fn, in seconds (after one untimed run that warms caches)."""
+def step_clock(device) -> Callable[[], float]:
+    """The clock step costs are measured with. On a CPU, CPU time: on a machine shared with other processes, wall
+    time mostly measures when the scheduler let us run, which is the same whatever K was chosen (one torch thread:
+    this thread's time; several: the whole process's). On an accelerator, wall time after the queued work is done."""
+    import torch
+
+    if torch.device(device).type == "cpu":
+        return time.thread_time if torch.get_num_threads() == 1 else time.process_time
+
+    def synchronized() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return synchronized
+
+
+def timed(fn: Callable[[], object], clock: Callable[[], float], repeats: int = 2) -> float:
+    """The fastest of `repeats` runs of fn, in seconds of `clock` (after one untimed run that warms caches)."""
     fn()
     best = math.inf
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
     return best
 
 
