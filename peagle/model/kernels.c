@@ -29,6 +29,7 @@
 #define PANEL 16      /* output columns per panel */
 #define MAX_ROWS 4    /* rows per register block */
 #define MAX_PANELS 4  /* panels per register block (a "column block" of 64 outputs) */
+#define BF16_MAX_ROWS 8  /* rows per register block on the AVX-512 BF16 path */
 #define ROW_BLOCK 64  /* rows per cache block of the activations (prefill) */
 #define HEADS_PER_PASS 4  /* attention: query heads of one key/value head computed together */
 #define ROWS_PER_PASS 4   /* attention: query rows of one cache slot computed together */
@@ -428,8 +429,8 @@ static inline __m256i f32x16_to_bf16(__m512 f) {
 static inline __attribute__((always_inline)) void block_bf16(const int R, const int P, const uint16_t *x, size_t ldx,
                                                              const uint16_t *w, size_t pstride, int K2, uint16_t *y,
                                                              size_t ldy, int ncols) {
-    __m512 acc[MAX_ROWS][MAX_PANELS];
-    #pragma GCC unroll 4
+    __m512 acc[BF16_MAX_ROWS][MAX_PANELS];
+    #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
         #pragma GCC unroll 4
         for (int p = 0; p < P; p++) acc[r][p] = _mm512_setzero_ps();
@@ -437,7 +438,7 @@ static inline __attribute__((always_inline)) void block_bf16(const int R, const 
         __m512bh wv[MAX_PANELS];
         #pragma GCC unroll 4
         for (int p = 0; p < P; p++) wv[p] = (__m512bh)_mm512_loadu_si512(w + p * pstride + (size_t)q * 2 * PANEL);
-        #pragma GCC unroll 4
+        #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             int32_t pair;
             memcpy(&pair, x + r * ldx + 2 * q, 4);
@@ -446,7 +447,7 @@ static inline __attribute__((always_inline)) void block_bf16(const int R, const 
             for (int p = 0; p < P; p++) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], wv[p], xb);
         }
     }
-    #pragma GCC unroll 4
+    #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
         #pragma GCC unroll 4
         for (int p = 0; p < P; p++) {
@@ -463,16 +464,24 @@ typedef void (*bf16_block_fn)(const uint16_t *, size_t, const uint16_t *, size_t
                                      uint16_t *y, size_t ldy, int ncols) {                                     \
         block_bf16(R, P, x, ldx, w, pstride, K2, y, ldy, ncols);                                                \
     }
+/* 32 zmm registers: up to four rows take four panels (16 accumulators), five to eight rows take two (up to 16), so
+   a verify window of up to 8 rows streams each weight from memory once. */
 BF16_BLOCK(1, 1) BF16_BLOCK(1, 2) BF16_BLOCK(1, 3) BF16_BLOCK(1, 4)
 BF16_BLOCK(2, 1) BF16_BLOCK(2, 2) BF16_BLOCK(2, 3) BF16_BLOCK(2, 4)
 BF16_BLOCK(3, 1) BF16_BLOCK(3, 2) BF16_BLOCK(3, 3) BF16_BLOCK(3, 4)
 BF16_BLOCK(4, 1) BF16_BLOCK(4, 2) BF16_BLOCK(4, 3) BF16_BLOCK(4, 4)
-static const bf16_block_fn bf16_blocks[MAX_ROWS + 1][MAX_PANELS + 1] = {
+BF16_BLOCK(5, 1) BF16_BLOCK(5, 2) BF16_BLOCK(6, 1) BF16_BLOCK(6, 2)
+BF16_BLOCK(7, 1) BF16_BLOCK(7, 2) BF16_BLOCK(8, 1) BF16_BLOCK(8, 2)
+static const bf16_block_fn bf16_blocks[BF16_MAX_ROWS + 1][MAX_PANELS + 1] = {
     {0},
     {0, bf16_block_1_1, bf16_block_1_2, bf16_block_1_3, bf16_block_1_4},
     {0, bf16_block_2_1, bf16_block_2_2, bf16_block_2_3, bf16_block_2_4},
     {0, bf16_block_3_1, bf16_block_3_2, bf16_block_3_3, bf16_block_3_4},
     {0, bf16_block_4_1, bf16_block_4_2, bf16_block_4_3, bf16_block_4_4},
+    {0, bf16_block_5_1, bf16_block_5_2, 0, 0},
+    {0, bf16_block_6_1, bf16_block_6_2, 0, 0},
+    {0, bf16_block_7_1, bf16_block_7_2, 0, 0},
+    {0, bf16_block_8_1, bf16_block_8_2, 0, 0},
 };
 
 /* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T, W packed by peagle_pack_panels. Returns 0, or -1 when
@@ -492,11 +501,14 @@ int peagle_gemm_avx512bf16(const uint16_t *x, long ldx, const uint16_t *wp, uint
         int mend = M - m0 < ROW_BLOCK ? M : m0 + ROW_BLOCK;
         #pragma omp for schedule(static)
         for (int nb = 0; nb < NB; nb++) {
-            int p = nb * MAX_PANELS, P = NP - p < MAX_PANELS ? NP - p : MAX_PANELS;
-            for (int m = m0; m < mend; m += MAX_ROWS) {
-                int R = mend - m < MAX_ROWS ? mend - m : MAX_ROWS;
-                bf16_blocks[R][P](xp + (size_t)m * ldxp, ldxp, wp + (size_t)p * pstride, pstride, K2,
-                                  y + (size_t)m * ldy + (size_t)p * PANEL, (size_t)ldy, N - p * PANEL);
+            int pend = (nb + 1) * MAX_PANELS < NP ? (nb + 1) * MAX_PANELS : NP;
+            for (int m = m0; m < mend; m += BF16_MAX_ROWS) {
+                int R = mend - m < BF16_MAX_ROWS ? mend - m : BF16_MAX_ROWS, step = R <= 4 ? 4 : 2;
+                for (int p = nb * MAX_PANELS; p < pend; p += step) {
+                    int P = pend - p < step ? pend - p : step;
+                    bf16_blocks[R][P](xp + (size_t)m * ldxp, ldxp, wp + (size_t)p * pstride, pstride, K2,
+                                      y + (size_t)m * ldy + (size_t)p * PANEL, (size_t)ldy, N - p * PANEL);
+                }
             }
         }
     }

@@ -177,10 +177,11 @@ class Attention(nn.Module):
         self.o_packed = None  # set by pack_()
 
     @torch.no_grad()
-    def pack_(self) -> None:
-        """Inference layout: q/k/v as one matrix, and every projection packed for peagle's kernels."""
-        self.qkv.pack_()
-        self.o_packed = kernels.PackedWeight.pack(self.o_proj.weight)
+    def pack_(self, path: str | None = None) -> None:
+        """Inference layout: q/k/v as one matrix, and every projection packed for peagle's kernels (`path`: a
+        matrix path of kernels.PATHS; default: the machine's fastest)."""
+        self.qkv.pack_(path)
+        self.o_packed = kernels.PackedWeight.pack(self.o_proj.weight, path)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layout: BatchLayout,
                 cache_k: torch.Tensor | None, cache_v: torch.Tensor | None) -> torch.Tensor:
@@ -207,7 +208,7 @@ class FusedLinear(nn.Module):
         self.packed = None
 
     @torch.no_grad()
-    def pack_(self) -> None:
+    def pack_(self, path: str | None = None) -> None:
         weight = torch.cat([p.weight for p in self.parts])
         sizes = [p.weight.shape[0] for p in self.parts]
         for p, w in zip(self.parts, weight.split(sizes)):  # the parts become views: memory does not grow
@@ -218,7 +219,7 @@ class FusedLinear(nn.Module):
                 p.bias = nn.Parameter(b, requires_grad=False)
             self.bias = bias
         self.weight = weight
-        self.packed = kernels.PackedWeight.pack(weight)
+        self.packed = kernels.PackedWeight.pack(weight, path)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is None:  # training: concatenate the live parameters (gradients flow to each part)
@@ -237,10 +238,10 @@ class MLP(nn.Module):
         self.down_packed = None  # set by pack_()
 
     @torch.no_grad()
-    def pack_(self) -> None:
+    def pack_(self, path: str | None = None) -> None:
         """Inference layout: gate/up as one matrix, and every projection packed for peagle's kernels."""
-        self.gate_up.pack_()
-        self.down_packed = kernels.PackedWeight.pack(self.down_proj.weight)
+        self.gate_up.pack_(path)
+        self.down_packed = kernels.PackedWeight.pack(self.down_proj.weight, path)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)

@@ -158,13 +158,14 @@ class TargetModel(nn.Module):
         return model.eval().requires_grad_(False).pack_()
 
     @torch.no_grad()
-    def pack_(self) -> "TargetModel":
+    def pack_(self, path: str | None = None) -> "TargetModel":
         """Inference layout (from_pretrained does it): q/k/v and gate/up projections each become one matrix (the
         original parameters become views, so memory and state_dict names are unchanged), and where peagle's CPU
         kernels run, every projection and the LM head are also packed once for them (kernels.py; a packed copy of
-        the weights, so the model takes twice the weight memory). The frozen target never changes after."""
+        the weights, so the model takes twice the weight memory). The frozen target never changes after. `path`
+        picks a matrix path of kernels.PATHS (default: the machine's fastest)."""
         for layer in self.layers:
-            layer.self_attn.pack_()
-            layer.mlp.pack_()
-        self.lm_head_packed = kernels.PackedWeight.pack(self.lm_head_weight)
+            layer.self_attn.pack_(path)
+            layer.mlp.pack_(path)
+        self.lm_head_packed = kernels.PackedWeight.pack(self.lm_head_weight, path)
         return self

@@ -1,0 +1,67 @@
+"""Greedy speculation equals plain greedy decoding, token for token, on the embedded SmolLM2 with its bundled heads:
+both methods, K in {1, 3, 7}, batches of 1-8 requests that join while others are decoding, on every matrix path
+this machine runs (the AVX2 path runs on every x86-64 machine these tests target).
+
+This holds because peagle's kernels compute every row of a verify window exactly as a one-row decode step would
+(docs/design.md, "Decoding step"); it is skipped only where no native path exists.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from peagle.config import SpeculativeConfig
+from peagle.engine import LLMEngine, SamplingParams
+from peagle.model import kernels
+from peagle.model.checkpoint import load_head
+from peagle.model.heads import DEFAULT_HEADS, resolve_head
+from peagle.model.target import TargetModel
+
+PROMPTS = ["What is the capital of France?", "Write a Python function that adds two numbers.",
+           "List three colours.", "Explain recursion in one sentence.", "Translate 'good morning' into Spanish.",
+           "def fibonacci(n):", "Give me a haiku about the sea.", "What is 17 times 3?"]
+MAX_TOKENS = 20
+# (method, K, batch size): every K for both methods, batch sizes from 1 to 8
+CASES = [("peagle", 1, 8), ("peagle", 3, 3), ("peagle", 7, 5), ("eagle3", 1, 2), ("eagle3", 3, 8), ("eagle3", 7, 1)]
+PATHS = [pytest.param(p, marks=pytest.mark.skipif(p not in kernels.supported_paths(),
+                                                  reason=f"this CPU lacks the {p} instructions"))
+         for p in kernels.PATHS]
+
+
+def run_staggered(engine: LLMEngine, params: SamplingParams) -> list[list[int]]:
+    """Submit the prompts a few at a time while earlier ones decode, and return each one's tokens."""
+    ids, outputs, pending = [], {}, list(PROMPTS)
+    while pending or engine.has_work():
+        if pending:  # two new requests every other step: they join a running batch mid-flight
+            ids += [engine.add_request(p, params, chat=True) for p in pending[:2]]
+            pending = pending[2:]
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.token_ids
+        if pending:
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = out.token_ids
+    return [outputs[i] for i in ids]
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no native kernel path here (not x86-64 with AVX2 and FMA, or "
+                    "no C compiler): PyTorch's kernels are not batch invariant")
+@pytest.mark.parametrize("path", PATHS)
+def test_greedy_speculation_equals_plain_greedy_on_smollm2(path, smollm2_dir, one_thread):
+    target = TargetModel.from_pretrained(smollm2_dir).pack_(path)
+    assert target.lm_head_packed.path == path
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    alone = LLMEngine(target, tok, max_num_seqs=1, max_model_len=256)  # each request alone: the reference
+    reference = [alone.generate([p], params, chat=True)[0].token_ids for p in PROMPTS]
+    heads = {m: load_head(resolve_head(DEFAULT_HEADS[m]), target.embed_tokens.weight) for m in DEFAULT_HEADS}
+    for head in heads.values():
+        head.pack_()
+    for method, k, batch in CASES:
+        spec = SpeculativeConfig.parse({"model": DEFAULT_HEADS[method], "method": "eagle3",
+                                        "num_speculative_tokens": k, "parallel_drafting": method == "peagle"})
+        engine = LLMEngine(target, tok, heads[method], spec, max_num_seqs=batch, max_model_len=256)
+        assert run_staggered(engine, params) == reference, f"{path}: {method} K={k} batch {batch}"
+        assert engine.stats.num_accepted_tokens > 0  # drafts were accepted: rollback and bonus tokens exercised
