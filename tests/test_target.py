@@ -266,3 +266,26 @@ def test_rows_do_not_depend_on_their_batch(wide_head_dir):
     positions = torch.stack([30 + torch.arange(8), 45 + torch.arange(8)])
     batched = ours(tokens, BatchLayout.build(torch.tensor([0, 2]), positions), cache, num_logits=None)
     assert torch.equal(batched.logits[:1], alone_logits) and torch.equal(batched.features[:1], alone_feats)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no native kernel path here (not x86-64 with AVX2 and FMA, or "
+                    "no C compiler)")
+def test_native_layers_equal_the_modules_bit_for_bit(wide_head_dir):
+    """The one-call native decoder layer runs the same kernels in the same order as DecoderLayer: identical logits,
+    features and cache, for a prefill and a decode step of two requests in swapped slots."""
+    ours = TargetModel.from_pretrained(wide_head_dir, dtype=torch.bfloat16)
+    assert ours.native_layers is not None
+    V = ours.config.vocab_size
+    tokens, slots = random_tokens(V, 2, 20, seed=13), torch.tensor([1, 0])
+    runs = []
+    for native in (ours.native_layers, None):
+        ours.native_layers = native
+        cache = ours.new_cache(2, 32)
+        first = ours(tokens, BatchLayout.build(slots, torch.arange(20)[None].expand(2, 20)), cache, num_logits=None)
+        step = ours(tokens[:, :3], BatchLayout.build(slots, 20 + torch.arange(3)[None].expand(2, 3)), cache,
+                    num_logits=None)
+        runs.append((first, step, cache))
+    (a1, a2, ca), (b1, b2, cb) = runs
+    assert torch.equal(a1.logits, b1.logits) and torch.equal(a1.features, b1.features)
+    assert torch.equal(a2.logits, b2.logits) and torch.equal(a2.features, b2.features)
+    assert all(torch.equal(x, y) for x, y in zip(ca.k + ca.v, cb.k + cb.v))

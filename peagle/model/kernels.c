@@ -644,3 +644,63 @@ int peagle_amx_gemm(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y
 
 #pragma GCC pop_options
 #endif /* PEAGLE_NO_AMX */
+
+/* ---------------------------------------------------------------------------------------------------------------
+   A whole Llama decoder layer in one call: the target's forward on the CPU. The same kernels in the same order as
+   layers.py's DecoderLayer, with the reference's bf16 rounding at every step (so both give identical bits), minus
+   the Python between them: a one-row decode step makes a dozen small calls per layer, whose fixed cost adds up
+   over 30 layers to a sixth of the step (docs/performance.md). */
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+typedef int (*gemm_fn)(const uint16_t *, long, const uint16_t *, uint16_t *, long, int, int, int, int);
+
+typedef struct {
+    gemm_fn gemm;                             /* the matrix path the four weights are packed for */
+    const uint16_t *input_norm, *post_norm;   /* RMSNorm weights [H] */
+    const uint16_t *qkv, *o, *gate_up, *down; /* packed [(nh + 2 nkv) D, H], [H, nh D], [2 I, H], [H, I] */
+    int H, I, nh, nkv, D;
+    float eps, scale;                          /* RMSNorm epsilon; attention scale D^-0.5 */
+} peagle_layer;
+
+/* y = bf16(a + b) elementwise, like PyTorch's bf16 add (fp32 sum, one rounding). y may be a. */
+static void add_bf16(const uint16_t *a, const uint16_t *b, uint16_t *y, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(y + i), f32x8_to_bf16(_mm256_add_ps(bf16x8_to_f32(a + i), bf16x8_to_f32(b + i))));
+    for (; i < n; i++) y[i] = f2bf(bf2f(a[i]) + bf2f(b[i]));
+}
+
+/* y [B*T, H] = the layer applied to x [B*T, H] (rows of B requests with T query tokens each), writing this step's
+   keys and values into the cache like peagle_attention_bf16. Returns 0; -1 when scratch memory could not be
+   allocated; -2 when a slot or position lies outside the cache (y is then incomplete). */
+int peagle_decoder_layer(const peagle_layer *w, const uint16_t *x, uint16_t *y, int B, int T, const uint16_t *cos_,
+                         const uint16_t *sin_, uint16_t *kc, uint16_t *vc, const int64_t *slots,
+                         const int64_t *positions, int num_slots, int max_len, int nthreads) {
+    size_t M = (size_t)B * T;
+    int H = w->H, I = w->I, nh = w->nh, nkv = w->nkv, D = w->D, W = (nh + 2 * nkv) * D;
+    uint16_t *buf = malloc(M * ((size_t)2 * H + W + (size_t)nh * D + 3 * (size_t)I) * 2);
+    if (!buf) return -1;
+    uint16_t *normed = buf, *qkv = normed + M * H, *att = qkv + M * W, *out = att + M * nh * D, *gu = out + M * H;
+    uint16_t *act = gu + M * 2 * I;
+    int rc;
+    peagle_rms_norm_bf16(x, w->input_norm, normed, (int)M, H, w->eps);
+    if ((rc = w->gemm(normed, H, w->qkv, qkv, W, (int)M, W, H, nthreads))) goto done;
+    peagle_rope_bf16(qkv, cos_, sin_, (int)M, nh + 2 * nkv, nh + nkv, D);
+    if ((rc = peagle_attention_bf16(qkv, W, qkv + (size_t)nh * D, qkv + (size_t)(nh + nkv) * D, W, kc, vc, slots,
+                                    positions, att, B, T, nh, nkv, D, num_slots, max_len, w->scale, nthreads)))
+        goto done;
+    if ((rc = w->gemm(att, (long)nh * D, w->o, out, H, (int)M, H, nh * D, nthreads))) goto done;
+    add_bf16(x, out, y, M * H);
+    peagle_rms_norm_bf16(y, w->post_norm, normed, (int)M, H, w->eps);
+    if ((rc = w->gemm(normed, H, w->gate_up, gu, 2 * I, (int)M, 2 * I, H, nthreads))) goto done;
+    peagle_silu_mul_bf16(gu, act, (int)M, I);
+    if ((rc = w->gemm(act, I, w->down, out, H, (int)M, H, I, nthreads))) goto done;
+    add_bf16(y, out, y, M * H);
+done:
+    free(buf);
+    return rc;
+}
+
+#pragma GCC pop_options

@@ -112,6 +112,7 @@ def _declare(lib) -> None:
         "peagle_rope_bf16": ([p, p, p, i, i, i, i], None),
         "peagle_silu_mul_bf16": ([p, p, i, i], None),
         "peagle_attention_bf16": ([p, l, p, p, l, p, p, p, p, p, i, i, i, i, i, i, i, f, i], i),
+        "peagle_decoder_layer": ([p, p, p, i, i, p, p, p, p, p, p, i, i, i], i),
     }
     for name, (args, res) in signatures.items():
         if hasattr(lib, name):  # the AMX / AVX-512 sections may be compiled out
@@ -317,3 +318,48 @@ def attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: t
     if rc:
         raise MemoryError(f"peagle attention: could not allocate a {max_len}-entry score buffer")
     return out
+
+
+class _LayerWeights(ctypes.Structure):
+    """kernels.c's peagle_layer: one decoder layer's weights and shapes."""
+    _fields_ = [("gemm", ctypes.c_void_p), ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                ("qkv", ctypes.c_void_p), ("o", ctypes.c_void_p), ("gate_up", ctypes.c_void_p),
+                ("down", ctypes.c_void_p), ("H", ctypes.c_int), ("I", ctypes.c_int), ("nh", ctypes.c_int),
+                ("nkv", ctypes.c_int), ("D", ctypes.c_int), ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+class NativeDecoderLayer:
+    """A Llama decoder layer (RMSNorm, fused q/k/v, RoPE, attention over the per-row cache, o, residual, RMSNorm,
+    fused gate/up, SiLU, down, residual) in one native call: the same kernels in the same order as layers.py's
+    DecoderLayer, so the bits are identical, without a dozen Python-level calls per layer per step."""
+
+    def __init__(self, input_norm: torch.Tensor, post_norm: torch.Tensor, qkv: PackedWeight, o: PackedWeight,
+                 gate_up: PackedWeight, down: PackedWeight, num_heads: int, num_kv_heads: int, head_dim: int,
+                 eps: float):
+        self._keep = (input_norm, post_norm, qkv, o, gate_up, down)  # the pointers below stay valid
+        gemm = ctypes.cast(getattr(_lib, _GEMM_SYMBOL[qkv.path]), ctypes.c_void_p).value
+        self._weights = _LayerWeights(gemm, input_norm.data_ptr(), post_norm.data_ptr(), qkv.data_ptr, o.data_ptr,
+                                      gate_up.data_ptr, down.data_ptr, o.out_features, down.in_features, num_heads,
+                                      num_kv_heads, head_dim, eps, head_dim ** -0.5)
+        self._ref = ctypes.byref(self._weights)
+
+    @staticmethod
+    def applies(packed: list[PackedWeight | None], head_dim: int, intermediate: int) -> bool:
+        """Whether the native layer can run these (bias-free, all packed for one path) weights."""
+        return (all(p is not None for p in packed) and len({p.path for p in packed}) == 1
+                and head_dim % 8 == 0 and head_dim <= 256 and intermediate % 8 == 0)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_k: torch.Tensor,
+                 cache_v: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [B, T, H] contiguous bf16; cos/sin [B, T, D]; slots [B] and positions [B, T] contiguous int64."""
+        B, T, _ = x.shape
+        y = torch.empty_like(x)
+        rc = _lib.peagle_decoder_layer(self._ref, x.data_ptr(), y.data_ptr(), B, T, cos.data_ptr(), sin.data_ptr(),
+                                       cache_k.data_ptr(), cache_v.data_ptr(), slots.data_ptr(), positions.data_ptr(),
+                                       cache_k.shape[0], cache_k.shape[2], torch.get_num_threads())
+        if rc == -2:
+            raise IndexError(f"positions must lie in [0, {cache_k.shape[2]}) and slots in [0, {cache_k.shape[0]}) "
+                             "for this cache")
+        if rc:
+            raise MemoryError(f"peagle decoder layer: could not allocate scratch memory for {B * T} rows")
+        return y

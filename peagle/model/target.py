@@ -106,6 +106,7 @@ class TargetModel(nn.Module):
         self.rotary = RotaryEmbedding(*rope_inv_freq(c.rope_parameters, c.head_dim, hf_config))
         self.feature_layer_ids = c.feature_layer_ids
         self.lm_head_packed = None  # set by pack_() where peagle's CPU kernels run
+        self.native_layers = None  # set by pack_(): each layer in one native call (kernels.NativeDecoderLayer)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -123,11 +124,17 @@ class TargetModel(nn.Module):
         `logit_index` [B, n] picks (e.g. each row's last real token in a padded batch)."""
         h = self.embed_tokens(tokens)
         rope = self.rotary(layout.positions, h.dtype)
+        native = self.native_layers is not None and h.dtype == torch.bfloat16 and h.is_cpu
+        if native:  # the whole layer in one call; the same bits as the modules below
+            slots, positions = layout.slots.to(torch.int64).contiguous(), layout.positions.to(torch.int64).contiguous()
         feats = {}
         for i, layer in enumerate(self.layers):
             if i in self.feature_layer_ids:
                 feats[i] = h
-            h = layer(h, rope, layout, cache.k[i], cache.v[i])
+            if native:
+                h = self.native_layers[i](h, *rope, cache.k[i], cache.v[i], slots, positions)
+            else:
+                h = layer(h, rope, layout, cache.k[i], cache.v[i])
         if logit_index is not None:
             h = h.gather(1, logit_index[..., None].expand(*logit_index.shape, h.shape[-1]))
         elif num_logits is not None:
@@ -168,4 +175,14 @@ class TargetModel(nn.Module):
             layer.self_attn.pack_(path)
             layer.mlp.pack_(path)
         self.lm_head_packed = kernels.PackedWeight.pack(self.lm_head_weight, path)
+        self.native_layers = None
+        c = self.config
+        if not (c.attention_bias or c.qk_norm):
+            packed = [[la.self_attn.qkv.packed, la.self_attn.o_packed, la.mlp.gate_up.packed, la.mlp.down_packed]
+                      for la in self.layers]
+            if all(kernels.NativeDecoderLayer.applies(p, c.head_dim, c.intermediate_size) for p in packed):
+                self.native_layers = [
+                    kernels.NativeDecoderLayer(la.input_layernorm.weight, la.post_attention_layernorm.weight, *p,
+                                               c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)
+                    for la, p in zip(self.layers, packed)]
         return self
