@@ -58,6 +58,8 @@ def bench_drafting(ks: list[int], context: int, iters: int) -> dict:
     mask_id = choose_mask_token_id(AutoTokenizer.from_pretrained(path), target.config.vocab_size)
     heads = {"parallel": random_head(target.config, target.embed_tokens.weight, "peagle", mask_token_id=mask_id),
              "chain": random_head(target.config, target.embed_tokens.weight, "eagle3")}
+    for head in heads.values():
+        head.pack_()  # as the engine does
     H3 = 3 * target.config.hidden_size
     out = {}
     for mode, head in heads.items():
