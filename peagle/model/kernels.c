@@ -261,47 +261,55 @@ void peagle_rope_bf16(uint16_t *x, const uint16_t *cos_, const uint16_t *sin_, i
     }
 }
 
-/* Attention for up to ROWS_PER_PASS query rows of one cache slot and one key/value head: its G query heads over
-   the row's keys 0..n_r-1 of K/V [*, D], D = 8 nd. Rows and heads are blocked only so that each key and value row
+/* Attention for up to ROWS_PER_PASS query rows of one cache slot and one key/value head: query heads h0..h0+hn-1
+   of its G over the row's keys 0..n_r-1 of K/V [*, D], D = 8 nd. Rows and heads are blocked only so that each key and value row
    is loaded and widened once for all of them (a prefill has hundreds of rows per slot); every (row, head) does the
-   same arithmetic in every block shape. nd is a compile-time constant at each call site (registers, not stack). */
+   same arithmetic in every block shape. nd and hn are compile-time constants at each call site, so the vectors and
+   the accumulator chains stay in registers. */
 static inline __attribute__((always_inline)) void attend_block(
-        const int nd, int nr, const uint16_t *q0, long q_stride, const int64_t *pos, const uint16_t *Kg,
-        const uint16_t *Vg, uint16_t *o0, long o_stride, int G, int g, float scale, float *scores, int ld) {
+        const int nd, const int hn, int h0, int nr, const uint16_t *q0, long q_stride, const int64_t *pos,
+        const uint16_t *Kg, const uint16_t *Vg, uint16_t *o0, long o_stride, int G, int g, float scale,
+        float *scores, int ld) {
     int D = 8 * nd, n[ROWS_PER_PASS], nmax = 0;
     for (int r = 0; r < nr; r++) {
         n[r] = (int)pos[r] + 1;
         nmax = n[r] > nmax ? n[r] : nmax;
     }
-    for (int h0 = 0; h0 < G; h0 += HEADS_PER_PASS) {
-        int hn = G - h0 < HEADS_PER_PASS ? G - h0 : HEADS_PER_PASS;
+    {
         __m256 qv[ROWS_PER_PASS][HEADS_PER_PASS][32];
         for (int r = 0; r < nr; r++)
             for (int i = 0; i < hn; i++)
                 for (int c = 0; c < nd; c++)
                     qv[r][i][c] = bf16x8_to_f32(q0 + r * q_stride + (size_t)(g * G + h0 + i) * D + 8 * c);
-        /* scores: per (row, head, key) one FMA chain over D, then one fixed tree */
-        for (int j = 0; j < nmax; j++) {
-            __m256 kv[32];
-            for (int c = 0; c < nd; c++) kv[c] = bf16x8_to_f32(Kg + (size_t)j * D + 8 * c);
-            for (int r = 0; r < nr; r++) {
-                if (j >= n[r]) continue;
-                __m256 a[HEADS_PER_PASS];
-                for (int i = 0; i < hn; i++) a[i] = _mm256_mul_ps(qv[r][i][0], kv[0]);
-                for (int c = 1; c < nd; c++)
-                    for (int i = 0; i < hn; i++) a[i] = _mm256_fmadd_ps(qv[r][i][c], kv[c], a[i]);
-                for (int i = 0; i < hn; i++) scores[(size_t)(r * HEADS_PER_PASS + i) * ld + j] = hsum8(a[i]) * scale;
-            }
+        /* scores: per (row, head, key) one FMA chain over D, then one fixed tree; keys two at a time only so
+           that their chains overlap */
+        for (int j = 0; j < nmax; j += 2) {
+            int two = j + 1 < nmax;
+            __m256 kv[2][32];
+            for (int e = 0; e <= two; e++)
+                for (int c = 0; c < nd; c++) kv[e][c] = bf16x8_to_f32(Kg + (size_t)(j + e) * D + 8 * c);
+            for (int r = 0; r < nr; r++)
+                for (int e = 0; e <= two && j + e < n[r]; e++) {
+                    __m256 a[HEADS_PER_PASS];
+                    for (int i = 0; i < hn; i++) a[i] = _mm256_mul_ps(qv[r][i][0], kv[e][0]);
+                    for (int c = 1; c < nd; c++)
+                        for (int i = 0; i < hn; i++) a[i] = _mm256_fmadd_ps(qv[r][i][c], kv[e][c], a[i]);
+                    for (int i = 0; i < hn; i++)
+                        scores[(size_t)(r * HEADS_PER_PASS + i) * ld + j + e] = hsum8(a[i]) * scale;
+                }
         }
         /* softmax per (row, head); the padding to whole vectors gets exactly 0 */
         float inv[ROWS_PER_PASS][HEADS_PER_PASS];
         for (int r = 0; r < nr; r++)
             for (int i = 0; i < hn; i++) {
-                float *s = scores + (size_t)(r * HEADS_PER_PASS + i) * ld, mx = -INFINITY;
+                float *s = scores + (size_t)(r * HEADS_PER_PASS + i) * ld;
                 int npad = (n[r] + 7) / 8 * 8;
-                for (int j = 0; j < n[r]; j++) mx = s[j] > mx ? s[j] : mx;
                 for (int j = n[r]; j < npad; j++) s[j] = -INFINITY;
-                __m256 mv = _mm256_set1_ps(mx), sum = _mm256_setzero_ps();
+                __m256 mv = _mm256_set1_ps(-INFINITY), sum = _mm256_setzero_ps();
+                for (int j = 0; j < npad; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
+                mv = _mm256_max_ps(mv, _mm256_permute2f128_ps(mv, mv, 1)); /* max of all 8 lanes, in every lane */
+                mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, 0x4e));
+                mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, 0xb1));
                 for (int j = 0; j < npad; j += 8) {
                     __m256 sj = _mm256_loadu_ps(s + j);
                     __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(sj, mv)),
@@ -311,31 +319,28 @@ static inline __attribute__((always_inline)) void attend_block(
                 }
                 inv[r][i] = 1.0f / hsum8(sum);
             }
-        /* weighted values: each (row, head, dimension) sums over its keys in order; 16 dimensions per pass when
-           few (row, head) pairs would leave the FMA chains too short to hide their latency, else 8 */
-        int cw = nr * hn <= 4 ? 2 : 1;
-        for (int c = 0; c < nd; c += cw) {
-            int w = nd - c < cw ? nd - c : cw;
-            __m256 acc[ROWS_PER_PASS][HEADS_PER_PASS][2];
-            for (int r = 0; r < nr; r++)
-                for (int i = 0; i < hn; i++) acc[r][i][0] = acc[r][i][1] = _mm256_setzero_ps();
-            for (int j = 0; j < nmax; j++) {
-                __m256 v[2];
-                for (int e = 0; e < w; e++) v[e] = bf16x8_to_f32(Vg + (size_t)j * D + 8 * (c + e));
-                for (int r = 0; r < nr; r++) {
-                    if (j >= n[r]) continue;
+        /* weighted values: each (row, head, dimension) sums over its keys in order, 16 dimensions per pass */
+        for (int r = 0; r < nr; r++)
+            for (int c = 0; c < nd; c += 2) {
+                int two = c + 1 < nd;
+                __m256 acc0[HEADS_PER_PASS], acc1[HEADS_PER_PASS];
+                for (int i = 0; i < hn; i++) acc0[i] = acc1[i] = _mm256_setzero_ps();
+                for (int j = 0; j < n[r]; j++) {
+                    const uint16_t *vj = Vg + (size_t)j * D + 8 * c;
+                    __m256 v0 = bf16x8_to_f32(vj), v1 = two ? bf16x8_to_f32(vj + 8) : _mm256_setzero_ps();
                     for (int i = 0; i < hn; i++) {
                         __m256 p = _mm256_broadcast_ss(scores + (size_t)(r * HEADS_PER_PASS + i) * ld + j);
-                        for (int e = 0; e < w; e++) acc[r][i][e] = _mm256_fmadd_ps(p, v[e], acc[r][i][e]);
+                        acc0[i] = _mm256_fmadd_ps(p, v0, acc0[i]);
+                        acc1[i] = _mm256_fmadd_ps(p, v1, acc1[i]);
                     }
                 }
+                for (int i = 0; i < hn; i++) {
+                    uint16_t *o = o0 + r * o_stride + (size_t)(g * G + h0 + i) * D + 8 * c;
+                    __m256 iv = _mm256_set1_ps(inv[r][i]);
+                    store_bf16x8(o, _mm256_mul_ps(acc0[i], iv), 8);
+                    if (two) store_bf16x8(o + 8, _mm256_mul_ps(acc1[i], iv), 8);
+                }
             }
-            for (int r = 0; r < nr; r++)
-                for (int i = 0; i < hn; i++)
-                    for (int e = 0; e < w; e++)
-                        store_bf16x8(o0 + r * o_stride + (size_t)(g * G + h0 + i) * D + 8 * (c + e),
-                                     _mm256_mul_ps(acc[r][i][e], _mm256_set1_ps(inv[r][i])), 8);
-        }
     }
 }
 
@@ -378,9 +383,20 @@ int peagle_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, c
                 const uint16_t *q0 = q + bt * q_stride;
                 uint16_t *o0 = out + bt * nh * D;
                 long os = (long)nh * D;
-                if (nd == 8) attend_block(8, nr, q0, q_stride, positions + bt, Kg, Vg, o0, os, G, g, scale, scores, ld);
-                else if (nd == 16) attend_block(16, nr, q0, q_stride, positions + bt, Kg, Vg, o0, os, G, g, scale, scores, ld);
-                else attend_block(nd, nr, q0, q_stride, positions + bt, Kg, Vg, o0, os, G, g, scale, scores, ld);
+                for (int h0 = 0; h0 < G; h0 += HEADS_PER_PASS) {
+                    int hn = G - h0 < HEADS_PER_PASS ? G - h0 : HEADS_PER_PASS;
+#define PASS(ND, HN) attend_block(ND, HN, h0, nr, q0, q_stride, positions + bt, Kg, Vg, o0, os, G, g, scale, scores, ld)
+#define PASSES(ND)                                                                                                   \
+    switch (hn) {                                                                                                    \
+        case 1: PASS(ND, 1); break;                                                                                  \
+        case 2: PASS(ND, 2); break;                                                                                  \
+        case 3: PASS(ND, 3); break;                                                                                  \
+        default: PASS(ND, 4); break;                                                                                 \
+    }
+                    if (nd == 8) PASSES(8) else if (nd == 16) PASSES(16) else PASSES(nd)
+#undef PASSES
+#undef PASS
+                }
             }
         free(scores);
     }
