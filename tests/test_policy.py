@@ -33,7 +33,7 @@ def feed(policy: AdaptiveK, request_id: str, acceptance: float, steps: int, rng:
     policy chose at each step."""
     chosen = []
     for _ in range(steps):
-        k = policy.choose([Candidate(request_id, 1000)])
+        [k] = policy.choose([Candidate(request_id, 1000)])
         accepted = 0
         while accepted < k and rng.random() < acceptance:
             accepted += 1
@@ -49,7 +49,7 @@ def test_zero_acceptance_chooses_plain_steps():
     assert set(chosen[5:]) == {0, 1} and chosen[5:].count(1) == 2, chosen
     # A new request starts from the engine-wide estimate, which has learnt that drafts fail.
     policy.plain_steps_in_a_row = 0
-    assert policy.choose([Candidate("new", 1000)]) == 0
+    assert policy.choose([Candidate("new", 1000)]) == [0]
 
 
 def test_high_acceptance_with_free_verification_chooses_the_maximum():
@@ -68,7 +68,9 @@ def test_cost_growing_with_rows_lowers_k_as_concurrency_rises():
         cands = [Candidate(f"r{i}", 1000) for i in range(batch)]
         for c in cands:
             policy.requests[c.request_id] = history
-        ks.append(policy.choose(cands))
+        choice = policy.choose(cands)
+        assert len(set(choice)) == 1  # the same history: no request gains more than another from drafting
+        ks.append(choice[0])
     assert ks == sorted(ks, reverse=True) and ks[0] > ks[-1], ks
     assert ks[0] >= 3 and ks[-1] <= 1, ks
 
@@ -86,8 +88,23 @@ def test_collapsing_acceptance_lowers_k_within_a_few_steps():
 def test_requests_near_their_end_need_no_deep_window():
     policy = policy_with_cost(lambda b, w: 1.0 + 0.05 * w)
     feed(policy, "a", 1.0, 30, random.Random(0))
-    assert policy.choose([Candidate("a", 1000)]) == MAX_K
-    assert policy.choose([Candidate("a", 3)]) == 2  # 3 tokens left: 2 drafts and the target's own token
+    assert policy.choose([Candidate("a", 1000)]) == [MAX_K]
+    assert policy.choose([Candidate("a", 3)]) == [2]  # 3 tokens left: 2 drafts and the target's own token
+
+
+def test_requests_that_gain_draft_while_the_others_take_a_plain_step():
+    """Verify rows are dear (cost grows with rows, as on a compute-bound CPU): only the requests whose drafts are
+    accepted get a window; the rest decode plainly in a second, cheaper forward."""
+    policy = policy_with_cost(lambda b, w: 1.0 + 0.25 * b * (w + 1))
+    good, bad = policy.estimate("good"), policy.estimate("bad")
+    good.tried, good.accepted, good.prior_weight = [10.0] * MAX_K, [9.5] * MAX_K, [0.0] * MAX_K
+    bad.tried, bad.accepted, bad.prior_weight = [10.0] * MAX_K, [0.0] * MAX_K, [0.0] * MAX_K
+    for b in range(1, 4):
+        policy.requests[f"good{b}"], policy.requests[f"bad{b}"] = good, bad
+    names = ["good1", "bad1", "good2", "bad2", "good3", "bad3", "good", "bad"]
+    choice = policy.choose([Candidate(n, 1000) for n in names])
+    assert [k for n, k in zip(names, choice) if n.startswith("bad")] == [0] * 4
+    assert len({k for n, k in zip(names, choice) if n.startswith("good")}) == 1 and choice[0] >= 2, choice
 
 
 def test_cost_model_follows_real_step_times():
@@ -133,9 +150,9 @@ def engine(target: TargetModel, k: int, policy: str, parallel: bool = True, max_
                      speculation_policy=policy)
 
 
-def synthetic_costs(eng: LLMEngine, per_draft: float) -> LLMEngine:
+def synthetic_costs(eng: LLMEngine, cost) -> LLMEngine:
     """Step costs from a formula instead of this machine's timings, so which K the policy picks is reproducible."""
-    eng.policy.cost.calibrate(lambda b, w: 1.0 + per_draft * w)
+    eng.policy.cost.calibrate(cost)
     eng.policy.observe_step = lambda *timing: None
     return eng
 
@@ -168,13 +185,19 @@ def test_adaptive_greedy_is_lossless(tiny_target, parallel):
     ps = prompts(6, seed=3)
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     ref = [o.token_ids for o in LLMEngine(tiny_target, None, max_num_seqs=8, max_model_len=256).generate(ps, params)]
-    eng = synthetic_costs(engine(tiny_target, 5, "adaptive", parallel, max_num_seqs=3), per_draft=0.1)
+    # Verify rows are dear, so requests in their well-drafted first half speculate while the others step plainly.
+    eng = synthetic_costs(engine(tiny_target, 7, "adaptive", parallel, max_num_seqs=3),
+                          lambda b, w: 1.0 + 0.2 * b * (w + 1))
+    choices = []
+    choose = eng.policy.choose
+    eng.policy.choose = lambda cands: choices.append(choose(cands)) or choices[-1]
     half_right_oracle(eng, {tuple(p): r for p, r in zip(ps, ref)})
     outs = eng.generate(ps, [SamplingParams(max_tokens=m, ignore_eos=True) for m in (48, 9, 48, 30, 1, 48)])
     for o, r, m in zip(outs, ref, (48, 9, 48, 30, 1, 48)):
         assert o.token_ids == r[:m]
     steps = eng.stats.steps_per_k
     assert steps[0] > 0 and sum(steps[2:]) > 0, steps  # plain steps and deep windows both happened
+    assert any(len(set(ks)) > 1 for ks in choices)  # and steps that split the batch between them
     assert eng.stats.mean_acceptance_length > 1.5
 
 
@@ -182,7 +205,7 @@ def test_adaptive_with_a_useless_head_decodes_plainly(tiny_target):
     ps = prompts(4, seed=5)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     ref = [o.token_ids for o in LLMEngine(tiny_target, None, max_num_seqs=4, max_model_len=256).generate(ps, params)]
-    eng = synthetic_costs(engine(tiny_target, 7, "adaptive"), per_draft=0.1)
+    eng = synthetic_costs(engine(tiny_target, 7, "adaptive"), lambda b, w: 1.0 + 0.1 * w)
     assert [o.token_ids for o in eng.generate(ps, params)] == ref
     steps = eng.stats.steps_per_k
     assert steps[0] > 0.6 * sum(steps), steps
@@ -224,7 +247,7 @@ class Scripted(FixedK):
         self.script = list(script)
 
     def choose(self, requests):
-        return self.script.pop(0) if len(self.script) > 1 else self.script[0]
+        return [self.script.pop(0) if len(self.script) > 1 else self.script[0]] * len(requests)
 
 
 def record_drafts(eng: LLMEngine) -> dict[int, list[int]]:

@@ -316,10 +316,17 @@ class LLMEngine:
             req.pending_tokens = [first]
 
     def _decode(self, reqs: list[Request]) -> None:
+        """One decode step: the policy gives each request its number of drafts; requests with the same number share
+        one draft and one verify forward."""
+        if self.policy is None:
+            self._decode_window(reqs, 0)
+            return
+        ks = self.policy.choose([Candidate(r.request_id, r.params.max_tokens - len(r.output_ids)) for r in reqs])
+        for k in sorted(set(ks)):
+            self._decode_window([r for r, kr in zip(reqs, ks) if kr == k], k)
+
+    def _decode_window(self, reqs: list[Request], K: int) -> None:
         started, dev = self._step_clock(), self.device
-        K = 0
-        if self.policy is not None:
-            K = self.policy.choose([Candidate(r.request_id, r.params.max_tokens - len(r.output_ids)) for r in reqs])
         slots = torch.tensor([r.slot for r in reqs], device=dev)
         n = torch.tensor([r.num_tokens - 1 for r in reqs], device=dev)  # position of x_n, the newest token
         last = torch.tensor([[r.last_token] for r in reqs], device=dev)

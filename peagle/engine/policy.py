@@ -1,22 +1,25 @@
 """How many drafts to verify each step (docs/engine.md, "Choosing K").
 
 `FixedK` verifies the configured `num_speculative_tokens` every step, as vLLM does. `AdaptiveK` treats that number
-as a maximum and picks the window W in 0..K that maximises expected output tokens per second:
+as a maximum and picks, before every step, how many drafts each request verifies, for the most expected output
+tokens per second:
 
     expected tokens of request b at window W   E_b(W) = 1 + s_b,1 + ... + s_b,W   (at most what b may still emit)
     survival of draft position i               s_b,i  = a_b,1 * ... * a_b,i
-    step                                       W*     = argmax_W  sum_b E_b(W) / cost(B, W)
+    a step with window W for requests S        sum_b E_b(K_b) / (cost(|S|, W) + cost(B - |S|, 0))
 
 a_b,i is the acceptance of position i given that position i-1 was accepted, from exponentially forgotten counts of
 request b, with the engine-wide estimate as its prior (so a new request starts from what the engine has seen, and a
-request whose text changes character moves off it within a few steps). cost(B, W) is a table of step times for B
-requests and window W, measured at start-up (`StepCostModel.calibrate`) and corrected from every real step.
+request whose text changes character moves off it within a few steps). cost(B, W) is a table of forward times for
+B requests at window W, measured at start-up (`StepCostModel.calibrate`) and corrected from every real step.
 
-W = 0 is a plain decoding step, and a window must beat it by SPECULATION_MARGIN to be chosen. One W serves the whole
-batch: the target verifies a rectangular [B, W + 1] batch, so a request given fewer drafts than its neighbours
-would still pay for its padded rows, and a request given more costs everyone. When W = 0 has won many steps in a
-row, one step at W = 1 re-measures acceptance (a head that was useless on one stretch of text may be good on the
-next); the wait doubles after every probe that does not bring drafting back.
+The choice is between one plain step for everyone (W = 0), one window W for everyone, and a window W for the m
+requests that gain most from it while the rest take a plain step in a second forward. The target verifies a
+rectangular [B, W + 1] batch, so inside one forward a request given fewer drafts than its neighbours would still
+pay for its padded rows; a second forward reads the weights a second time, which pays only where verify rows are
+dear (a compute-bound CPU at high concurrency). A window must beat the plain step by SPECULATION_MARGIN. When the
+plain step has won many steps in a row, one step at W = 1 re-measures acceptance (a head that was useless on one
+stretch of text may be good on the next); the wait doubles after every probe that does not bring drafting back.
 """
 from __future__ import annotations
 
@@ -145,8 +148,8 @@ class FixedK:
     def __init__(self, k: int):
         self.max_k = k
 
-    def choose(self, requests: Sequence[Candidate]) -> int:
-        return self.max_k
+    def choose(self, requests: Sequence[Candidate]) -> list[int]:
+        return [self.max_k] * len(requests)
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
         pass
@@ -177,34 +180,45 @@ class AdaptiveK:
             est = self.requests[request_id] = AcceptanceEstimate(self.max_k, REQUEST_MEMORY, prior=self.engine_wide)
         return est
 
-    def expected_tokens(self, requests: Sequence[Candidate]) -> list[float]:
-        """Sum over the batch of E_b(W), for W = 0..max_k."""
-        totals = [0.0] * (self.max_k + 1)
-        for r in requests:
-            survival = self.estimate(r.request_id).survival()
-            useful = max(0, min(self.max_k, r.remaining - 1))  # drafts past the request's last token emit nothing
-            e = 1.0
-            for w in range(self.max_k + 1):
-                if 0 < w <= useful:
-                    e += survival[w - 1]
-                totals[w] += e
-        return totals
+    def gains(self, request: Candidate) -> list[float]:
+        """E_b(W) - 1 for W = 0..max_k: the tokens a window of W drafts is expected to add to the target's one."""
+        survival = self.estimate(request.request_id).survival()
+        useful = max(0, min(self.max_k, request.remaining - 1))  # drafts past the request's last token emit nothing
+        out, g = [0.0], 0.0
+        for w in range(1, self.max_k + 1):
+            if w <= useful:
+                g += survival[w - 1]
+            out.append(g)
+        return out
 
-    def choose(self, requests: Sequence[Candidate]) -> int:
+    def choose(self, requests: Sequence[Candidate]) -> list[int]:
+        """K per request: 0 for all, or W for the m requests that gain most from it and 0 for the rest (two
+        target forwards), whichever promises the most tokens per second."""
         batch = len(requests)
-        tokens = self.expected_tokens(requests)
-        costs = self.cost.predict_row(batch)
-        rates = [tokens[w] / costs[w] for w in range(self.max_k + 1)]
-        best = max(range(1, self.max_k + 1), key=lambda w: (rates[w], -w), default=0)
-        if best and rates[best] >= SPECULATION_MARGIN * rates[0]:
+        gains = [self.gains(r) for r in requests]
+        rows = {b: self.cost.predict_row(b) for b in range(1, batch + 1)}
+        plain = batch / rows[batch][0]
+        best_rate, best_w, chosen = plain, 0, []
+        for w in range(1, self.max_k + 1):
+            order = sorted(range(batch), key=lambda i: -gains[i][w])
+            tokens = float(batch)
+            for m in range(1, batch + 1):
+                tokens += gains[order[m - 1]][w]
+                cost = rows[m][w] + (rows[batch - m][0] if m < batch else 0.0)
+                if tokens / cost > best_rate:
+                    best_rate, best_w, chosen = tokens / cost, w, order[:m]
+        if best_w and best_rate >= SPECULATION_MARGIN * plain:
             self.plain_steps_in_a_row, self.probe_after = 0, PROBE_AFTER
-            return best
+            ks = [0] * batch
+            for i in chosen:
+                ks[i] = best_w
+            return ks
         self.plain_steps_in_a_row += 1
         if self.plain_steps_in_a_row > self.probe_after and self.max_k:
             self.plain_steps_in_a_row = 0
             self.probe_after = min(2 * self.probe_after, PROBE_AFTER_MAX)
-            return 1
-        return 0
+            return [1] * batch
+        return [0] * batch
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
         self.estimate(request_id).observe(num_drafted, num_accepted)
