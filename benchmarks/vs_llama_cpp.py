@@ -1,0 +1,77 @@
+"""peagle next to llama.cpp on the same machine, weights and thread count, in one run.
+
+llama.cpp's `llama-bench` measures decode from an empty context (tg64), decode at a 512-token context (tg64 at
+depth 512) and a 512-token prefill (pp512) on a bf16 GGUF of the embedded SmolLM2; peagle's engine does the same on
+the same weights (plain decoding, no speculation: this compares the forward). Rounds alternate between the two,
+so load from other processes on a shared machine hits both alike; each figure is the median over rounds, wall time.
+
+Nothing here builds or downloads llama.cpp: build `llama-bench` from its source (for example the copy inside the
+llama-cpp-python source package) and convert the weights with its `convert_hf_to_gguf.py --outtype bf16`:
+
+    python benchmarks/vs_llama_cpp.py --llama-bench /path/to/llama-bench --gguf smollm2-bf16.gguf --threads 1
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+
+import torch
+
+
+def llama_bench(binary: str, gguf: str, threads: int, args: list[str]) -> float:
+    """Tokens per second of one llama-bench test (one repetition)."""
+    out = subprocess.run([binary, "-m", gguf, "-t", str(threads), "-r", "1", "-o", "json", *args],
+                         capture_output=True, text=True, check=True).stdout
+    return float(json.loads(out)[0]["avg_ts"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--llama-bench", required=True, help="path of llama.cpp's llama-bench binary")
+    ap.add_argument("--gguf", required=True, help="the embedded SmolLM2 converted to a bf16 GGUF")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from peagle.engine import LLMEngine, SamplingParams
+    from peagle.model import kernels
+
+    engine = LLMEngine.from_pretrained(None, None, max_num_seqs=1, max_model_len=1024, device="cpu")
+    g = torch.Generator().manual_seed(0)
+    long_prompt = torch.randint(100, 40000, (512,), generator=g).tolist()
+
+    def ours() -> dict:
+        params = SamplingParams(max_tokens=65, ignore_eos=True, temperature=0.0)
+        short = engine.generate([[1]], params)[0]  # decode from (almost) an empty context
+        deep = engine.generate([long_prompt], params)[0]  # a 512-token prefill, then decode at depth 512
+        return {"tg64": 64 / (short.elapsed - short.time_to_first_token),
+                "tg64@d512": 64 / (deep.elapsed - deep.time_to_first_token),
+                "pp512": 512 / deep.time_to_first_token}
+
+    def theirs() -> dict:
+        b = lambda *a: llama_bench(args.llama_bench, args.gguf, args.threads, list(a))  # noqa: E731
+        return {"tg64": b("-p", "0", "-n", "64"), "tg64@d512": b("-p", "0", "-n", "64", "-d", "512"),
+                "pp512": b("-p", "512", "-n", "0")}
+
+    ours()  # warm-up
+    runs = {"peagle": [], "llama.cpp": []}
+    for i in range(args.rounds):
+        order = [("peagle", ours), ("llama.cpp", theirs)]
+        for name, fn in (order if i % 2 == 0 else order[::-1]):
+            runs[name].append(fn())
+            print(f"round {i + 1} {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in runs[name][-1].items()),
+                  flush=True)
+    print(f"\n{kernels.describe()}; {args.threads} thread(s); load average {os.getloadavg()[0]:.2f}")
+    print(f"{'test':<10} {'peagle tok/s':>13} {'llama.cpp tok/s':>16} {'ratio':>7}")
+    for test in ("tg64", "tg64@d512", "pp512"):
+        a = statistics.median(r[test] for r in runs["peagle"])
+        b = statistics.median(r[test] for r in runs["llama.cpp"])
+        print(f"{test:<10} {a:>13.1f} {b:>16.1f} {a / b:>6.2f}x")
+
+
+if __name__ == "__main__":
+    main()
