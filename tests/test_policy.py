@@ -299,3 +299,34 @@ def test_metrics_expose_k_per_step():
     assert 'peagle:spec_decode_num_speculative_tokens_sum{model_name="m"} 4.0' in text
     assert 'peagle:spec_decode_num_speculative_tokens_bucket{le="0.0",model_name="m"} 2.0' in text
     assert 'vllm:spec_decode_num_drafts_total{model_name="m"} 2.0' in text
+
+
+def test_serve_defaults_to_adaptive_and_reads_the_environment():
+    import argparse
+
+    from peagle.serve.cli import add_serve_args, apply_env_defaults
+
+    def parse(environ, argv=()):
+        parser = argparse.ArgumentParser()
+        add_serve_args(parser)
+        apply_env_defaults(parser, environ)
+        return parser.parse_args(list(argv)).speculation_policy
+
+    assert parse({}) == "adaptive"
+    assert parse({"SM_VLLM_SPECULATION_POLICY": "fixed"}) == "fixed"
+    assert parse({"SM_VLLM_SPECULATION_POLICY": "fixed"}, ["--speculation-policy", "adaptive"]) == "adaptive"
+
+
+def test_generate_reports_the_policy(capsys, one_thread):
+    import json
+
+    from peagle.cli import main
+
+    assert main(["generate", "--json", "--max-tokens", "12", "def add(a, b):"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["speculation_policy"] == "adaptive" and out["method"] == "peagle"
+    assert sum(out["steps_per_k"]) > 0 and len(out["steps_per_k"]) == out["num_speculative_tokens"] + 1
+    assert main(["generate", "--json", "--max-tokens", "12", "--speculation-policy", "fixed", "def add(a, b):"]) == 0
+    fixed = json.loads(capsys.readouterr().out)
+    assert fixed["speculation_policy"] == "fixed" and fixed["text"] == out["text"]
+    assert fixed["steps_per_k"][0] == 0 and fixed["mean_k"] == fixed["num_speculative_tokens"]
