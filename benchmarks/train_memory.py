@@ -19,8 +19,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import peagle.train  # noqa: F401  - first, so its malloc policy is in place before torch loads
-
 
 def build_sequence(length: int, out: Path) -> dict:
     from transformers import AutoTokenizer

@@ -21,7 +21,7 @@ def _random_rows(n_rows: int, n_tokens: int, vocab: int, seed: int = 0) -> list[
 
 
 def _cfg(tmp: Path, target: Path, data: Path, **kw) -> TrainConfig:
-    base = dict(data=str(data), out=str(tmp / "out"), target=str(target), batch_size=2, num_depths=3,
+    base = dict(data=str(data), out=str(tmp / "out"), target=str(target), batch_size=2, num_depths=3, num_layers=1,
                 max_seq_len=64, dtype="fp32", progress=False, eval_fraction=0.0, save_every=0, lr=1e-3)
     base.update(kw)
     return TrainConfig(**base)

@@ -11,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from peagle.train.trainer import TrainConfig
+from peagle.train.trainer import DEFAULT_DEPTHS, DEFAULT_LAYERS, TrainConfig
 
 
 def register(name: str, parser) -> None:
     p = parser
+    D = {f.name: f.default for f in dataclasses.fields(TrainConfig)}  # TrainConfig holds every default
     p.add_argument("--target", default=None,
                    help="target model: a Hugging Face folder or cached hub id, any causal LM "
                         "(default: the embedded SmolLM2-135M-Instruct)")
@@ -25,22 +26,29 @@ def register(name: str, parser) -> None:
     p.add_argument("--out", default=None, help="output folder for the head and checkpoints "
                                               "[default: ./peagle-<method>-head]")
     p.add_argument("--method", choices=("peagle", "eagle3"), default="peagle")
-    p.add_argument("--num-layers", type=int, default=1, help="drafter decoder layers [1]")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="drafter decoder layers [P-EAGLE {}, EAGLE-3 {}]".format(*DEFAULT_LAYERS.values()))
     p.add_argument("--num-depths", type=int, default=None,
-                   help="P-EAGLE: COD depths (train more than you serve) [8]; EAGLE-3: TTT unroll steps [7]")
-    p.add_argument("--draft-vocab-size", type=int, default=32000, help="Vd, capped at the target's vocab [32000]")
+                   help="P-EAGLE: COD depths (train more than you serve) [{}]; EAGLE-3: TTT unroll steps [{}]".format(
+                       *DEFAULT_DEPTHS.values()))
+    p.add_argument("--draft-vocab-size", type=int, default=D["draft_vocab_size"],
+                   help=f"Vd, capped at the target's vocab [{D['draft_vocab_size']}]")
     p.add_argument("--max-seq-len", type=int, default=2048, help="tokens per training sequence (longer are cut) [2048]")
     p.add_argument("--partitions", type=int, default=1,
                    help="sequence partitioning: S forward/backward passes per sequence; memory falls as S grows, "
                         "gradients stay exact (P-EAGLE) [1]")
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per optimizer step, all ranks together [8]")
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--warmup-ratio", type=float, default=0.03)
-    p.add_argument("--min-lr-ratio", type=float, default=0.0, help="cosine floor as a fraction of --lr")
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--max-grad-norm", type=float, default=0.5, help="gradient clipping (0: off)")
+    p.add_argument("--batch-size", type=int, default=D["batch_size"],
+                   help=f"sequences per optimizer step, all ranks together [{D['batch_size']}]")
+    p.add_argument("--lr", type=float, default=D["lr"], help=f"peak learning rate [{D['lr']}]")
+    p.add_argument("--warmup-ratio", type=float, default=D["warmup_ratio"],
+                   help=f"share of the steps spent warming up [{D['warmup_ratio']}]")
+    p.add_argument("--min-lr-ratio", type=float, default=D["min_lr_ratio"],
+                   help=f"cosine floor as a fraction of --lr [{D['min_lr_ratio']}]")
+    p.add_argument("--weight-decay", type=float, default=D["weight_decay"])
+    p.add_argument("--max-grad-norm", type=float, default=D["max_grad_norm"],
+                   help=f"gradient clipping (0: off) [{D['max_grad_norm']}]")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
                    help="compute dtype (bf16 autocast with fp32 master weights, or fp32)")
     p.add_argument("--target-dtype", choices=("bf16", "fp32", "fp16"), default=None,
@@ -48,8 +56,10 @@ def register(name: str, parser) -> None:
     p.add_argument("--target-device-map", default=None,
                    help="load the frozen target with this transformers device_map (e.g. auto) to spread a target "
                         "too large for one GPU over the GPUs this process sees")
-    p.add_argument("--cod-ratio", type=float, default=0.8, help="COD retention r: depth d keeps ~N*max(r^d, r_min)")
-    p.add_argument("--cod-min-ratio", type=float, default=0.2, help="COD floor r_min")
+    p.add_argument("--cod-ratio", type=float, default=D["cod_ratio"],
+                   help=f"COD retention r: depth d keeps ~N*max(r^d, r_min) [{D['cod_ratio']}]")
+    p.add_argument("--cod-min-ratio", type=float, default=D["cod_min_ratio"],
+                   help=f"COD floor r_min [{D['cod_min_ratio']}]")
     p.add_argument("--loss", choices=("kl", "ce"), default="kl",
                    help="kl: forward KL to the target's draft-vocab distribution; ce: cross-entropy on its argmax")
     p.add_argument("--ttt-decay", type=float, default=0.8, help="EAGLE-3 TTT step weight base (0.8^k)")
@@ -79,7 +89,8 @@ def register(name: str, parser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--limit", type=int, default=None, help="use at most this many conversations")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--loss-chunk", type=int, default=256, help="rows per fused LM-head/loss chunk")
+    p.add_argument("--loss-chunk", type=int, default=D["loss_chunk"],
+                   help=f"rows per fused LM-head/loss chunk [{D['loss_chunk']}]")
     p.add_argument("--attn-chunk", type=int, default=2048, help="anchors per attention chunk in the TTT unroll")
     p.add_argument("--no-init-from-target", action="store_true",
                    help="random lm_head/norm instead of the target's (restricted to the draft vocab)")

@@ -1,4 +1,5 @@
-"""The training loop (docs/design.md, "Training objective"): online distillation from a frozen target into a P-EAGLE or EAGLE-3 head.
+"""The training loop: online distillation from a frozen target into a P-EAGLE or EAGLE-3 head (docs/design.md,
+"Training objective").
 
 One optimizer step covers `batch_size` sequences (global, across ranks). Each rank takes every world-th sequence of
 the step, samples its COD elements (seeded by (seed, epoch, sample index), so the sample gets the same elements
@@ -33,6 +34,8 @@ from peagle.train.objective import TeacherSeq, TrainHead, cod_hidden, export_dra
 from peagle.train.teacher import Teacher
 from peagle.train.vocab import used_ids
 
+# Per-method defaults: the bundled heads' shapes (docs/heads.md).
+DEFAULT_LAYERS = {"peagle": 2, "eagle3": 1}
 DEFAULT_DEPTHS = {"peagle": 8, "eagle3": 7}
 
 
@@ -42,8 +45,8 @@ class TrainConfig:
     out: str = "peagle-head"
     target: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     method: str = "peagle"
-    num_layers: int = 1
-    num_depths: int | None = None  # P-EAGLE COD depths / EAGLE-3 TTT steps (default 8 / 7)
+    num_layers: int | None = None  # drafter decoder layers (default: DEFAULT_LAYERS[method])
+    num_depths: int | None = None  # P-EAGLE COD depths / EAGLE-3 TTT steps (default: DEFAULT_DEPTHS[method])
     draft_vocab_size: int = 32000
     max_seq_len: int = 2048
     partitions: int = 1
@@ -81,7 +84,7 @@ class TrainConfig:
     limit: int | None = None  # use at most this many conversations
     log_every: int = 1
     progress: bool = True
-    loss_chunk: int = 256
+    loss_chunk: int = 1024
     attn_chunk: int = 2048
     init_from_target: bool = True  # lm_head/norm from the target's
     norm_before_residual: bool = False  # layer 0 adds attention to hidden_norm(h), not h (vLLM reads the flag)
@@ -93,6 +96,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.method not in ("peagle", "eagle3"):
             raise ValueError(f"--method must be peagle or eagle3, not {self.method!r}")
+        if self.num_layers is None:
+            self.num_layers = DEFAULT_LAYERS[self.method]
         if self.num_depths is None:
             self.num_depths = DEFAULT_DEPTHS[self.method]
         if self.num_depths < 1:
@@ -121,8 +126,10 @@ def limit_heap_fragmentation(threshold: int = 1 << 17) -> None:
     glibc raises its mmap threshold each time a large block is freed; tensors of a few MB then come from the heap and
     their pages are rarely returned, so the resident set creeps up segment after segment of a partitioned step
     (measured on an 8K-token step in 4 partitions: 4.4 GiB peak without this, 2.8 GiB with it). A fixed threshold keeps
-    the resident set near what is live. Called when training starts; the `MALLOC_MMAP_THRESHOLD_` environment
-    variable, when set, wins."""
+    the resident set near what is live. It costs speed, though: every large temporary is then a fresh mapping whose
+    pages the kernel faults in and zeroes (a 4-sequence SmolLM2 step ran 1.65x slower with it, docs/training.md),
+    so the trainer sets it only for partitioned (long-sequence) runs, where memory is what binds. The
+    `MALLOC_MMAP_THRESHOLD_` environment variable, when set, wins."""
     if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return
     import ctypes
@@ -190,7 +197,8 @@ def peak_memory_gib(device: torch.device) -> float:
 class Trainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
-        limit_heap_fragmentation()
+        if cfg.partitions > 1:
+            limit_heap_fragmentation()
         self._setup_distributed()
         torch.manual_seed(cfg.seed)
         from peagle.model.loading import resolve_model

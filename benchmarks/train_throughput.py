@@ -1,0 +1,65 @@
+"""Training throughput per core: tokens per CPU-second of P-EAGLE (or EAGLE-3) training steps on the embedded
+SmolLM2, with the bundled heads' recipe and data, the teacher's outputs read from a warm cache.
+
+    OMP_NUM_THREADS=1 python benchmarks/train_throughput.py --steps 6 --repeats 2
+
+The first pass over `--steps` optimizer steps (4 conversations each) fills a teacher cache and times the target's
+forward on its own; each repeat then runs the same steps again (the same batches, from the cache) and reports
+tokens per CPU-second of the process (time.process_time, so other jobs on a shared machine inflate it less than
+they inflate wall time) and per wall-second. Runs against any checkout: `PYTHONPATH=/path/to/other/checkout python
+benchmarks/train_throughput.py` measures that version with the same command.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", default="data/heads/smollm2-regenerated.jsonl")
+    p.add_argument("--method", choices=("peagle", "eagle3"), default="peagle")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    import torch
+
+    import peagle
+    from peagle.train.trainer import TrainConfig, Trainer
+
+    torch.set_num_threads(args.threads)
+    shape = dict(num_layers=2, num_depths=12) if args.method == "peagle" else dict(num_layers=1, num_depths=7)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = TrainConfig(data=args.data, out=f"{tmp}/out", method=args.method, draft_vocab_size=8192, batch_size=4,
+                          lr=1e-3, max_steps=1000, teacher_cache=f"{tmp}/cache", eval_fraction=0.0, save_every=0,
+                          progress=False, **shape)
+        tr = Trainer(cfg)
+        teacher_s = teacher_tokens = 0
+        for _ in range(args.steps):
+            m = tr.train_step()
+            teacher_s += m["teacher_seconds"]
+            teacher_tokens += m["tokens"]
+        passes = []
+        for _ in range(args.repeats):
+            tr.step = 0
+            tokens, cpu0, wall0 = 0, time.process_time(), time.time()
+            for _ in range(args.steps):
+                tokens += tr.train_step()["tokens"]
+            passes.append((tokens, time.process_time() - cpu0, time.time() - wall0))
+    tokens = sum(t for t, _, _ in passes)
+    cpu, wall = sum(c for _, c, _ in passes), sum(w for _, _, w in passes)
+    result = {"code": peagle.__file__, "method": args.method, "steps": args.steps, "repeats": args.repeats,
+              "threads": args.threads, "tokens": tokens, "tokens_per_cpu_s": round(tokens / cpu, 1),
+              "tokens_per_wall_s": round(tokens / wall, 1),
+              "teacher_tokens_per_s": round(teacher_tokens / max(teacher_s, 1e-9), 1),
+              "per_pass_tokens_per_cpu_s": [round(t / c, 1) for t, c, _ in passes]}
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
