@@ -24,3 +24,4 @@ python3 -m peagle.cli bench --dataset "custom:$WORK/bench.jsonl" --num-prompts 8
   --threads "$THREADS" --out "$WORK/bench" "$@" 2>&1 | tee "$WORK/bench.log"
 cp "$WORK"/bench/results.md "$WORK"/bench/results.json "$WORK"/bench/*.png "$DOCS"/
 python3 benchmarks/update_docs.py "$DOCS/results.json" docs/benchmarks.md counting
+python3 benchmarks/update_docs.py --summary docs/benchmarks.md humaneval mtbench counting
