@@ -201,6 +201,23 @@ def test_adaptive_greedy_is_lossless(tiny_target, parallel):
     assert eng.stats.mean_acceptance_length > 1.5
 
 
+def test_adaptive_logprobs_equal_plain_decoding(tiny_target):
+    """Log-probabilities come from whichever forward verified each token: windows of any K and plain steps give
+    the same numbers as plain decoding."""
+    ps = prompts(4, seed=9)
+    params = SamplingParams(max_tokens=30, ignore_eos=True, logprobs=3)
+    plain = LLMEngine(tiny_target, None, max_num_seqs=4, max_model_len=256).generate(ps, params)
+    eng = synthetic_costs(engine(tiny_target, 5, "adaptive", max_num_seqs=4), lambda b, w: 1.0 + 0.2 * b * (w + 1))
+    half_right_oracle(eng, {tuple(p): o.token_ids for p, o in zip(ps, plain)})
+    outs = eng.generate(ps, params)
+    assert eng.stats.steps_per_k[0] > 0 and sum(eng.stats.steps_per_k[1:]) > 0
+    for o, ref in zip(outs, plain):
+        assert o.token_ids == ref.token_ids and len(o.logprobs) == len(ref.logprobs) == 30
+        for got, want in zip(o.logprobs, ref.logprobs):
+            assert got.token_id == want.token_id and got.logprob == pytest.approx(want.logprob, abs=1e-4)
+            assert [t for t, _ in got.top] == [t for t, _ in want.top]
+
+
 def test_adaptive_with_a_useless_head_decodes_plainly(tiny_target):
     ps = prompts(4, seed=5)
     params = SamplingParams(max_tokens=40, ignore_eos=True)

@@ -92,7 +92,6 @@ class StepCostModel:
         self.base = [[1.0 + b * (w + 1) for w in range(max_k + 1)] for b in range(max_batch + 1)]  # until calibrated
         self.cell = [[1.0] * (max_k + 1) for _ in range(max_batch + 1)]
         self.drift = 1.0
-        self.calibrated = False
 
     @staticmethod
     def grid(max_batch: int, max_k: int) -> tuple[list[int], list[int]]:
@@ -113,7 +112,6 @@ class StepCostModel:
                 w0, w1 = _bracket(ws, w)
                 at_b = [_lerp(w, w0, w1, measured[(bb, w0)], measured[(bb, w1)]) for bb in (b0, b1)]
                 self.base[b][w] = _lerp(b, b0, b1, *at_b)
-        self.calibrated = True
 
     def predict(self, batch: int, window: int) -> float:
         return self.base[batch][window] * self.cell[batch][window] * self.drift
