@@ -180,9 +180,9 @@ def streaming_read_gbs(threads: int, mb: int = 512) -> float:
     buf.sum()
     best = float("inf")
     for _ in range(5):  # the fastest pass: the one least disturbed by other processes
-        t0 = time.perf_counter()
+        t0 = clock()
         buf.sum()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
     return buf.numel() * 4 / best / 1e9
 
 

@@ -30,6 +30,7 @@
 #define MAX_ROWS 4    /* rows per register block */
 #define MAX_PANELS 4  /* panels per register block (a "column block" of 64 outputs) */
 #define BF16_MAX_ROWS 8  /* rows per register block on the AVX-512 BF16 path */
+#define AVX2_PREFETCH_PAIRS 64  /* AVX2 path: prefetch the panel this many input pairs (64-byte lines) ahead */
 #define ROW_BLOCK 64  /* rows per cache block of the activations (prefill) */
 #define HEADS_PER_PASS 4  /* attention: query heads of one key/value head computed together */
 #define ROWS_PER_PASS 4   /* attention: query rows of one cache slot computed together */
@@ -142,6 +143,8 @@ static inline __attribute__((always_inline)) void block_avx2(const int R, const 
         #pragma GCC unroll 4
         for (int p = 0; p < P; p++) {
             const uint16_t *wq = w + p * pstride + (size_t)q * 2 * PANEL;
+            /* While FMAs bound the block (several rows), the hardware prefetcher falls behind: ask 4 KB ahead. */
+            _mm_prefetch((const char *)(wq + AVX2_PREFETCH_PAIRS * 2 * PANEL), _MM_HINT_T0);
             __m256i lo = _mm256_loadu_si256((const __m256i *)wq), hi = _mm256_loadu_si256((const __m256i *)(wq + 16));
             __m256 even_lo = _mm256_castsi256_ps(_mm256_slli_epi32(lo, 16));
             __m256 odd_lo = _mm256_castsi256_ps(_mm256_and_si256(lo, odd_mask));
