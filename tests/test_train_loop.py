@@ -204,3 +204,16 @@ def test_short_training_raises_acceptance(tmp_path, repetitive):
     held_out = [prompts[i] for i in tr.eval_ids[:4]]
     got = sum(_speculative_acceptance(model, head, p, 4) for p in held_out) / len(held_out)
     assert got > 2.5, got
+
+
+def test_a_one_step_run_steps_at_the_full_learning_rate(tmp_path):
+    """The schedule never spends a step at learning rate 0: a one-step run takes its step at --lr (and reports the
+    rate the step used, not the next one)."""
+    target = make_tiny_model(tmp_path / "t", "llama", num_hidden_layers=8, vocab_size=128)
+    save_rows(_random_rows(4, 40, 128, seed=7), tmp_path / "data", {})
+    tr = Trainer(_cfg(tmp_path, target, tmp_path / "data", max_steps=1, warmup_ratio=0.05))
+    before = tr.drafter.fc.weight.detach().clone()
+    m = tr.train_step()
+    assert m["lr"] == pytest.approx(1e-3)
+    # AdamW's first update moves every weight with a gradient by about lr
+    assert float((tr.drafter.fc.weight.detach() - before).abs().max()) == pytest.approx(1e-3, rel=0.05)
