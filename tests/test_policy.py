@@ -347,3 +347,15 @@ def test_generate_reports_the_policy(capsys, one_thread):
     fixed = json.loads(capsys.readouterr().out)
     assert fixed["speculation_policy"] == "fixed" and fixed["text"] == out["text"]
     assert fixed["steps_per_k"][0] == 0 and fixed["mean_k"] == fixed["num_speculative_tokens"]
+
+
+def test_disable_by_batch_size_turns_speculation_off_while_the_batch_is_large(tiny_target):
+    ps = prompts(3, seed=13)
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (6, 20, 20)]
+    ref = [o.token_ids for o in LLMEngine(tiny_target, None, max_num_seqs=3, max_model_len=256).generate(ps, params)]
+    eng = engine(tiny_target, 3, "fixed", max_num_seqs=3)
+    eng.spec = eng.spec.model_copy(update={"disable_by_batch_size": 3})
+    outs = eng.generate(ps, params)
+    assert [o.token_ids for o in outs] == ref
+    # Plain steps while all three run; drafts again once the short request has finished.
+    assert outs[0].spec.steps_per_k == [5, 0, 0, 0] and outs[1].spec.steps_per_k[3] > 0  # (the prefill made token 1)

@@ -322,6 +322,8 @@ class LLMEngine:
             self._decode_window(reqs, 0)
             return
         ks = self.policy.choose([Candidate(r.request_id, r.params.max_tokens - len(r.output_ids)) for r in reqs])
+        if self.spec.disable_by_batch_size and len(reqs) >= self.spec.disable_by_batch_size:
+            ks = [0] * len(reqs)  # vLLM's switch: no speculation while this many requests run
         for k in sorted(set(ks)):
             self._decode_window([r for r, kr in zip(reqs, ks) if kr == k], k)
 
