@@ -71,6 +71,37 @@ void peagle_pack_panels(const uint16_t *w, int N, int K, uint16_t *out, int nthr
         }
 }
 
+/* A register block of R rows x P panels: x rows (the path's own element type) times P panels of W -> y. */
+typedef void (*block_fn)(const void *x, size_t ldx, const uint16_t *w, size_t pstride, int K2, uint16_t *y,
+                         size_t ldy, int ncols);
+
+/* The loops every matrix path shares: rows in cache blocks of ROW_BLOCK, column blocks of MAX_PANELS panels split
+   across threads (never a reduction), register blocks of up to max_rows rows inside; blocks[R][P] computes R rows x
+   P panels, and a block of R rows covers panels_for_rows[R] panels at a time. x: M rows of ldx elements of
+   x_size bytes, each row a whole number of input pairs. */
+static void run_blocks(const void *x, size_t x_size, size_t ldx, const uint16_t *wp, uint16_t *y, long ldy, int M,
+                       int N, int K, int nthreads, int max_rows, const int *panels_for_rows,
+                       const block_fn blocks[][MAX_PANELS + 1]) {
+    int K2 = (K + 1) / 2, NP = (N + PANEL - 1) / PANEL, NB = (NP + MAX_PANELS - 1) / MAX_PANELS;
+    size_t pstride = (size_t)K2 * 2 * PANEL;
+    #pragma omp parallel num_threads(nthreads)
+    for (int m0 = 0; m0 < M; m0 += ROW_BLOCK) {
+        int mend = M - m0 < ROW_BLOCK ? M : m0 + ROW_BLOCK;
+        #pragma omp for schedule(static)
+        for (int nb = 0; nb < NB; nb++) {
+            int pend = (nb + 1) * MAX_PANELS < NP ? (nb + 1) * MAX_PANELS : NP;
+            for (int m = m0; m < mend; m += max_rows) {
+                int R = mend - m < max_rows ? mend - m : max_rows, step = panels_for_rows[R];
+                for (int p = nb * MAX_PANELS; p < pend; p += step) {
+                    int P = pend - p < step ? pend - p : step;
+                    blocks[R][P]((const char *)x + (size_t)m * ldx * x_size, ldx, wp + (size_t)p * pstride, pstride,
+                                 K2, y + (size_t)m * ldy + (size_t)p * PANEL, (size_t)ldy, N - p * PANEL);
+                }
+            }
+        }
+    }
+}
+
 /* ---------------------------------------------------------------------------------------------------------------
    AVX2 + FMA: the path every x86-64 machine has, and attention / RMSNorm / RoPE for all of them */
 
@@ -168,17 +199,16 @@ static inline __attribute__((always_inline)) void block_avx2(const int R, const 
             }
 }
 
-typedef void (*avx2_block_fn)(const float *, size_t, const uint16_t *, size_t, int, uint16_t *, size_t, int);
 #define AVX2_BLOCK(R, P)                                                                                         \
-    static void avx2_block_##R##_##P(const float *x, size_t ldx, const uint16_t *w, size_t pstride, int K2,     \
+    static void avx2_block_##R##_##P(const void *x, size_t ldx, const uint16_t *w, size_t pstride, int K2,      \
                                      uint16_t *y, size_t ldy, int ncols) {                                     \
-        block_avx2(R, P, x, ldx, w, pstride, K2, y, ldy, ncols);                                                \
+        block_avx2(R, P, (const float *)x, ldx, w, pstride, K2, y, ldy, ncols);                                 \
     }
 /* With 16 ymm registers, R x P x 2 accumulators must stay at 8: one row takes four panels, four rows one. */
 AVX2_BLOCK(1, 1) AVX2_BLOCK(1, 2) AVX2_BLOCK(1, 3) AVX2_BLOCK(1, 4)
 AVX2_BLOCK(2, 1) AVX2_BLOCK(2, 2)
 AVX2_BLOCK(3, 1) AVX2_BLOCK(4, 1)
-static const avx2_block_fn avx2_blocks[MAX_ROWS + 1][MAX_PANELS + 1] = {
+static const block_fn avx2_blocks[MAX_ROWS + 1][MAX_PANELS + 1] = {
     {0},
     {0, avx2_block_1_1, avx2_block_1_2, avx2_block_1_3, avx2_block_1_4},
     {0, avx2_block_2_1, avx2_block_2_2, 0, 0},
@@ -191,29 +221,14 @@ static const int avx2_panels_per_block[MAX_ROWS + 1] = {0, 4, 2, 1, 1};
    memory for the fp32 copy of x could not be allocated (y untouched). */
 int peagle_gemm_avx2(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy, int M, int N, int K,
                      int nthreads) {
-    int K2 = (K + 1) / 2, NP = (N + PANEL - 1) / PANEL, NB = (NP + MAX_PANELS - 1) / MAX_PANELS;
-    size_t ldxf = (size_t)2 * K2, pstride = (size_t)K2 * 2 * PANEL;
+    size_t ldxf = (size_t)(K + 1) / 2 * 2;
     float *xf = malloc((size_t)M * ldxf * sizeof(float));
     if (!xf) return -1;
     for (int m = 0; m < M; m++) { /* widen x once (zero padded to an even K) */
         for (int k = 0; k < K; k++) xf[(size_t)m * ldxf + k] = bf2f(x[(size_t)m * ldx + k]);
         if (K & 1) xf[(size_t)m * ldxf + K] = 0.0f;
     }
-    #pragma omp parallel num_threads(nthreads)
-    for (int m0 = 0; m0 < M; m0 += ROW_BLOCK) {
-        int mend = M - m0 < ROW_BLOCK ? M : m0 + ROW_BLOCK;
-        #pragma omp for schedule(static)
-        for (int nb = 0; nb < NB; nb++)
-            for (int m = m0; m < mend; m += MAX_ROWS) {
-                int R = mend - m < MAX_ROWS ? mend - m : MAX_ROWS, step = avx2_panels_per_block[R];
-                int pend = (nb + 1) * MAX_PANELS < NP ? (nb + 1) * MAX_PANELS : NP;
-                for (int p = nb * MAX_PANELS; p < pend; p += step) {
-                    int P = pend - p < step ? pend - p : step;
-                    avx2_blocks[R][P](xf + (size_t)m * ldxf, ldxf, wp + (size_t)p * pstride, pstride, K2,
-                                      y + (size_t)m * ldy + (size_t)p * PANEL, (size_t)ldy, N - p * PANEL);
-                }
-            }
-    }
+    run_blocks(xf, sizeof(float), ldxf, wp, y, ldy, M, N, K, nthreads, MAX_ROWS, avx2_panels_per_block, avx2_blocks);
     free(xf);
     return 0;
 }
@@ -477,11 +492,10 @@ static inline __attribute__((always_inline)) void block_bf16(const int R, const 
         }
 }
 
-typedef void (*bf16_block_fn)(const uint16_t *, size_t, const uint16_t *, size_t, int, uint16_t *, size_t, int);
 #define BF16_BLOCK(R, P)                                                                                         \
-    static void bf16_block_##R##_##P(const uint16_t *x, size_t ldx, const uint16_t *w, size_t pstride, int K2,  \
+    static void bf16_block_##R##_##P(const void *x, size_t ldx, const uint16_t *w, size_t pstride, int K2,      \
                                      uint16_t *y, size_t ldy, int ncols) {                                     \
-        block_bf16(R, P, x, ldx, w, pstride, K2, y, ldy, ncols);                                                \
+        block_bf16(R, P, (const uint16_t *)x, ldx, w, pstride, K2, y, ldy, ncols);                              \
     }
 /* 32 zmm registers: up to four rows take four panels (16 accumulators), five to eight rows take two (up to 16), so
    a verify window of up to 8 rows streams each weight from memory once. */
@@ -491,7 +505,7 @@ BF16_BLOCK(3, 1) BF16_BLOCK(3, 2) BF16_BLOCK(3, 3) BF16_BLOCK(3, 4)
 BF16_BLOCK(4, 1) BF16_BLOCK(4, 2) BF16_BLOCK(4, 3) BF16_BLOCK(4, 4)
 BF16_BLOCK(5, 1) BF16_BLOCK(5, 2) BF16_BLOCK(6, 1) BF16_BLOCK(6, 2)
 BF16_BLOCK(7, 1) BF16_BLOCK(7, 2) BF16_BLOCK(8, 1) BF16_BLOCK(8, 2)
-static const bf16_block_fn bf16_blocks[BF16_MAX_ROWS + 1][MAX_PANELS + 1] = {
+static const block_fn bf16_blocks[BF16_MAX_ROWS + 1][MAX_PANELS + 1] = {
     {0},
     {0, bf16_block_1_1, bf16_block_1_2, bf16_block_1_3, bf16_block_1_4},
     {0, bf16_block_2_1, bf16_block_2_2, bf16_block_2_3, bf16_block_2_4},
@@ -502,35 +516,20 @@ static const bf16_block_fn bf16_blocks[BF16_MAX_ROWS + 1][MAX_PANELS + 1] = {
     {0, bf16_block_7_1, bf16_block_7_2, 0, 0},
     {0, bf16_block_8_1, bf16_block_8_2, 0, 0},
 };
+static const int bf16_panels_per_block[BF16_MAX_ROWS + 1] = {0, 4, 4, 4, 4, 2, 2, 2, 2};
 
 /* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T, W packed by peagle_pack_panels. Returns 0, or -1 when
    memory for the padded copy of x could not be allocated (y untouched). */
 int peagle_gemm_avx512bf16(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy, int M, int N,
                            int K, int nthreads) {
-    int K2 = (K + 1) / 2, NP = (N + PANEL - 1) / PANEL, NB = (NP + MAX_PANELS - 1) / MAX_PANELS;
-    size_t ldxp = (size_t)2 * K2, pstride = (size_t)K2 * 2 * PANEL;
+    size_t ldxp = (size_t)(K + 1) / 2 * 2;
     uint16_t *xp = malloc((size_t)M * ldxp * 2);
     if (!xp) return -1;
     for (int m = 0; m < M; m++) { /* zero padded to an even K so every pair is whole */
         memcpy(xp + (size_t)m * ldxp, x + (size_t)m * ldx, (size_t)K * 2);
         if (K & 1) xp[(size_t)m * ldxp + K] = 0;
     }
-    #pragma omp parallel num_threads(nthreads)
-    for (int m0 = 0; m0 < M; m0 += ROW_BLOCK) {
-        int mend = M - m0 < ROW_BLOCK ? M : m0 + ROW_BLOCK;
-        #pragma omp for schedule(static)
-        for (int nb = 0; nb < NB; nb++) {
-            int pend = (nb + 1) * MAX_PANELS < NP ? (nb + 1) * MAX_PANELS : NP;
-            for (int m = m0; m < mend; m += BF16_MAX_ROWS) {
-                int R = mend - m < BF16_MAX_ROWS ? mend - m : BF16_MAX_ROWS, step = R <= 4 ? 4 : 2;
-                for (int p = nb * MAX_PANELS; p < pend; p += step) {
-                    int P = pend - p < step ? pend - p : step;
-                    bf16_blocks[R][P](xp + (size_t)m * ldxp, ldxp, wp + (size_t)p * pstride, pstride, K2,
-                                      y + (size_t)m * ldy + (size_t)p * PANEL, (size_t)ldy, N - p * PANEL);
-                }
-            }
-        }
-    }
+    run_blocks(xp, 2, ldxp, wp, y, ldy, M, N, K, nthreads, BF16_MAX_ROWS, bf16_panels_per_block, bf16_blocks);
     free(xp);
     return 0;
 }
