@@ -360,12 +360,10 @@ def _chat_logprobs(state: ServerState, entries: list[TokenLogprob] | None) -> Ch
 def _completion_logprobs(state: ServerState, job: Job, index: int, out: RequestOutput, delta: bool = False,
                          prompt: bool = False) -> CompletionLogprobs | None:
     """Choice `index`'s log-probabilities: its prompt's (echo), or its output's (all, or the report's new ones)."""
-    if out is None and not prompt or job.req.logprobs is None:
+    if job.req.logprobs is None:
         return None
     if prompt:
-        req = job.requests[index]
-        entries = [None, *req.prompt_logprobs[1:]] if req.prompt_logprobs else []
-        ids = req.prompt_ids
+        entries, ids = out.prompt_logprobs or [], job.requests[index].prompt_ids
     else:
         entries = out.delta_logprobs if delta else out.logprobs
         ids = [e.token_id for e in entries]
@@ -383,7 +381,7 @@ def _completion_logprobs(state: ServerState, job: Job, index: int, out: RequestO
 
 def _prompt_then_output_logprobs(state: ServerState, job: Job, index: int, out: RequestOutput
                                  ) -> CompletionLogprobs | None:
-    head = _completion_logprobs(state, job, index, None, prompt=True) if job.echoes else None
+    head = _completion_logprobs(state, job, index, out, prompt=True) if job.echoes else None
     tail = _completion_logprobs(state, job, index, out)
     if head is None or tail is None:
         return tail
@@ -480,14 +478,10 @@ class SSEResponse(StreamingResponse):
                 s.abort()
 
 
-def _opening_choice(state: ServerState, job: Job, i: int) -> ChatChunkChoice | CompletionChoice | None:
-    """What choice i's stream starts with: chat announces the role; completions with echo repeat the prompt."""
-    if job.kind == "chat":
-        return ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-    if job.echoes:
-        return CompletionChoice(index=i, text=job.echoes[i],
-                                logprobs=_completion_logprobs(state, job, i, None, prompt=True))
-    return None
+def _echo_choice(state: ServerState, job: Job, i: int, out: RequestOutput) -> CompletionChoice:
+    """Completions with echo: choice i's prompt, with its log-probabilities once prefill has computed them (so it
+    is sent with the choice's first report)."""
+    return CompletionChoice(index=i, text=job.echoes[i], logprobs=_completion_logprobs(state, job, i, out, prompt=True))
 
 
 def _delta_choice(state: ServerState, job: Job, i: int, out: RequestOutput) -> ChatChunkChoice | CompletionChoice:
@@ -501,9 +495,9 @@ def _delta_choice(state: ServerState, job: Job, i: int, out: RequestOutput) -> C
 
 
 async def _events(state: ServerState, job: Job, streams: list[RequestStream]):
-    """The SSE events of a streamed chat or completions request, any number of choices: an opening chunk per
-    choice where the kind has one, then each report's delta as it arrives (the last one, once every choice has
-    finished, with the request's stats), the usage chunk when asked for, and [DONE]."""
+    """The SSE events of a streamed chat or completions request, any number of choices: chat's role chunk per
+    choice, then each report's delta as it arrives (after the echoed prompt, for completions with echo; the last
+    delta, once every choice has finished, with the request's stats), the usage chunk when asked for, and [DONE]."""
     chunk_cls = ChatCompletionChunk if job.kind == "chat" else CompletionChunk
     opts = job.req.stream_options
     include_usage = bool(opts and opts.include_usage)
@@ -519,12 +513,13 @@ async def _events(state: ServerState, job: Job, streams: list[RequestStream]):
             extra["metrics"] = request_metrics(outs)
         return _sse(chunk_cls(id=job.id, created=job.created, model=job.model, choices=choices, **extra).body())
 
-    for i in range(len(streams)):
-        opening = _opening_choice(state, job, i)
-        if opening is not None:
-            yield chunk([opening])
+    if job.kind == "chat":
+        for i in range(len(streams)):
+            yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
     try:
         async for i, out in _merge(streams):
+            if job.echoes and i not in latest:
+                yield chunk([_echo_choice(state, job, i, out)])
             latest[i] = out
             if out.delta_text or out.delta_logprobs or out.finished or continuous:
                 finished = [o for o in latest.values() if o.finished]
