@@ -41,8 +41,8 @@ def write_section(doc: Path, section: str, body: str) -> None:
 def summary(doc: Path, sections: list[str]) -> str:
     """Per prompt set, concurrency and method: no speculation, the best fixed K, adaptive (its mean K) and the
     ratio of adaptive to the better of the two."""
-    lines = ["| prompts | concurrency | method | no speculation | best fixed K | adaptive (mean K) | adaptive / better |",
-             "|---|---:|---|---:|---:|---:|---:|"]
+    lines = ["| prompts | concurrency | method | no speculation | best fixed K | adaptive (mean K) | adaptive / better "
+             "| the same per CPU second |", "|---|---:|---|---:|---:|---:|---:|---:|"]
     for section in sections:
         results = doc.parent / "benchmarks" / section / "results.json"
         if not results.exists():  # not measured yet
@@ -62,8 +62,15 @@ def summary(doc: Path, sections: list[str]) -> str:
                     f"| {report['meta'].get('dataset')} | {c} | {METHOD_NAMES[m]} | {_f(plain)} | "
                     f"{_f(fixed)}" + (f" (K={k})" if k is not None else "") + f" | {_f(adaptive.otps)}"
                     + (f" ({mean_k:.2f})" if mean_k is not None else "") + " | "
-                    + (f"**{adaptive.otps / better:.2f}x**" if better else "—") + " |")
+                    + (f"**{adaptive.otps / better:.2f}x**" if better else "—") + " | "
+                    + _x(report["table"], c, m) + " |")
     return "\n".join(lines)
+
+
+def _x(table: list[dict], c: int, method: str) -> str:
+    row = next(r for r in table if r["concurrency"] == c)
+    r = row["adaptive_vs_best_cpu_otps"].get(method)
+    return "—" if r is None else f"{r:.2f}x"
 
 
 def _f(x: float | None) -> str:

@@ -23,7 +23,9 @@ def _check_outputs(out, expected_runs: int) -> dict:
         assert r["num_failed"] == 0, r["errors"]
         assert r["otps"] > 0 and r["total_output_tokens"] > 0 and r["duration"] > 0
         assert r["ttft_ms"]["mean"] > 0
-        if r["method"] in ("eagle3", "peagle"):
+        assert (r["cpu_otps"] is None) == (report["meta"]["mode"] == "url")  # a running server's CPU is not ours
+        assert r["cpu_otps"] is None or r["cpu_otps"] > 0
+        if r["method"] in ("eagle3", "peagle") and r["policy"] == "fixed":  # adaptive may take only plain steps
             assert r["acceptance"]["num_drafts"] > 0
             assert len(r["acceptance"]["acceptance_per_position"]) == r["k"]
     md = (out / "results.md").read_text()

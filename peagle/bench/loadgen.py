@@ -242,7 +242,7 @@ def run_offline(engine, prompts: list[BenchPrompt], concurrency: int, params_for
                 res.latency = last[0] - res.start
                 if out.finish_reason == "abort":
                     res.ok, res.error = False, "aborted"
-                if out.spec is not None and out.spec.num_drafts:
+                if out.spec is not None and sum(out.spec.steps_per_k):  # it decoded with a drafter
                     res.spec = out.spec.as_dict()
                 results[i] = res
                 del active[out.request_id]
@@ -459,6 +459,14 @@ class ServerProcess:
             time.sleep(0.25)
         self.startup_s = time.perf_counter() - t0
         return self
+
+    def cpu_seconds(self) -> float | None:
+        """User + system CPU time of the server process so far (Linux /proc); None where it cannot be read."""
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError, AttributeError):
+            return None
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -7,6 +7,8 @@ hand-made timings.
   `vllm bench serve` computes it; its percentiles are over requests.
 - ITL = gaps between successive chunks that carried tokens, pooled over all requests. With speculative decoding one
   chunk may carry several tokens, so ITL measures the time between deliveries, as vLLM's does.
+- CPU OTPS = total generated tokens / CPU seconds of the engine's process: a shared machine's other processes move
+  wall time far more than CPU time.
 - Mean acceptance length = 1 + accepted / drafts (counts the target's own token every step), as vLLM reports it.
 - Best K: the K with the highest OTPS for a method at a concurrency; ratios compare best-K OTPS.
 """
@@ -60,11 +62,11 @@ def distribution_ms(values: list[float]) -> dict:
 
 def merge_spec(stats: list[dict | None]) -> dict | None:
     """Sum per-request speculative stats (`SpecDecodeStats.as_dict()` of each) into one set; None when no request
-    carried any drafts."""
+    decoded with a drafter (an adaptive run that only took plain steps still counts them)."""
     from peagle.engine.stats import SpecDecodeStats
 
     total = SpecDecodeStats.total(SpecDecodeStats.from_dict(s) for s in stats if s)
-    return total.as_dict() if total.num_drafts else None
+    return total.as_dict() if total.num_drafts or sum(total.steps_per_k) else None
 
 
 @dataclass
@@ -87,6 +89,10 @@ class RunMetrics:
     acceptance: dict | None = None
     errors: list[str] = field(default_factory=list)
     policy: str = "fixed"  # the engine's speculation policy: fixed or adaptive
+    # CPU seconds the engine's process used in the run, and output tokens per CPU second: on a machine shared with
+    # other processes, wall time mostly measures the scheduler; CPU time much less so. None where not measurable.
+    cpu_s: float | None = None
+    cpu_otps: float | None = None
 
     @property
     def label(self) -> str:
@@ -104,7 +110,7 @@ class RunMetrics:
 
 
 def summarize(results: list[RequestResult], duration: float, method: str, k: int, concurrency: int,
-              acceptance: dict | None = None, policy: str = "fixed") -> RunMetrics:
+              acceptance: dict | None = None, policy: str = "fixed", cpu_s: float | None = None) -> RunMetrics:
     """Aggregate a run. `acceptance` overrides the per-request stats (e.g. a /metrics counter delta)."""
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
@@ -122,7 +128,8 @@ def summarize(results: list[RequestResult], duration: float, method: str, k: int
         itl_ms=distribution_ms(itl),
         e2el_ms=distribution_ms([r.latency for r in ok]),
         acceptance=acceptance,
-        errors=sorted({r.error for r in results if r.error})[:5], policy=policy)
+        errors=sorted({r.error for r in results if r.error})[:5], policy=policy,
+        cpu_s=round(cpu_s, 4) if cpu_s else None, cpu_otps=round(out_tokens / cpu_s, 4) if cpu_s else None)
 
 
 def best_k(otps_by_k: dict[int, float | None]) -> tuple[int | None, float | None]:

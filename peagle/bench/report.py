@@ -43,9 +43,11 @@ def _sort_key(r: RunMetrics):
     return (*_order(_key(r)), r.concurrency)
 
 
-def best_of(runs: list[RunMetrics], method: str, concurrency: int) -> tuple[int | None, float | None]:
-    """(K, OTPS) of a method's fastest fixed K at a concurrency; baseline-like methods have the single K=0."""
-    return best_k({r.k: r.otps for r in runs if r.method == method and r.concurrency == concurrency
+def best_of(runs: list[RunMetrics], method: str, concurrency: int, metric: str = "otps"
+            ) -> tuple[int | None, float | None]:
+    """(K, OTPS) of a method's fastest fixed K at a concurrency (`metric`: otps, or cpu_otps for tokens per CPU
+    second); baseline-like methods have the single K=0."""
+    return best_k({r.k: getattr(r, metric) for r in runs if r.method == method and r.concurrency == concurrency
                    and r.policy == "fixed" and r.num_requests > r.num_failed})
 
 
@@ -106,18 +108,20 @@ def adaptive_targets(runs: list[RunMetrics]) -> list[dict]:
             against, against_otps = max(((f"{METHOD_NAMES[m]} K={k}", v), ("no speculation", vb)),
                                         key=lambda x: x[1] if x[1] is not None else -1.0)
             r = ratio(run.otps if run else None, against_otps)
+            cpu_r = _adaptive_vs_best(runs, m, c, "cpu_otps")
             entry = {"id": f"c{c}_{m}_adaptive", "concurrency": c, "against": against, "min_ratio": ADAPTIVE_MIN_RATIO,
                      "text": f"concurrency {c}: {METHOD_NAMES[m]} adaptive >= {ADAPTIVE_MIN_RATIO}x the better of its "
                              "best fixed K and no speculation",
                      "otps": run.otps if run else None, "against_otps": against_otps,
-                     "ratio": round(r, 4) if r is not None else None}
+                     "ratio": round(r, 4) if r is not None else None, "cpu_ratio": cpu_r}
             if r is None:
                 entry.update(status="not measured", why=f"no fixed-K or no-speculation run at concurrency {c}")
             else:
                 mean_k = (run.acceptance or {}).get("mean_k")
                 entry.update(status="met" if r >= ADAPTIVE_MIN_RATIO else "missed",
                              why=f"against {against}" + (f"; adaptive verified {mean_k:.2f} drafts per step on average"
-                                                        if mean_k is not None else ""))
+                                                        if mean_k is not None else "")
+                             + (f"; per CPU second {cpu_r:.2f}x" if cpu_r is not None else ""))
             out.append(entry)
     return out
 
@@ -142,19 +146,20 @@ def build_report(runs: list[RunMetrics], meta: dict) -> dict:
     concurrencies = sorted({r.concurrency for r in runs})
     rows = []
     for c in concurrencies:
-        row = {"concurrency": c, "otps": {}}
+        row = {"concurrency": c, "otps": {}, "cpu_otps": {}}
         for r in runs:
             if r.concurrency == c:
                 row["otps"][r.label] = r.otps if r.num_requests > r.num_failed else None
+                row["cpu_otps"][r.label] = r.cpu_otps if r.num_requests > r.num_failed else None
         kp, vp = best_of(runs, "peagle", c)
         ke, ve = best_of(runs, "eagle3", c)
         _, vb = best_of(runs, "baseline", c)
         row.update(best_k={"peagle": kp, "eagle3": ke}, peagle_vs_eagle3=_r(ratio(vp, ve)),
                    peagle_vs_baseline=_r(ratio(vp, vb)), eagle3_vs_baseline=_r(ratio(ve, vb)))
         # Adaptive against the better of its method's best fixed K and no speculation.
-        row["adaptive_vs_best"] = {m: _r(ratio(a.otps, max((x for x in (best_of(runs, m, c)[1], vb) if x),
-                                                            default=None)))
-                                   for m in SPEC_METHODS if (a := adaptive_of(runs, m, c)) is not None}
+        for metric in ("otps", "cpu_otps"):
+            row[f"adaptive_vs_best_{metric}"] = {m: _adaptive_vs_best(runs, m, c, metric) for m in SPEC_METHODS
+                                                 if adaptive_of(runs, m, c) is not None}
         rows.append(row)
     acc = pooled_acceptance(runs)
     return {
@@ -165,6 +170,13 @@ def build_report(runs: list[RunMetrics], meta: dict) -> dict:
         "targets": evaluate_targets(runs, meta.get("dataset", "?"), meta.get("heads")),
         "runs": [r.as_dict() for r in runs],
     }
+
+
+def _adaptive_vs_best(runs: list[RunMetrics], method: str, c: int, metric: str) -> float | None:
+    adaptive = adaptive_of(runs, method, c)
+    better = max((x for x in (best_of(runs, method, c, metric)[1], best_of(runs, "baseline", c, metric)[1]) if x),
+                 default=None)
+    return _r(ratio(getattr(adaptive, metric) if adaptive else None, better))
 
 
 def _r(x: float | None) -> float | None:
@@ -181,7 +193,8 @@ def _columns(runs: list[RunMetrics]) -> list[Key]:
     return sorted({_key(r) for r in runs}, key=_order)
 
 
-def otps_table(report: dict) -> str:
+def otps_table(report: dict, metric: str = "otps") -> str:
+    """The main table: `metric` is otps (output tokens per wall second) or cpu_otps (per CPU second)."""
     runs = [RunMetrics.from_dict(d) for d in report["runs"]]
     cols = _columns(runs)
     main = [c for c in cols if c[0] in ("baseline",) + SPEC_METHODS]
@@ -196,20 +209,24 @@ def otps_table(report: dict) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for row in report["table"]:
         cells = [str(row["concurrency"])]
+        values = row.get(metric) or {}
+        best = {m: best_of(runs, m, row["concurrency"], metric) for m in SPEC_METHODS}
         for m, k, p in main:
-            v = row["otps"].get(config_label(m, k, p))
+            v = values.get(config_label(m, k, p))
             s = _fmt(v)
-            if m in SPEC_METHODS and p == "fixed" and v is not None and row["best_k"].get(m) == k:
+            if m in SPEC_METHODS and p == "fixed" and v is not None and best[m][0] == k:
                 s = f"**{s}**"
             cells.append(s)
         if has_ratio:
-            cells.append(_ratio_cell(row["peagle_vs_eagle3"], row["best_k"]["peagle"], row["best_k"]["eagle3"]))
-            cells.append(_ratio_cell(row["peagle_vs_baseline"], row["best_k"]["peagle"], None))
+            vb = best_of(runs, "baseline", row["concurrency"], metric)[1]
+            cells.append(_ratio_cell(_r(ratio(best["peagle"][1], best["eagle3"][1])), best["peagle"][0],
+                                     best["eagle3"][0]))
+            cells.append(_ratio_cell(_r(ratio(best["peagle"][1], vb)), best["peagle"][0], None))
         for m in adaptive:
-            r = (row.get("adaptive_vs_best") or {}).get(m)
+            r = (row.get(f"adaptive_vs_best_{metric}") or {}).get(m)
             cells.append("—" if r is None else f"{r:.2f}x")
         for c in extra:
-            cells.append(_fmt(row["otps"].get(config_label(*c))))
+            cells.append(_fmt(values.get(config_label(*c))))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -314,8 +331,12 @@ def results_section(report: dict, plots: dict[str, str] | None = None, level: in
         lines += ["", "```", m["command"], "```"]
     lines += ["", f"{h} Output tokens/s", "",
               "Output tokens/s = total generated tokens / wall time, N clients each sending its next prompt when its "
-              "last one ends. Bold: the best K of a method at that concurrency.", "", otps_table(report), "",
-              f"{h} Targets", "", targets_table(report), "", f"{h} Acceptance", "",
+              "last one ends. Bold: the best K of a method at that concurrency.", "", otps_table(report), ""]
+    if any(d.get("cpu_otps") for d in report["runs"]):
+        lines += ["Output tokens per CPU second of the engine's process (the same runs; on a machine shared with "
+                  "other processes, wall time mostly measures the scheduler, CPU time much less):", "",
+                  otps_table(report, "cpu_otps"), ""]
+    lines += [f"{h} Targets", "", targets_table(report), "", f"{h} Acceptance", "",
               acceptance_tables(report), "", f"{h} Latency", "", latency_table(report), ""]
     plots = plots if plots is not None else report.get("plots")
     if plots:

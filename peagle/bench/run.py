@@ -137,10 +137,11 @@ def _run_config(args, plan: Plan, cfg: Config, concurrencies: list[int], holder:
             runner.run(warm, 1, min(8, args.max_tokens), args.temperature, args.seed, plan.chat, prompt_lookup=lookup)
         for c in concurrencies:
             bar.set_description(f"{cfg.label} c={c}")
+            cpu = time.process_time()
             res, dur = runner.run(plan.prompts, c, args.max_tokens, args.temperature,
                                   args.seed if args.temperature > 0 else None, plan.chat, args.ignore_eos,
                                   prompt_lookup=lookup, progress=progress)
-            yield summarize(res, dur, cfg.method, cfg.k, c)
+            yield summarize(res, dur, cfg.method, cfg.k, c, cpu_s=time.process_time() - cpu)
         return
 
     if plan.mode == "offline":
@@ -151,15 +152,17 @@ def _run_config(args, plan: Plan, cfg: Config, concurrencies: list[int], holder:
         for c in concurrencies:
             bar.set_description(f"{cfg.label} c={c}")
             seed = args.seed if args.temperature > 0 else None
+            cpu = time.process_time()  # the engine runs in this process
             res, dur = loadgen.run_offline(engine, plan.prompts, c,
                                            lambda i: _params(args, seed=None if seed is None else seed + i),
                                            plan.chat, progress)
-            yield summarize(res, dur, cfg.method, cfg.k, c, policy=cfg.policy)
+            yield summarize(res, dur, cfg.method, cfg.k, c, policy=cfg.policy, cpu_s=time.process_time() - cpu)
         del engine
         gc.collect()
         return
 
-    def http_runs(url: str, method: str, k: int, model_name: str | None, policy: str = "fixed"):
+    def http_runs(url: str, method: str, k: int, model_name: str | None, policy: str = "fixed",
+                  server: "loadgen.ServerProcess | None" = None):
         if warm:
             res, _ = loadgen.run_http(url, warm, 1, min(8, args.max_tokens), args.temperature, None, plan.chat,
                                       model_name, False, args.api_key)
@@ -169,6 +172,7 @@ def _run_config(args, plan: Plan, cfg: Config, concurrencies: list[int], holder:
         for c in concurrencies:
             bar.set_description(f"{config_label(method, k, policy)} c={c}")
             before = loadgen.scrape_spec_metrics(url, args.api_key)
+            cpu = server.cpu_seconds() if server else None
             res, dur = loadgen.run_http(url, plan.prompts, c, args.max_tokens, args.temperature,
                                         args.seed if args.temperature > 0 else None, plan.chat, model_name,
                                         args.ignore_eos, args.api_key, progress)
@@ -179,7 +183,8 @@ def _run_config(args, plan: Plan, cfg: Config, concurrencies: list[int], holder:
             # A running server's policy is in its responses' stats (peagle's extension); vLLM's is fixed.
             policy = next((r.spec["speculation_policy"] for r in res if (r.spec or {}).get("speculation_policy")),
                           policy)
-            yield summarize(res, dur, method, k, c, acceptance, policy)
+            cpu_s = server.cpu_seconds() - cpu if cpu is not None else None
+            yield summarize(res, dur, method, k, c, acceptance, policy, cpu_s)
 
     if plan.mode == "url":
         try:
@@ -207,7 +212,7 @@ def _run_config(args, plan: Plan, cfg: Config, concurrencies: list[int], holder:
     plan.server_startup_s[cfg.label] = round(server.startup_s, 1)
     try:
         info = loadgen.server_info(server.url)
-        yield from http_runs(server.url, cfg.method, cfg.k, info.get("id"), cfg.policy)
+        yield from http_runs(server.url, cfg.method, cfg.k, info.get("id"), cfg.policy, server)
     finally:
         server.stop()
 
