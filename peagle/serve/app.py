@@ -296,7 +296,8 @@ def _sampling(req: ChatCompletionRequest | CompletionRequest, index: int) -> Sam
     """The engine's parameters for choice `index` of a request (n > 1 with a seed: seed, seed + 1, ...)."""
     top_k = req.top_k if req.top_k not in (None, 0) else -1
     echo_logprobs = isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None
-    return SamplingParams(max_tokens=req.output_limit(), temperature=1.0 if req.temperature is None else req.temperature,
+    return SamplingParams(max_tokens=req.output_limit(),
+                          temperature=1.0 if req.temperature is None else req.temperature,
                           top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
                           seed=None if req.seed is None else req.seed + index, stop=req.stop_list(),
                           stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
@@ -325,7 +326,8 @@ async def _serve(state: ServerState, request: Request, kind: str | None) -> Resp
         cls = ChatCompletionResponse
     else:
         choices = [CompletionChoice(index=i, text=(job.echoes[i] if job.echoes else "") + o.text,
-                                    finish_reason=o.finish_reason, logprobs=_prompt_then_output_logprobs(state, job, i, o))
+                                    finish_reason=o.finish_reason,
+                                    logprobs=_whole_logprobs(state, job, i, o))
                    for i, o in enumerate(outs)]
         cls = CompletionResponse
     body = cls(id=job.id, created=job.created, model=job.model, choices=choices,
@@ -357,16 +359,12 @@ def _chat_logprobs(state: ServerState, entries: list[TokenLogprob] | None) -> Ch
     return ChatLogprobs(content=content)
 
 
-def _completion_logprobs(state: ServerState, job: Job, index: int, out: RequestOutput, delta: bool = False,
-                         prompt: bool = False) -> CompletionLogprobs | None:
-    """Choice `index`'s log-probabilities: its prompt's (echo), or its output's (all, or the report's new ones)."""
-    if job.req.logprobs is None:
+def _completion_logprobs(state: ServerState, job: Job, index: int, ids: list[int],
+                         entries: list[TokenLogprob | None] | None) -> CompletionLogprobs | None:
+    """Choice `index`'s log-probabilities for tokens `ids` (None entries: nothing predicts that token), with text
+    offsets that continue from the choice's earlier tokens."""
+    if job.req.logprobs is None or entries is None:
         return None
-    if prompt:
-        entries, ids = out.prompt_logprobs or [], job.requests[index].prompt_ids
-    else:
-        entries = out.delta_logprobs if delta else out.logprobs
-        ids = [e.token_id for e in entries]
     result = CompletionLogprobs()
     for token_id, e in zip(ids, entries):
         text, _ = state.token_strings(token_id)
@@ -379,10 +377,19 @@ def _completion_logprobs(state: ServerState, job: Job, index: int, out: RequestO
     return result
 
 
-def _prompt_then_output_logprobs(state: ServerState, job: Job, index: int, out: RequestOutput
-                                 ) -> CompletionLogprobs | None:
-    head = _completion_logprobs(state, job, index, out, prompt=True) if job.echoes else None
-    tail = _completion_logprobs(state, job, index, out)
+def _prompt_logprobs(state: ServerState, job: Job, index: int, out: RequestOutput) -> CompletionLogprobs | None:
+    return _completion_logprobs(state, job, index, job.requests[index].prompt_ids, out.prompt_logprobs)
+
+
+def _output_logprobs(state: ServerState, job: Job, index: int, entries: list[TokenLogprob] | None
+                     ) -> CompletionLogprobs | None:
+    return _completion_logprobs(state, job, index, [e.token_id for e in entries or []], entries)
+
+
+def _whole_logprobs(state: ServerState, job: Job, index: int, out: RequestOutput) -> CompletionLogprobs | None:
+    """A non-streamed choice: the echoed prompt's log-probabilities, then the output's."""
+    head = _prompt_logprobs(state, job, index, out) if job.echoes else None
+    tail = _output_logprobs(state, job, index, out.logprobs)
     if head is None or tail is None:
         return tail
     return CompletionLogprobs(**{k: getattr(head, k) + getattr(tail, k) for k in CompletionLogprobs.model_fields})
@@ -481,7 +488,7 @@ class SSEResponse(StreamingResponse):
 def _echo_choice(state: ServerState, job: Job, i: int, out: RequestOutput) -> CompletionChoice:
     """Completions with echo: choice i's prompt, with its log-probabilities once prefill has computed them (so it
     is sent with the choice's first report)."""
-    return CompletionChoice(index=i, text=job.echoes[i], logprobs=_completion_logprobs(state, job, i, out, prompt=True))
+    return CompletionChoice(index=i, text=job.echoes[i], logprobs=_prompt_logprobs(state, job, i, out))
 
 
 def _delta_choice(state: ServerState, job: Job, i: int, out: RequestOutput) -> ChatChunkChoice | CompletionChoice:
@@ -491,7 +498,7 @@ def _delta_choice(state: ServerState, job: Job, i: int, out: RequestOutput) -> C
         return ChatChunkChoice(index=i, delta=delta, finish_reason=finish,
                                logprobs=_chat_logprobs(state, out.delta_logprobs))
     return CompletionChoice(index=i, text=out.delta_text, finish_reason=finish,
-                            logprobs=_completion_logprobs(state, job, i, out, delta=True))
+                            logprobs=_output_logprobs(state, job, i, out.delta_logprobs))
 
 
 async def _events(state: ServerState, job: Job, streams: list[RequestStream]):

@@ -56,7 +56,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1/* (as vLLM does; health checks, "
                                           "/invocations and /metrics stay open)")
-    parser.add_argument("--protect-metrics", action="store_true", help="with --api-key: require the key on /metrics too")
+    parser.add_argument("--protect-metrics", action="store_true",
+                        help="with --api-key: require the key on /metrics too")
     parser.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024,
                         help="larger request bodies get 413 (default 4 MiB)")
     parser.add_argument("--max-waiting", type=int, default=256,
