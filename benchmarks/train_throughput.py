@@ -25,6 +25,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--profile", action="store_true", help="also print torch.profiler's top operators of one step")
     args = p.parse_args(argv)
     import torch
 
@@ -50,6 +51,13 @@ def main(argv=None) -> int:
             for _ in range(args.steps):
                 tokens += tr.train_step()["tokens"]
             passes.append((tokens, time.process_time() - cpu0, time.time() - wall0))
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            tr.step = 0
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                tr.train_step()
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=50))
     tokens = sum(t for t, _, _ in passes)
     cpu, wall = sum(c for _, c, _ in passes), sum(w for _, _, w in passes)
     result = {"code": peagle.__file__, "method": args.method, "steps": args.steps, "repeats": args.repeats,

@@ -1,6 +1,6 @@
 """Copy a trained head into peagle/heads/NAME in the compact form the package ships: bf16, and for P-EAGLE only the
 learned mask-token row of the embedding table (loading takes every other row from the embedded target;
-`peagle export` writes the full table vLLM wants). Keeps a 2-layer P-EAGLE and a 1-layer EAGLE-3 head at draft
+`peagle export` writes the full table vLLM wants), unless training changed other rows too (--train-embeddings). Keeps a 2-layer P-EAGLE and a 1-layer EAGLE-3 head at draft
 vocab 8192 under 60 MB together.
 
     python scripts/bundle_head.py runs/peagle-head smollm2-135m-peagle
@@ -26,10 +26,15 @@ def main() -> None:
     ap.add_argument("name", help="the bundled name, e.g. smollm2-135m-peagle")
     args = ap.parse_args()
     src, out = Path(args.head), HEADS_DIR / args.name
-    head = load_head(src, target_embeddings=target_embeddings(embedded_model_dir()), dtype=torch.bfloat16)
+    table = target_embeddings(embedded_model_dir())
+    head = load_head(src, target_embeddings=table, dtype=torch.bfloat16)
+    # A head trained with --train-embeddings changed rows besides the mask token's: it must ship its whole table.
+    changed = head.embed_tokens.weight != table.to(torch.bfloat16)
+    if head.config.mask_token_id is not None:
+        changed[head.config.mask_token_id] = False
     if out.exists():
         shutil.rmtree(out)
-    save_head(head, out, include_embeddings=False, dtype=torch.bfloat16)
+    save_head(head, out, include_embeddings=bool(changed.any()), dtype=torch.bfloat16)
     for extra in ("eval.json", "training_args.json"):  # how it was made and what it scored, kept beside it
         if (src / extra).exists():
             shutil.copy(src / extra, out / extra)
