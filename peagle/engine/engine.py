@@ -146,9 +146,12 @@ class LLMEngine:
 
     @cached_property
     def _max_token_chars(self) -> int:
-        """An upper bound on the characters any one token decodes to: its vocabulary entry's UTF-8 length (byte-level
-        and SentencePiece entries spell each byte or space with one or more characters, never fewer)."""
-        return max(1, max(len(t.encode()) for t in self.tokenizer.get_vocab()))
+        """An upper bound on the characters any one token decodes to. A byte-level BPE entry spells each of its bytes
+        with one character, so it decodes to at most as many characters as it has; any other entry (SentencePiece,
+        byte fallback) spells each byte or space with one or more UTF-8 bytes, so its UTF-8 length bounds it."""
+        decoder = getattr(getattr(self.tokenizer, "backend_tokenizer", None), "decoder", None)
+        size = len if type(decoder).__name__ == "ByteLevel" else (lambda t: len(t.encode()))
+        return max(1, max(size(t) for t in self.tokenizer.get_vocab()))
 
     def _check_text_fits(self, num_chars: int) -> None:
         """Refuse text that needs more tokens than the context holds, without tokenising it: no token covers more
