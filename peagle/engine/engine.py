@@ -3,10 +3,11 @@ requests at once.
 
 Every step:
   1. admit waiting requests into free cache slots: target prefill, first token, drafter prefill;
-  2. ask the speculation policy (policy.py) for this step's window K, from 0 to num_speculative_tokens;
-  3. draft K tokens for every running request in one drafter forward (P-EAGLE) or K of them (EAGLE-3), after the
-     drafter has caught up on every real row it has not seen;
-  4. verify [x_n, d_1..d_K] for every request in one target forward;
+  2. ask the speculation policy (policy.py) how many drafts K, from 0 to num_speculative_tokens, each request
+     verifies; requests with the same K form one group, and each group takes steps 3-5 on its own;
+  3. draft K tokens for the group in one drafter forward (P-EAGLE) or K of them (EAGLE-3), after the drafter has
+     caught up on every real row it has not seen;
+  4. verify [x_n, d_1..d_K] for the group in one target forward;
   5. accept per request, emit, and queue the accepted positions as the drafter's next real rows.
 At K = 0 nothing is drafted: the new real rows wait in the request and the drafter runs them, in one pass, just
 before the next draft (or once MAX_PENDING_ROWS have piled up), so its cache has no gap when drafting resumes.
