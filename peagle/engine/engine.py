@@ -47,6 +47,8 @@ logger = logging.getLogger("peagle")
 Prompt = str | list[int] | list[dict]
 # Real rows a request may hold back from the drafter during plain (K = 0) steps before they are run anyway.
 MAX_PENDING_ROWS = 32
+# Prompt rows turned into log-probabilities at once (each row is a vocabulary-sized float32 vector).
+PROMPT_LOGPROB_ROWS = 256
 
 
 class LLMEngine:
@@ -313,9 +315,13 @@ class LLMEngine:
             req.pending_start = m - 1
             req.first_token_at = now
             if req.params.prompt_logprobs is not None:
-                # The prompt is not drawn from anything: its log-probabilities are the model's own softmax.
-                lp = torch.log_softmax(out.logits[b, : m - 1], dim=-1)
-                req.prompt_logprobs = [None, *_token_logprobs(lp, req.prompt_ids[1:], req.params.prompt_logprobs)]
+                # The prompt is not drawn from anything: its log-probabilities are the model's own softmax (taken a
+                # block of rows at a time, so a long prompt does not hold a second copy of its logits).
+                req.prompt_logprobs = [None]
+                for i in range(0, m - 1, PROMPT_LOGPROB_ROWS):
+                    lp = torch.log_softmax(out.logits[b, i : min(i + PROMPT_LOGPROB_ROWS, m - 1)], dim=-1)
+                    req.prompt_logprobs += _token_logprobs(lp, req.prompt_ids[1 + i : 1 + i + len(lp)],
+                                                           req.params.prompt_logprobs)
             self._commit(req, [first], logits)
             req.pending_tokens = [first]
 
