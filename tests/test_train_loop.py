@@ -217,3 +217,23 @@ def test_a_one_step_run_steps_at_the_full_learning_rate(tmp_path):
     assert m["lr"] == pytest.approx(1e-3)
     # AdamW's first update moves every weight with a gradient by about lr
     assert float((tr.drafter.fc.weight.detach() - before).abs().max()) == pytest.approx(1e-3, rel=0.05)
+
+
+@pytest.mark.parametrize("method", ["peagle", "eagle3"])
+def test_bare_peagle_train_uses_the_bundled_heads_recipe(method):
+    """`peagle train --data D --method M` with nothing else trains what the bundled head of that method is."""
+    import argparse
+    import json
+
+    from peagle.model.heads import DEFAULT_HEADS, HEADS_DIR
+    from peagle.train import train_cmd
+
+    parser = argparse.ArgumentParser()
+    train_cmd.register("train", parser)
+    cfg = train_cmd.config_from_args(parser.parse_args(["--data", "D", "--method", method]))
+    head = HEADS_DIR / DEFAULT_HEADS[method]
+    recipe = json.loads((head / "training_args.json").read_text())
+    assert cfg.num_layers == json.loads((head / "config.json").read_text())["num_hidden_layers"]
+    for key in ("num_depths", "draft_vocab_size", "max_seq_len", "batch_size", "lr", "warmup_ratio", "min_lr_ratio",
+                "weight_decay", "max_grad_norm", "dtype", "cod_ratio", "cod_min_ratio", "loss", "ttt_decay"):
+        assert getattr(cfg, key) == recipe[key], key

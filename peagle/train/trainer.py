@@ -36,7 +36,7 @@ from peagle.train.vocab import used_ids
 
 # Per-method defaults: the bundled heads' shapes (docs/heads.md).
 DEFAULT_LAYERS = {"peagle": 2, "eagle3": 1}
-DEFAULT_DEPTHS = {"peagle": 8, "eagle3": 7}
+DEFAULT_DEPTHS = {"peagle": 12, "eagle3": 7}
 
 
 @dataclass
@@ -47,15 +47,15 @@ class TrainConfig:
     method: str = "peagle"
     num_layers: int | None = None  # drafter decoder layers (default: DEFAULT_LAYERS[method])
     num_depths: int | None = None  # P-EAGLE COD depths / EAGLE-3 TTT steps (default: DEFAULT_DEPTHS[method])
-    draft_vocab_size: int = 32000
+    draft_vocab_size: int = 8192
     max_seq_len: int = 2048
     partitions: int = 1
     epochs: float = 1.0
     max_steps: int | None = None
-    batch_size: int = 8  # sequences per optimizer step, all ranks together
-    lr: float = 1e-4
-    warmup_ratio: float = 0.03
-    min_lr_ratio: float = 0.0
+    batch_size: int = 4  # sequences per optimizer step, all ranks together
+    lr: float = 1e-3
+    warmup_ratio: float = 0.05
+    min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
     max_grad_norm: float = 0.5
     dtype: str = "bf16"  # drafter compute (autocast; master weights stay fp32)
