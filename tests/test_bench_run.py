@@ -87,7 +87,9 @@ def test_url_of_a_running_server(tiny_chat_llama, tmp_path, one_thread):
     spec = json.dumps({"model": str(head), "method": "eagle3", "num_speculative_tokens": 2,
                        "parallel_drafting": True})
     out = tmp_path / "url"
-    with ServerProcess(str(tiny_chat_llama), spec, 2, tmp_path / "server.log", threads=1) as server:
+    # fixed K, so that every step drafts: under the server's default adaptive policy it may take only plain steps
+    with ServerProcess(str(tiny_chat_llama), spec, 2, tmp_path / "server.log", threads=1,
+                       extra_args=["--speculation-policy", "fixed"]) as server:
         assert main(["bench", "--url", server.url, "--model", str(tiny_chat_llama), "--num-prompts", "3",
                      "--max-tokens", "8", "--concurrency", "2", "--no-progress", "--out", str(out)]) == 0
     report = _check_outputs(out, 1)
