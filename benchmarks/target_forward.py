@@ -121,7 +121,8 @@ def main(argv=None) -> None:
         ms = median_ms(fns, args.iters, args.warmup)
         first = first or ms["ours"]
         gbs = weight_bytes / ms["ours"] / 1e6
-        line = f"{T:>5} {ms['ours']:>10.1f} {gbs:>6.1f} {gbs / stream[min(threads, 2)]:>9.0%} {ms['ours'] / first:>8.2f}x"
+        share = gbs / stream[min(threads, 2)]
+        line = f"{T:>5} {ms['ours']:>10.1f} {gbs:>6.1f} {share:>9.0%} {ms['ours'] / first:>8.2f}x"
         if hf is not None:
             line += f" {ms['hf']:>16.1f} {weight_bytes / ms['hf'] / 1e6:>6.1f} {ms['hf'] / ms['ours']:>8.2f}x"
         print(line, flush=True)

@@ -63,7 +63,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         small = tiny_target(Path(tmp) / "small", layers=4, hidden=256)
         g = torch.Generator().manual_seed(1)
-        prompts = [torch.randint(10, 2000, (int(n),), generator=g).tolist() for n in torch.randint(4, 40, (8,), generator=g)]
+        lengths = torch.randint(4, 40, (8,), generator=g).tolist()
+        prompts = [torch.randint(10, 2000, (n,), generator=g).tolist() for n in lengths]
         greedy = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
         for dtype in (torch.float32, torch.bfloat16):
             plain = engine_for(small, None, 0, args.device, dtype, 8).generate(prompts, greedy)

@@ -280,10 +280,10 @@ void peagle_rope_bf16(uint16_t *x, const uint16_t *cos_, const uint16_t *sin_, i
 }
 
 /* Attention for up to ROWS_PER_PASS query rows of one cache slot and one key/value head: query heads h0..h0+hn-1
-   of its G over the row's keys 0..n_r-1 of K/V [*, D], D = 8 nd. Rows and heads are blocked only so that each key and value row
-   is loaded and widened once for all of them (a prefill has hundreds of rows per slot); every (row, head) does the
-   same arithmetic in every block shape. nd and hn are compile-time constants at each call site, so the vectors and
-   the accumulator chains stay in registers. */
+   of its G over the row's keys 0..n_r-1 of K/V [*, D], D = 8 nd. Rows and heads are blocked only so that each key
+   and value row is loaded and widened once for all of them (a prefill has hundreds of rows per slot); every
+   (row, head) does the same arithmetic in every block shape. nd and hn are compile-time constants at each call
+   site, so the vectors and the accumulator chains stay in registers. */
 static inline __attribute__((always_inline)) void attend_block(
         const int nd, const int hn, int h0, int nr, const uint16_t *q0, long q_stride, const int64_t *pos,
         const uint16_t *Kg, const uint16_t *Vg, uint16_t *o0, long o_stride, int G, int g, float scale,
@@ -625,7 +625,8 @@ int peagle_amx_gemm(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y
                 for (int kb = 0; kb < Kb; kb++) {
                     const uint16_t *b = wg + (size_t)kb * NG * 512;
                     if (mb == 0)
-                        for (int l = 0; l < NG * 16; l++) _mm_prefetch((const char *)(b + NG * 512) + 64 * l, _MM_HINT_T0);
+                        for (int l = 0; l < NG * 16; l++)
+                            _mm_prefetch((const char *)(b + NG * 512) + 64 * l, _MM_HINT_T0);
                     _tile_loadd(4, arow + kb * 32, Kp * 2);
                     _tile_loadd(5, b, 64);
                     _tile_dpbf16ps(0, 4, 5);

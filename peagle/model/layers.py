@@ -129,7 +129,9 @@ class BatchLayout:
     @cached_property
     def contiguous(self) -> bool:
         """slots == 0..B-1: the cache can be read as a view, no gather."""
-        return self.slots is not None and bool((self.slots == torch.arange(len(self.slots), device=self.slots.device)).all())
+        if self.slots is None:
+            return False
+        return bool((self.slots == torch.arange(len(self.slots), device=self.slots.device)).all())
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout, cache_k: torch.Tensor | None,
