@@ -217,3 +217,19 @@ def test_summary_names_the_kernels_and_whether_greedy_is_bit_exact(tiny_llama):
     assert kernels.summary("meta")["greedy_bit_exact"] is False
     engine = LLMEngine(TargetModel.from_pretrained(tiny_llama), max_num_seqs=1, max_model_len=32)
     assert engine.kernels == s
+
+
+def test_a_forced_path_the_cpu_lacks_is_a_clear_error():
+    """PEAGLE_CPU_KERNELS names a path this machine cannot run: peagle generate says so and exits 2, no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    missing = [p for p in kernels.PATHS if p not in kernels.supported_paths()]
+    if not missing or not kernels.available():
+        pytest.skip("this CPU runs every matrix path, or no native path at all")
+    r = subprocess.run([sys.executable, "-m", "peagle.cli", "generate", "Hi", "--max-tokens", "1"],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PEAGLE_CPU_KERNELS": missing[0]})
+    assert r.returncode == 2 and f"PEAGLE_CPU_KERNELS={missing[0]} cannot run on this machine" in r.stderr
+    assert "Traceback" not in r.stderr

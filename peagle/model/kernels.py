@@ -128,7 +128,7 @@ def library():
     with _lock:
         if _tried:
             if _error:
-                raise RuntimeError(_error)
+                raise ValueError(_error)
             return _lib
         choice = os.environ.get("PEAGLE_CPU_KERNELS", "auto").strip().lower()
         if choice not in ("auto", "off", "0", *PATHS):
@@ -153,7 +153,7 @@ def library():
         if choice in PATHS and choice not in _paths:
             _error = (f"PEAGLE_CPU_KERNELS={choice} cannot run on this machine; it runs: "
                       f"{', '.join(_paths) or 'none (PyTorch only)'}")
-            raise RuntimeError(_error)
+            raise ValueError(_error)
     return _lib
 
 
