@@ -32,6 +32,7 @@ POLICIES = ("adaptive", "fixed")
 ENV_VAR = "SM_VLLM_SPECULATION_POLICY"  # read by `peagle serve` (every flag maps to SM_VLLM_<NAME>) and generate
 
 REQUEST_MEMORY = 0.7  # per-request counts keep this much weight per new observation (about 3 steps' memory)
+PLAIN_STEP_MEMORY = 0.9  # ... and per step a position is not tried: back to the engine-wide estimate in ~10
 ENGINE_MEMORY = 0.98  # engine-wide counts: about 50 observations
 REQUEST_PRIOR_WEIGHT = 2.0  # the engine-wide estimate counts as this many observations in a request's estimate
 INITIAL_ACCEPTANCE = 0.5  # before anything is seen: optimistic enough that the first steps draft and learn
@@ -60,10 +61,30 @@ class AcceptanceEstimate:
         self.prior_weight = [REQUEST_PRIOR_WEIGHT if prior is not None else INITIAL_WEIGHT] * max_k
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
-        for i in range(min(num_accepted + 1, num_drafted)):
-            self.tried[i] = self.memory * self.tried[i] + 1.0
-            self.accepted[i] = self.memory * self.accepted[i] + (1.0 if i < num_accepted else 0.0)
-            self.prior_weight[i] *= self.memory
+        tried = min(num_accepted + 1, num_drafted)
+        for i in range(len(self.tried)):
+            if i < tried:
+                self.tried[i] = self.memory * self.tried[i] + 1.0
+                self.accepted[i] = self.memory * self.accepted[i] + (1.0 if i < num_accepted else 0.0)
+                self.prior_weight[i] *= self.memory
+            else:
+                self._age(i)
+
+    def age(self) -> None:
+        """A plain step: nothing is tried."""
+        for i in range(len(self.tried)):
+            self._age(i)
+
+    def _age(self, i: int) -> None:
+        """Position i was not tried: its evidence fades and the prior's weight returns, so a request whose estimate
+        fell during a bad stretch drifts back to the engine-wide estimate instead of staying frozen at its worst
+        (a position that is never tried cannot correct itself)."""
+        if self.prior is None:  # the engine-wide estimate only learns
+            return
+        m = PLAIN_STEP_MEMORY
+        self.tried[i] *= m
+        self.accepted[i] *= m
+        self.prior_weight[i] = m * self.prior_weight[i] + (1 - m) * REQUEST_PRIOR_WEIGHT
 
     def conditional(self) -> list[float]:
         prior = self.prior.conditional() if self.prior is not None else None
@@ -102,16 +123,15 @@ class StepCostModel:
         return bs, ws
 
     def calibrate(self, time_step: Callable[[int, int], float]) -> None:
-        """Fill the table from time_step(B, W) -> seconds at the grid's shapes, interpolating in between (step time
-        is close to linear in B and in W between nearby shapes)."""
+        """Fill the table from time_step(B, W) -> seconds at the grid's shapes. For each B, the windows W >= 1 get
+        the least-squares line through the timed ones (one noisy timing must not make a window look cheap: a cell
+        the policy then never chooses would never be corrected); B in between is interpolated."""
         bs, ws = self.grid(self.max_batch, self.max_k)
         measured = {(b, w): time_step(b, w) for b in bs for w in ws}
+        rows = {b: [measured[(b, 0)]] + _line([(w, measured[(b, w)]) for w in ws if w], self.max_k) for b in bs}
         for b in range(1, self.max_batch + 1):
             b0, b1 = _bracket(bs, b)
-            for w in range(self.max_k + 1):
-                w0, w1 = _bracket(ws, w)
-                at_b = [_lerp(w, w0, w1, measured[(bb, w0)], measured[(bb, w1)]) for bb in (b0, b1)]
-                self.base[b][w] = _lerp(b, b0, b1, *at_b)
+            self.base[b] = [_lerp(b, b0, b1, rows[b0][w], rows[b1][w]) for w in range(self.max_k + 1)]
 
     def predict(self, batch: int, window: int) -> float:
         return self.base[batch][window] * self.cell[batch][window] * self.drift
@@ -210,13 +230,21 @@ class AdaptiveK:
             ks = [0] * batch
             for i in chosen:
                 ks[i] = best_w
+            self._age(requests, ks)
             return ks
         self.plain_steps_in_a_row += 1
         if self.plain_steps_in_a_row > self.probe_after and self.max_k:
             self.plain_steps_in_a_row = 0
             self.probe_after = min(2 * self.probe_after, PROBE_AFTER_MAX)
             return [1] * batch
+        self._age(requests, [0] * batch)
         return [0] * batch
+
+    def _age(self, requests: Sequence[Candidate], ks: list[int]) -> None:
+        """Requests that take a plain step learn nothing from it; their estimates age instead."""
+        for r, k in zip(requests, ks):
+            if k == 0:
+                self.estimate(r.request_id).age()
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
         self.estimate(request_id).observe(num_drafted, num_accepted)
@@ -266,6 +294,15 @@ def timed(fn: Callable[[], object], clock: Callable[[], float], repeats: int = 2
         fn()
         best = min(best, clock() - t0)
     return best
+
+
+def _line(points: list[tuple[int, float]], max_k: int) -> list[float]:
+    """Values at 1..max_k of the least-squares line through points (never falling with W)."""
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    var = sum((x - mx) ** 2 for x, _ in points)
+    slope = max(0.0, sum((x - mx) * (y - my) for x, y in points) / var) if var else 0.0
+    return [my + slope * (w - mx) for w in range(1, max_k + 1)]
 
 
 def _bracket(grid: list[int], x: int) -> tuple[int, int]:
