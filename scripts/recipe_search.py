@@ -67,13 +67,13 @@ def table(work: Path) -> str:
     rows.sort(key=lambda r: list(VARIANTS).index(r["name"]) if r["name"] in VARIANTS else 99)
     base = next((r for r in rows if r["name"] == "base"), None)
     lines = ["| run | change | accuracy at depths 1, 2, 3, 4, 8 | vs base at depth 2 | predicted MAL, K=7 | "
-             "CPU min (teacher) |", "|---|---|---|---:|---:|---:|"]
+             "CPU min | wall min |", "|---|---|---|---:|---:|---:|---:|"]
     for r in rows:
         acc = r["accuracy_per_depth"]
         picks = ", ".join(f"{acc[i]:.3f}" for i in (0, 1, 2, 3, 7) if i < len(acc))
         rel = f"{acc[1] / base['accuracy_per_depth'][1]:.2f}x" if base else ""
         lines.append(f"| {r['name']} | {r['change']} | {picks} | {rel} | {r['mean_acceptance_length']['7']:.2f} | "
-                     f"{r['cpu_s'] / 60:.1f} ({r['teacher_s'] / 60:.1f}) |")
+                     f"{r['cpu_s'] / 60:.1f} | {r['wall_s'] / 60:.1f} |")
     return "\n".join(lines)
 
 
