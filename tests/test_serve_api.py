@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from serve_util import MAX_MODEL_LEN, SPEC_K, build_tiny, make_server  # noqa: E402
+from tests.serve_util import MAX_MODEL_LEN, SPEC_K, build_tiny, make_server
 
 CHAT = [{"role": "user", "content": "Write a haiku about the sea."}]
 

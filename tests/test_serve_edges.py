@@ -18,8 +18,7 @@ import httpx
 import openai
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from serve_util import build_tiny, free_port, make_server, spec_config  # noqa: E402
+from tests.serve_util import build_tiny, free_port, make_server, spec_config
 
 REPO = Path(__file__).resolve().parents[1]
 CHAT = [{"role": "user", "content": "Name three colours."}]

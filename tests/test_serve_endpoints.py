@@ -11,8 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from serve_util import build_tiny, free_port, spec_config  # noqa: E402
+from tests.serve_util import build_tiny, free_port, spec_config
 
 REPO = Path(__file__).resolve().parent.parent
 

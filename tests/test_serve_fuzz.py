@@ -5,16 +5,13 @@ every error is OpenAI's shape with a message, every stream ends with [DONE], and
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).parent))
-from serve_util import build_tiny, make_server  # noqa: E402
+from tests.serve_util import build_tiny, make_server
 
 CHAT = [{"role": "user", "content": "Say something."}]
 BIG = 2 ** 64

@@ -1,8 +1,6 @@
 """COD sampling, the COD mask and sequence partitioning (docs/design.md, "Training objective")."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -10,8 +8,7 @@ import torch
 from peagle.train.cod import cod_mask, partition, sample_cod
 from peagle.train.objective import TrainHead
 
-sys.path.insert(0, str(Path(__file__).parent))
-from train_helpers import random_seq, tiny_drafter  # noqa: E402
+from tests.train_helpers import random_seq, tiny_drafter
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

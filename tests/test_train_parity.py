@@ -1,8 +1,6 @@
 """Train/serve parity: what training computes is what the serving drafter computes (docs/design.md)."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,8 +9,7 @@ from peagle.model.layers import BatchLayout
 from peagle.train.cod import sample_cod
 from peagle.train.objective import cod_forward, export_drafter, forward_rows, ttt_forward
 
-sys.path.insert(0, str(Path(__file__).parent))
-from train_helpers import random_seq, tiny_drafter  # noqa: E402
+from tests.train_helpers import random_seq, tiny_drafter
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
