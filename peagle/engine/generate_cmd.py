@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-from peagle.engine.policy import ENV_VAR, POLICIES
+from peagle.engine.policy import DEFAULT_POLICY, ENV_VAR, POLICIES
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a string is a palindrome, and explain it briefly."
 
@@ -18,7 +18,7 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
                         help='vLLM-style JSON, e.g. \'{"model": HEAD, "method": "eagle3", "num_speculative_tokens": 7, '
                              '"parallel_drafting": true}\' (default: the bundled P-EAGLE head of the embedded model)')
     parser.add_argument("--no-speculation", action="store_true", help="plain decoding, no drafter")
-    parser.add_argument("--speculation-policy", choices=POLICIES, default=os.environ.get(ENV_VAR, "adaptive"),
+    parser.add_argument("--speculation-policy", choices=POLICIES, default=os.environ.get(ENV_VAR, DEFAULT_POLICY),
                         help=f"adaptive (default): K is picked every step from 0 up to num_speculative_tokens for the "
                              f"most tokens/s; fixed: always K, as vLLM does (default from {ENV_VAR})")
     parser.add_argument("--max-tokens", type=int, default=256)

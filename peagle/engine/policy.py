@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 POLICIES = ("adaptive", "fixed")
+DEFAULT_POLICY = "adaptive"  # of `peagle serve` and `peagle generate`; the engine itself defaults to vLLM's fixed K
 ENV_VAR = "SM_VLLM_SPECULATION_POLICY"  # read by `peagle serve` (every flag maps to SM_VLLM_<NAME>) and generate
 
 REQUEST_MEMORY = 0.7  # per-request counts keep this much weight per new observation (about 3 steps' memory)

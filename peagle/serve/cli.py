@@ -44,9 +44,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", metavar="JSON",
                         help='vLLM\'s speculative config, e.g. \'{"method": "eagle3", "model": HEAD, '
                              '"num_speculative_tokens": 7, "parallel_drafting": true}\'; "none" turns speculation off')
-    from peagle.engine.policy import POLICIES
+    from peagle.engine.policy import DEFAULT_POLICY, POLICIES
 
-    parser.add_argument("--speculation-policy", choices=POLICIES, default="adaptive",
+    parser.add_argument("--speculation-policy", choices=POLICIES, default=DEFAULT_POLICY,
                         help="adaptive (default): num_speculative_tokens is the most a step verifies, and every step "
                              "picks K from 0 up to it for the most tokens/s; fixed: always K, as vLLM does")
     parser.add_argument("--max-model-len", type=int, help="context length (prompt + output) per request")
