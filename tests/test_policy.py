@@ -302,7 +302,8 @@ def record_drafts(eng: LLMEngine) -> dict[int, list[int]]:
     return seen
 
 
-@pytest.mark.parametrize("plain_steps", [5, MAX_PENDING_ROWS + 3], ids=["short", "past-the-pending-cap"])
+@pytest.mark.parametrize("plain_steps", [5, MAX_PENDING_ROWS - 1, MAX_PENDING_ROWS + 3],
+                         ids=["short", "resumes-right-after-the-cap", "past-the-pending-cap"])
 @pytest.mark.parametrize("parallel", [True, False], ids=["peagle", "eagle3"])
 def test_drafting_after_plain_steps_matches_always_drafting(tiny_target, parallel, plain_steps):
     prompt, k = prompts(1, seed=11)[0], 3

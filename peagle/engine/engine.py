@@ -400,14 +400,22 @@ class LLMEngine:
         return self._draft_fn(tokens, feats, num_real, start, slots, self.drafter_cache, k)
 
     def _run_pending_rows(self, reqs: list[Request]) -> None:
-        """Bring the drafter's cache up to date without drafting: real rows only, no mask slots, no LM head."""
-        reqs = [r for r in reqs if r.pending_tokens]
+        """Bring the drafter's cache up to date without drafting: real rows only, no mask slots, no LM head. Each
+        request keeps its newest row pending: the next draft starts from that row's output."""
+        reqs = [r for r in reqs if len(r.pending_tokens) > 1]
+        if not reqs:
+            return
+        kept = [(r.pending_tokens[-1], r.pending_features[-1:], r.pending_start + len(r.pending_tokens) - 1)
+                for r in reqs]
+        for r in reqs:
+            r.pending_tokens, r.pending_features = r.pending_tokens[:-1], r.pending_features[:-1]
         tokens, feats, _, start = self._pending_batch(reqs)
         slots = torch.tensor([r.slot for r in reqs], device=self.device)
+        # Shorter requests' pad rows write stale entries past their end, which their kept row overwrites later.
         positions = start[:, None] + torch.arange(tokens.shape[1], device=self.device)[None, :]
         self.drafter(tokens, feats, BatchLayout.build(slots, positions), self.drafter_cache)
-        for r in reqs:
-            r.pending_tokens, r.pending_features = [], None
+        for r, (token, feature, position) in zip(reqs, kept):
+            r.pending_tokens, r.pending_features, r.pending_start = [token], feature, position
 
     @property
     def _draft_fn(self):
