@@ -9,6 +9,7 @@ lr per element per step, and the slots stop telling depths apart.
 
 `--init-head` starts from a saved head instead (its layers, draft vocab, mask token and `norm_before_residual`); an
 EAGLE-3 head may start a P-EAGLE run, which keeps its layers and adds a fresh mask row and `mask_hidden`.
+`--fresh-mask-hidden` restarts a P-EAGLE head's `mask_hidden` from the standard normal and keeps the rest.
 """
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def build_head(cfg: TrainConfig, teacher: Teacher, tokenizer, rows: Iterable[tup
         else:
             drafter.embed_tokens = FrozenEmbedding(emb, mask_id)
         if drafter.mask_hidden is not None:
-            if init is not None and init.mask_hidden is not None:
+            if init is not None and init.mask_hidden is not None and not cfg.fresh_mask_hidden:
                 drafter.mask_hidden.copy_(init.mask_hidden.float())
             else:
                 g = torch.Generator().manual_seed(cfg.seed)

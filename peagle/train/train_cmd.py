@@ -101,6 +101,9 @@ def register(name: str, parser) -> None:
     p.add_argument("--train-embeddings", action="store_true",
                    help="train the whole embedding table, not only the mask token's row (the head then ships the "
                         "table: +H x V parameters)")
+    p.add_argument("--fresh-mask-hidden", action="store_true",
+                   help="with --init-head: start mask_hidden from N(0, 1) instead of the head's (a head trained "
+                        "from the old mean-feature start keeps its mask slots flat otherwise)")
     p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
                    help="adamw, or muon: torch.optim.Muon for the layers' matrices, AdamW for the rest [adamw]")
     p.set_defaults(func=run)

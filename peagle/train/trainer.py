@@ -78,6 +78,7 @@ class TrainConfig:
     layout: str = "vllm"
     resume: str | None = None  # "latest" or a checkpoint folder
     init_head: str | None = None  # start from a trained head's weights (fresh optimizer)
+    fresh_mask_hidden: bool = False  # with init_head: mask_hidden from N(0, 1), not the head's
     teacher_cache: str | None = None  # folder keeping the target's outputs per training row (epochs 2+ skip it)
     seed: int = 0
     device: str = "auto"
