@@ -5,6 +5,7 @@ the same prompts through each engine in turn, alternating the order; the adaptiv
 from one pass to the next (docs/benchmarks.md, "Reading").
 
     python3 benchmarks/policy_ab.py --dataset humaneval --batch 4 --engines plain,plain-steps,adaptive
+    python3 benchmarks/policy_ab.py --method eagle3 --dataset mtbench --batch 8 --engines plain,3,7,adaptive
     python3 benchmarks/policy_ab.py --dataset custom:runs/counting/bench.jsonl --head runs/counting/head \\
         --batch 1 --engines plain,3,adaptive
 """
@@ -20,7 +21,9 @@ import torch
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset", default="humaneval")
-    ap.add_argument("--head", default="smollm2-135m-peagle", help="a P-EAGLE head folder or bundled name")
+    ap.add_argument("--method", choices=("peagle", "eagle3"), default="peagle",
+                    help="parallel drafting (P-EAGLE) or the EAGLE-3 chain")
+    ap.add_argument("--head", default=None, help="a head folder or bundled name [the bundled head of --method]")
     ap.add_argument("--max-k", type=int, default=7, help="the adaptive policy's largest K")
     ap.add_argument("--engines", default="plain,plain-steps,3,adaptive",
                     help="comma-separated: plain, plain-steps, adaptive, or a fixed K")
@@ -38,7 +41,9 @@ def main() -> None:
         def choose(self, requests):
             return [0] * len(requests)
 
-    spec = {"model": args.head, "method": "eagle3", "num_speculative_tokens": args.max_k, "parallel_drafting": True}
+    head = args.head or f"smollm2-135m-{args.method}"
+    spec = {"model": head, "method": "eagle3", "num_speculative_tokens": args.max_k,
+            "parallel_drafting": args.method == "peagle"}
     adaptive = LLMEngine.from_pretrained(None, spec, max_num_seqs=args.batch, speculation_policy="adaptive")
     engines = {}
     for name in args.engines.split(","):

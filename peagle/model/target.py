@@ -122,6 +122,20 @@ class TargetModel(nn.Module):
                 num_logits: int | None = 1, logit_index: torch.Tensor | None = None) -> TargetOutput:
         """tokens [B, T]; logits for the last `num_logits` query rows (all rows if None), or for the rows
         `logit_index` [B, n] picks (e.g. each row's last real token in a padded batch)."""
+        h, features = self.trunk(tokens, layout, cache)
+        if logit_index is not None:
+            h = h.gather(1, logit_index[..., None].expand(*logit_index.shape, h.shape[-1]))
+        elif num_logits is not None:
+            h = h[:, -num_logits:]
+        return TargetOutput(self.logits(h), features)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 logits of the last layer's hidden states h [..., H] (before the final norm)."""
+        return linear(self.norm(h), self.lm_head_weight, packed=self.lm_head_packed).float()
+
+    @torch.inference_mode()
+    def trunk(self, tokens: torch.Tensor, layout: BatchLayout, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [B, T] -> (the last layer's hidden states [B, T, H] before the final norm, features [B, T, 3H])."""
         h = self.embed_tokens(tokens)
         rope = self.rotary(layout.positions, h.dtype)
         native = self.native_layers is not None and h.dtype == torch.bfloat16 and h.is_cpu
@@ -135,12 +149,7 @@ class TargetModel(nn.Module):
                 h = self.native_layers[i](h, *rope, cache.k[i], cache.v[i], slots, positions)
             else:
                 h = layer(h, rope, layout, cache.k[i], cache.v[i])
-        if logit_index is not None:
-            h = h.gather(1, logit_index[..., None].expand(*logit_index.shape, h.shape[-1]))
-        elif num_logits is not None:
-            h = h[:, -num_logits:]
-        logits = linear(self.norm(h), self.lm_head_weight, packed=self.lm_head_packed).float()
-        return TargetOutput(logits, torch.cat([feats[i] for i in self.feature_layer_ids], dim=-1))
+        return h, torch.cat([feats[i] for i in self.feature_layer_ids], dim=-1)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.bfloat16,

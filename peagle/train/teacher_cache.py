@@ -20,7 +20,7 @@ import torch
 class TeacherCache:
     def __init__(self, root: str | Path, teacher):
         self.teacher = teacher
-        key = {"target": str(Path(teacher.model_dir).resolve()), "dtype": str(teacher.model.dtype),
+        key = {"target": str(Path(teacher.model_dir).resolve()), "dtype": str(teacher.dtype),
                "feature_layer_ids": list(teacher.feature_layer_ids),
                "draft_vocab": hashlib.sha256(teacher.used.cpu().numpy().tobytes()).hexdigest()}
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
