@@ -10,7 +10,7 @@ import torch
 
 from peagle.config import SpeculativeConfig
 from peagle.engine import LLMEngine, SamplingParams
-from peagle.engine.engine import MAX_PENDING_ROWS
+from peagle.engine import engine as engine_module
 from peagle.engine.policy import AdaptiveK, Candidate, FixedK, StepCostModel, make_policy
 from peagle.model.checkpoint import random_head
 from peagle.model.target import TargetModel
@@ -302,10 +302,14 @@ def record_drafts(eng: LLMEngine) -> dict[int, list[int]]:
     return seen
 
 
-@pytest.mark.parametrize("plain_steps", [5, MAX_PENDING_ROWS - 1, MAX_PENDING_ROWS + 3],
+PENDING_CAP = 24  # MAX_PENDING_ROWS for the test below, so that a short request reaches it
+
+
+@pytest.mark.parametrize("plain_steps", [5, PENDING_CAP - 1, PENDING_CAP + 3],
                          ids=["short", "resumes-right-after-the-cap", "past-the-pending-cap"])
 @pytest.mark.parametrize("parallel", [True, False], ids=["peagle", "eagle3"])
-def test_drafting_after_plain_steps_matches_always_drafting(tiny_target, parallel, plain_steps):
+def test_drafting_after_plain_steps_matches_always_drafting(tiny_target, parallel, plain_steps, monkeypatch):
+    monkeypatch.setattr(engine_module, "MAX_PENDING_ROWS", PENDING_CAP)
     prompt, k = prompts(1, seed=11)[0], 3
     params = SamplingParams(max_tokens=plain_steps + 12, ignore_eos=True)
     always = engine(tiny_target, k, "fixed", parallel, max_num_seqs=1)

@@ -2,7 +2,8 @@
 requests at once.
 
 Every step:
-  1. admit waiting requests into free cache slots: target prefill, first token, drafter prefill;
+  1. admit waiting requests into free cache slots: target prefill and first token (the prompt's rows wait for the
+     drafter like any other real rows: a request the policy never drafts for never runs the drafter);
   2. ask the speculation policy (policy.py) how many drafts K, from 0 to num_speculative_tokens, each request
      verifies; requests with the same K form one group, and each group takes steps 3-5 on its own;
   3. draft K tokens for the group in one drafter forward (P-EAGLE) or K of them (EAGLE-3), after the drafter has
@@ -10,7 +11,9 @@ Every step:
   4. verify [x_n, d_1..d_K] for the group in one target forward;
   5. accept per request, emit, and queue the accepted positions as the drafter's next real rows.
 At K = 0 nothing is drafted: the new real rows wait in the request and the drafter runs them, in one pass, just
-before the next draft (or once MAX_PENDING_ROWS have piled up), so its cache has no gap when drafting resumes.
+before the next draft (or once MAX_PENDING_ROWS have piled up), so its cache has no gap when drafting resumes. A
+request with more than JOINT_PENDING_ROWS waiting runs them on its own first, so that the padded rows of a joint
+pass never reach past any request's cache.
 Stale cache entries past a request's accepted length are overwritten by later writes; nothing is copied.
 
 Thread model: `add_request` and `abort` may be called from any thread; `step` runs in one thread (the server's
@@ -45,8 +48,11 @@ from peagle.model.target import TargetModel
 logger = logging.getLogger("peagle")
 
 Prompt = str | list[int] | list[dict]
-# Real rows a request may hold back from the drafter during plain (K = 0) steps before they are run anyway.
-MAX_PENDING_ROWS = 32
+# Real rows (prompt included) a request may hold back from the drafter during plain (K = 0) steps before they are
+# run anyway: a bound on the pause when drafting resumes after a long plain stretch.
+MAX_PENDING_ROWS = 512
+# Waiting rows a request may bring into a joint (padded) drafter pass; more run first, on their own.
+JOINT_PENDING_ROWS = 16
 # Prompt rows turned into log-probabilities at once (each row is a vocabulary-sized float32 vector).
 PROMPT_LOGPROB_ROWS = 256
 
@@ -70,7 +76,7 @@ class LLMEngine:
         if self.spec and self.spec.max_model_len:
             self.max_model_len = min(self.max_model_len, self.spec.max_model_len)
         # Room past max_model_len for the verify window and the drafter's padded rows, whose writes are stale.
-        capacity = self.max_model_len + MAX_PENDING_ROWS + 2 * self.k + 2
+        capacity = self.max_model_len + JOINT_PENDING_ROWS + 2 * self.k + 2
         self.target_cache = target.new_cache(max_num_seqs, capacity)
         self.drafter_cache = drafter.new_cache(max_num_seqs, capacity) if self.spec else None
         self.device = target.embed_tokens.weight.device
@@ -287,8 +293,8 @@ class LLMEngine:
         return admitted
 
     def _prefill(self, reqs: list[Request]) -> None:
-        """Run new prompts through the target (one padded batch), sample each first token, and feed the drafter
-        every prompt row but the last; that one is drafted from in the same step's decode."""
+        """Run new prompts through the target (one padded batch), sample each first token, and queue every prompt
+        row for the drafter (row t = token x_{t+1} with feature g_t), run before the request's first draft."""
         dev = self.device
         lens = torch.tensor([len(r.prompt_ids) for r in reqs], device=dev)
         B, T = len(reqs), int(lens.max())
@@ -302,17 +308,13 @@ class LLMEngine:
         every_row = any(r.params.prompt_logprobs is not None for r in reqs)
         out = self.target(tokens, BatchLayout.build(slots, positions), self.target_cache,
                           logit_index=positions if every_row else (lens - 1)[:, None])
-        if self.spec is not None and T > 1:
-            # The drafter sees row t = (token x_{t+1}, feature g_t).
-            self.drafter(tokens[:, 1:], out.features[:, :-1], BatchLayout.build(slots, positions[:, :-1]),
-                         self.drafter_cache)
         now = time.perf_counter()
         for b, req in enumerate(reqs):
             m = len(req.prompt_ids)
             logits = out.logits[b, m - 1 : m] if every_row else out.logits[b, :1]
             first = self._sample_one(req, logits[0])
-            req.pending_features = out.features[b, m - 1 : m]
-            req.pending_start = m - 1
+            req.pending_features = out.features[b, :m].clone()  # not a view: the batch's features can go
+            req.pending_start = 0
             req.first_token_at = now
             if req.params.prompt_logprobs is not None:
                 # The prompt is not drawn from anything: its log-probabilities are the model's own softmax (taken a
@@ -323,7 +325,7 @@ class LLMEngine:
                     req.prompt_logprobs += _token_logprobs(lp, req.prompt_ids[1 + i : 1 + i + len(lp)],
                                                            req.params.prompt_logprobs)
             self._commit(req, [first], logits)
-            req.pending_tokens = [first]
+            req.pending_tokens = req.prompt_ids[1:] + [first]
 
     def _decode(self, reqs: list[Request]) -> None:
         """One decode step: the policy gives each request its number of drafts; requests with the same number share
@@ -364,8 +366,10 @@ class LLMEngine:
                 # Positions n..n+a are now verified: they become the drafter's next real rows.
                 self._queue_drafter_rows(req, int(n[b]), out.features[b, : a + 1], new)
             self._commit(req, new, out.logits[b])
-        if self.spec is not None and K == 0 and max(len(r.pending_tokens) for r in reqs) >= MAX_PENDING_ROWS:
-            self._run_pending_rows(reqs)
+        if self.spec is not None and K == 0:
+            for req in reqs:
+                if len(req.pending_tokens) >= MAX_PENDING_ROWS:
+                    self._run_backlog(req)
         if self.policy is not None:
             self.policy.observe_step(len(reqs), K, self._step_clock() - started)
 
@@ -394,28 +398,25 @@ class LLMEngine:
 
     def _draft(self, reqs: list[Request], slots: torch.Tensor, k: int) -> torch.Tensor:
         """Drafts [B, k] as target ids; the drafter runs every request's pending real rows on the way."""
+        for req in reqs:
+            if len(req.pending_tokens) > JOINT_PENDING_ROWS:
+                self._run_backlog(req)
         tokens, feats, num_real, start = self._pending_batch(reqs)
         for r in reqs:
             r.pending_tokens, r.pending_features = [], None
         return self._draft_fn(tokens, feats, num_real, start, slots, self.drafter_cache, k)
 
-    def _run_pending_rows(self, reqs: list[Request]) -> None:
-        """Bring the drafter's cache up to date without drafting: real rows only, no mask slots, no LM head. Each
-        request keeps its newest row pending: the next draft starts from that row's output."""
-        reqs = [r for r in reqs if len(r.pending_tokens) > 1]
-        if not reqs:
-            return
-        kept = [(r.pending_tokens[-1], r.pending_features[-1:], r.pending_start + len(r.pending_tokens) - 1)
-                for r in reqs]
-        for r in reqs:
-            r.pending_tokens, r.pending_features = r.pending_tokens[:-1], r.pending_features[:-1]
-        tokens, feats, _, start = self._pending_batch(reqs)
-        slots = torch.tensor([r.slot for r in reqs], device=self.device)
-        # Shorter requests' pad rows write stale entries past their end, which their kept row overwrites later.
-        positions = start[:, None] + torch.arange(tokens.shape[1], device=self.device)[None, :]
-        self.drafter(tokens, feats, BatchLayout.build(slots, positions), self.drafter_cache)
-        for r, (token, feature, position) in zip(reqs, kept):
-            r.pending_tokens, r.pending_features, r.pending_start = [token], feature, position
+    def _run_backlog(self, req: Request) -> None:
+        """Bring one request's drafter cache up to date without drafting (real rows only: no mask slots, no LM
+        head), alone, so no pad rows. Its newest row stays pending: the next draft starts from that row's output."""
+        n = len(req.pending_tokens) - 1
+        dev = self.device
+        tokens = torch.tensor([req.pending_tokens[:n]], device=dev)
+        positions = req.pending_start + torch.arange(n, device=dev)[None, :]
+        layout = BatchLayout.build(torch.tensor([req.slot], device=dev), positions)
+        self.drafter(tokens, req.pending_features[None, :n], layout, self.drafter_cache)
+        req.pending_tokens, req.pending_features = req.pending_tokens[n:], req.pending_features[n:].clone()
+        req.pending_start += n
 
     @property
     def _draft_fn(self):
