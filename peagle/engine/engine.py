@@ -96,6 +96,7 @@ class LLMEngine:
         self.num_finished = 0
         self.policy = make_policy(speculation_policy, self.k, max_num_seqs) if self.spec else None
         self._step_clock = step_clock(self.device)
+        self._backlog_seconds = 0.0  # of this window's step spent running drafter backlogs (_run_backlog)
         if self.policy is not None and self.policy.name == "adaptive":
             self.policy.cost.calibrate(self._time_step)
 
@@ -341,6 +342,7 @@ class LLMEngine:
 
     def _decode_window(self, reqs: list[Request], K: int) -> None:
         started, dev = self._step_clock(), self.device
+        self._backlog_seconds = 0.0
         slots = torch.tensor([r.slot for r in reqs], device=dev)
         n = torch.tensor([r.num_tokens - 1 for r in reqs], device=dev)  # position of x_n, the newest token
         last = torch.tensor([[r.last_token] for r in reqs], device=dev)
@@ -371,7 +373,8 @@ class LLMEngine:
                 if len(req.pending_tokens) >= MAX_PENDING_ROWS:
                     self._run_backlog(req)
         if self.policy is not None:
-            self.policy.observe_step(len(reqs), K, self._step_clock() - started)
+            # A backlog is work the drafter would otherwise have done at earlier steps: not this window's cost.
+            self.policy.observe_step(len(reqs), K, self._step_clock() - started - self._backlog_seconds)
 
     @staticmethod
     def _queue_drafter_rows(req: Request, start: int, features: torch.Tensor, tokens: list[int]) -> None:
@@ -409,14 +412,14 @@ class LLMEngine:
     def _run_backlog(self, req: Request) -> None:
         """Bring one request's drafter cache up to date without drafting (real rows only: no mask slots, no LM
         head), alone, so no pad rows. Its newest row stays pending: the next draft starts from that row's output."""
-        n = len(req.pending_tokens) - 1
-        dev = self.device
+        started, n, dev = self._step_clock(), len(req.pending_tokens) - 1, self.device
         tokens = torch.tensor([req.pending_tokens[:n]], device=dev)
         positions = req.pending_start + torch.arange(n, device=dev)[None, :]
         layout = BatchLayout.build(torch.tensor([req.slot], device=dev), positions)
         self.drafter(tokens, req.pending_features[None, :n], layout, self.drafter_cache)
         req.pending_tokens, req.pending_features = req.pending_tokens[n:], req.pending_features[n:].clone()
         req.pending_start += n
+        self._backlog_seconds += self._step_clock() - started
 
     @property
     def _draft_fn(self):
