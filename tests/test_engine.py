@@ -191,6 +191,17 @@ def test_seed_reproducible(tiny_target):
     assert c.token_ids != a.token_ids
 
 
+@pytest.mark.parametrize("temperature", [1.9e-274, 1e-40, 9e-6])
+def test_temperature_too_small_to_divide_by_decodes_greedily(tiny_target, temperature):
+    """A positive temperature so small that logits / temperature overflows is greedy decoding (as in vLLM), not a
+    NaN distribution."""
+    eng = make_engine(tiny_target, 3, True)
+    p = prompts(1, seed=6)[0]
+    greedy = eng.generate([p], SamplingParams(max_tokens=10, ignore_eos=True))[0].token_ids
+    tiny = eng.generate([p], SamplingParams(max_tokens=10, ignore_eos=True, temperature=temperature))[0].token_ids
+    assert tiny == greedy
+
+
 def test_stop_string_truncates_text(tiny_chat_llama):
     from transformers import AutoTokenizer
 

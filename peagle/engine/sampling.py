@@ -12,12 +12,14 @@ MAX_LOGPROBS = 20
 # Log-probability reported for a token the processing removed (top-k / top-p): JSON has no -inf; OpenAI and vLLM
 # use this value.
 MASKED_LOGPROB = -9999.0
+# Temperatures below this decode greedily, as vLLM's do: dividing logits by a denormal temperature overflows to inf.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass
 class SamplingParams:
     max_tokens: int | None = 256  # None: up to max_model_len
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 (or below GREEDY_TEMPERATURE) = greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: off
     seed: int | None = None  # any int; folded into torch's unsigned 64-bit seed range
@@ -47,7 +49,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
