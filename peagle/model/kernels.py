@@ -162,6 +162,12 @@ def available() -> bool:
     return library() is not None
 
 
+def cpu_has(path: str) -> bool:
+    """Whether this CPU has the instructions matrix path `path` needs (it then must run: a path the library failed
+    to build is a broken install, not a slower machine)."""
+    return _CPU_FLAGS_NEEDED[path] <= _cpu_flags()
+
+
 def supported_paths() -> tuple[str, ...]:
     """The matrix paths this machine runs, fastest first (empty where only PyTorch runs)."""
     library()
