@@ -96,7 +96,6 @@ class LLMEngine:
         self.num_finished = 0
         self.policy = make_policy(speculation_policy, self.k, max_num_seqs) if self.spec else None
         self._step_clock = step_clock(self.device)
-        self._backlog_seconds = 0.0  # of this window's step spent running drafter backlogs (_run_backlog)
         if self.policy is not None and self.policy.name == "adaptive":
             self.policy.cost.calibrate(self._time_step)
 
@@ -341,8 +340,9 @@ class LLMEngine:
             self._decode_window([r for r, kr in zip(reqs, ks) if kr == k], k)
 
     def _decode_window(self, reqs: list[Request], K: int) -> None:
+        if self.spec is not None:  # before drafting: long backlogs alone; at K = 0 only one at the cap
+            self._run_backlogs(reqs, JOINT_PENDING_ROWS if K else MAX_PENDING_ROWS - 1)
         started, dev = self._step_clock(), self.device
-        self._backlog_seconds = 0.0
         slots = torch.tensor([r.slot for r in reqs], device=dev)
         n = torch.tensor([r.num_tokens - 1 for r in reqs], device=dev)  # position of x_n, the newest token
         last = torch.tensor([[r.last_token] for r in reqs], device=dev)
@@ -368,13 +368,8 @@ class LLMEngine:
                 # Positions n..n+a are now verified: they become the drafter's next real rows.
                 self._queue_drafter_rows(req, int(n[b]), out.features[b, : a + 1], new)
             self._commit(req, new, out.logits[b])
-        if self.spec is not None and K == 0:
-            for req in reqs:
-                if len(req.pending_tokens) >= MAX_PENDING_ROWS:
-                    self._run_backlog(req)
-        if self.policy is not None:
-            # A backlog is work the drafter would otherwise have done at earlier steps: not this window's cost.
-            self.policy.observe_step(len(reqs), K, self._step_clock() - started - self._backlog_seconds)
+        if self.policy is not None:  # timed after the backlogs: work earlier plain steps skipped, not this window's
+            self.policy.observe_step(len(reqs), K, self._step_clock() - started)
 
     @staticmethod
     def _queue_drafter_rows(req: Request, start: int, features: torch.Tensor, tokens: list[int]) -> None:
@@ -401,25 +396,26 @@ class LLMEngine:
 
     def _draft(self, reqs: list[Request], slots: torch.Tensor, k: int) -> torch.Tensor:
         """Drafts [B, k] as target ids; the drafter runs every request's pending real rows on the way."""
-        for req in reqs:
-            if len(req.pending_tokens) > JOINT_PENDING_ROWS:
-                self._run_backlog(req)
         tokens, feats, num_real, start = self._pending_batch(reqs)
         for r in reqs:
             r.pending_tokens, r.pending_features = [], None
         return self._draft_fn(tokens, feats, num_real, start, slots, self.drafter_cache, k)
 
+    def _run_backlogs(self, reqs: list[Request], limit: int) -> None:
+        for req in reqs:
+            if len(req.pending_tokens) > limit:
+                self._run_backlog(req)
+
     def _run_backlog(self, req: Request) -> None:
         """Bring one request's drafter cache up to date without drafting (real rows only: no mask slots, no LM
         head), alone, so no pad rows. Its newest row stays pending: the next draft starts from that row's output."""
-        started, n, dev = self._step_clock(), len(req.pending_tokens) - 1, self.device
+        n, dev = len(req.pending_tokens) - 1, self.device
         tokens = torch.tensor([req.pending_tokens[:n]], device=dev)
         positions = req.pending_start + torch.arange(n, device=dev)[None, :]
         layout = BatchLayout.build(torch.tensor([req.slot], device=dev), positions)
         self.drafter(tokens, req.pending_features[None, :n], layout, self.drafter_cache)
         req.pending_tokens, req.pending_features = req.pending_tokens[n:], req.pending_features[n:].clone()
         req.pending_start += n
-        self._backlog_seconds += self._step_clock() - started
 
     @property
     def _draft_fn(self):

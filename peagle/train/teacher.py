@@ -82,7 +82,7 @@ class Teacher:
         self.feature_layer_ids = tuple(feature_layer_ids or default_feature_layer_ids(L))
         if max(self.feature_layer_ids) > L or min(self.feature_layer_ids) < 0:
             raise ValueError(f"feature layer ids {self.feature_layer_ids} do not fit a {L}-layer target")
-        self.model = self.target = None
+        self.model = None
         self.target = self._native_target(device, device_map, L) if native else None
         if self.target is not None:
             self.device = torch.device("cpu")
