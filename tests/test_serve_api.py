@@ -137,6 +137,8 @@ def test_speculation_false_gives_same_greedy_output(server):
     assert base["choices"][0]["message"]["content"] == spec["choices"][0]["message"]["content"]
     assert base["speculative_decoding"]["method"] == "none" and base["speculative_decoding"]["num_drafts"] == 0
     assert spec["speculative_decoding"]["num_drafts"] > 0
+    assert spec["speculative_decoding"]["speculation_policy"] == server.aengine.engine.policy.name
+    assert base["speculative_decoding"]["speculation_policy"] is None
 
 
 def test_invocations(server):

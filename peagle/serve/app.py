@@ -406,7 +406,7 @@ def spec_stats(state: ServerState, stats: SpecDecodeStats | None, speculation: b
                 "acceptance_rate": 0.0, "mean_acceptance_length": 1.0}
     d = stats.as_dict()
     return {"method": state.method, "num_speculative_tokens": state.k, **d,
-            "acceptance_rate": round(stats.acceptance_rate, 4)}
+            "acceptance_rate": round(stats.acceptance_rate, 4), "speculation_policy": state.engine.policy.name}
 
 
 def request_metrics(outs: list[RequestOutput]) -> dict:
