@@ -68,8 +68,8 @@ def main() -> None:
             rates[name].append(round(sum(len(o.token_ids) for o in outs) / (time.thread_time() - t0), 1))
         print(f"pass {i + 1}: " + ", ".join(f"{n} {r[-1]}" for n, r in rates.items()), flush=True)
     print(json.dumps({"tokens_per_cpu_second": rates, "adaptive_steps_per_k": adaptive.stats.steps_per_k,
-                      "adaptive_step_cost_ms": [round(x * 1000, 1) for x in adaptive.policy.cost.predict_row(
-                          args.batch)]}))
+                      "adaptive_step_cost_ms": [round(adaptive.policy.cost.predict(args.batch * (k + 1), args.batch, k)
+                                                      * 1000, 1) for k in range(args.max_k + 1)]}))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
-"""What verify rows cost the target, and whether splitting a batch pays: one forward of [B, K + 1] rows against a
-window for half the requests plus a plain step for the other half in a second forward, and a plain step for all
-(docs/engine.md, "Choosing K"). Times are CPU time of this thread (one torch thread), the fastest of --repeats.
+"""What verify rows cost the target, and how a step should verify windows of different sizes: one forward of
+[B, K + 1] rows (every request pays for the widest window), a window for half the requests plus a plain step for the
+other half in a second forward (the weights read twice), or one ragged forward with every row its own batch entry
+([B/2 (K + 1) + B/2, 1]: no padding, one read of the weights), against a plain step for all (docs/engine.md,
+"Choosing K"). Times are CPU time of this thread (one torch thread), the fastest of --repeats.
 
     python3 benchmarks/verify_cost.py --batch 8 --windows 1 3 7 --threads 1
 """
@@ -33,7 +35,16 @@ def main() -> None:
 
     def forward(slots: list[int], rows: int):
         layout = BatchLayout.build(torch.tensor(slots), args.context + torch.arange(rows)[None].expand(len(slots), -1))
-        tokens = torch.ones(len(slots), rows, dtype=torch.long)
+        return run_on(layout)
+
+    def ragged(windows: list[int]):
+        """Request i verifies windows[i] + 1 rows, each row its own batch entry."""
+        slots = torch.tensor([i for i, w in enumerate(windows) for _ in range(w + 1)])
+        positions = torch.tensor([args.context + j for w in windows for j in range(w + 1)])[:, None]
+        return run_on(BatchLayout.build(slots, positions))
+
+    def run_on(layout: BatchLayout):
+        tokens = torch.ones(layout.positions.shape, dtype=torch.long)
 
         def run():
             with torch.inference_mode():
@@ -47,10 +58,14 @@ def main() -> None:
         one = timed(forward(list(range(b)), w + 1), clock, args.repeats)
         a, rest = forward(list(range(half)), w + 1), forward(list(range(half, b)), 1)
         split = timed(lambda: (a(), rest()), clock, args.repeats)
+        rag = timed(ragged([w] * half + [0] * (b - half)), clock, args.repeats)
+        flat = timed(ragged([w] * b), clock, args.repeats)
         results.append({"window": w, "one_forward_ms": round(one * 1000, 1), "split_ms": round(split * 1000, 1),
-                         "plain_ms": round(plain * 1000, 1)})
-        print(f"K={w}: one forward [{b}, {w + 1}] {one * 1000:.1f} ms; [{half}, {w + 1}] + [{b - half}, 1] "
-              f"{split * 1000:.1f} ms; plain [{b}, 1] {plain * 1000:.1f} ms", flush=True)
+                        "ragged_ms": round(rag * 1000, 1), "one_forward_flat_ms": round(flat * 1000, 1),
+                        "plain_ms": round(plain * 1000, 1)})
+        print(f"K={w}: one forward [{b}, {w + 1}] {one * 1000:.1f} ms (as [{b * (w + 1)}, 1]: {flat * 1000:.1f}); "
+              f"[{half}, {w + 1}] + [{b - half}, 1] {split * 1000:.1f} ms; ragged [{half * (w + 1) + b - half}, 1] "
+              f"{rag * 1000:.1f} ms; plain [{b}, 1] {plain * 1000:.1f} ms", flush=True)
     print(json.dumps(results))
 
 

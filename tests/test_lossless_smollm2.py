@@ -1,6 +1,6 @@
 """Greedy speculation equals plain greedy decoding, token for token, on the embedded SmolLM2 with its bundled heads:
-both methods, K in {1, 3, 7}, batches of 1-8 requests that join while others are decoding, on every matrix path
-this machine runs (the AVX2 path runs on every x86-64 machine these tests target).
+both methods, K in {1, 3, 7}, batches of 1-8 requests that join while others are decoding, steps whose requests
+verify windows of different sizes in one ragged forward, on every matrix path this machine runs (the AVX2 path runs on every x86-64 machine these tests target).
 
 This holds because peagle's kernels compute every row of a verify window exactly as a one-row decode step would
 (docs/design.md, "Decoding step"); it is skipped only where no native path exists.
@@ -17,13 +17,15 @@ from peagle.model import kernels
 from peagle.model.checkpoint import load_head
 from peagle.model.heads import DEFAULT_HEADS, resolve_head
 from peagle.model.target import TargetModel
+from tests.test_policy import Rotating
 
 PROMPTS = ["What is the capital of France?", "Write a Python function that adds two numbers.",
            "List three colours.", "Explain recursion in one sentence.", "Translate 'good morning' into Spanish.",
            "def fibonacci(n):", "Give me a haiku about the sea.", "What is 17 times 3?"]
 MAX_TOKENS = 20
 # (method, K, batch size): every K for both methods, batch sizes from 1 to 8
-CASES = [("peagle", 1, 8), ("peagle", 3, 3), ("peagle", 7, 5), ("eagle3", 1, 2), ("eagle3", 3, 8), ("eagle3", 7, 1)]
+CASES = [("peagle", 1, 8), ("peagle", 3, 3), ("peagle", 7, 5), ("eagle3", 1, 2), ("eagle3", 3, 8), ("eagle3", 7, 1),
+         ("peagle", "0-3 per request", 6), ("eagle3", "0-3 per request", 4)]
 # Skipped only where the CPU lacks a path's instructions (tests/test_kernels.py checks that every other path runs).
 PATHS = [pytest.param(p, marks=pytest.mark.skipif(not kernels.cpu_has(p), reason=f"this CPU lacks the {p} instructions"))
          for p in kernels.PATHS]
@@ -61,7 +63,10 @@ def test_greedy_speculation_equals_plain_greedy_on_smollm2(path, smollm2_dir, on
         head.pack_()
     for method, k, batch in CASES:
         spec = SpeculativeConfig.parse({"model": DEFAULT_HEADS[method], "method": "eagle3",
-                                        "num_speculative_tokens": k, "parallel_drafting": method == "peagle"})
+                                        "num_speculative_tokens": k if isinstance(k, int) else 3,
+                                        "parallel_drafting": method == "peagle"})
         engine = LLMEngine(target, tok, heads[method], spec, max_num_seqs=batch, max_model_len=256)
+        if not isinstance(k, int):  # request i verifies (step + i) % 4 drafts: every step mixes window sizes
+            engine.policy = Rotating(3)
         assert run_staggered(engine, params) == reference, f"{path}: {method} K={k} batch {batch}"
         assert engine.stats.num_accepted_tokens > 0  # drafts were accepted: rollback and bonus tokens exercised

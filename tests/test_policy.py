@@ -22,9 +22,14 @@ MAX_K = 7
 
 # -- the policy on synthetic inputs -------------------------------------------------------------------------------
 
-def policy_with_cost(cost, max_batch: int = 8, max_k: int = MAX_K) -> AdaptiveK:
+def no_drafter_cost(requests: int, k: int) -> float:
+    return 0.0
+
+
+def policy_with_cost(target, draft=no_drafter_cost, max_batch: int = 8, max_k: int = MAX_K) -> AdaptiveK:
+    """target(rows) and draft(requests, k): step costs in seconds."""
     policy = AdaptiveK(max_k, max_batch)
-    policy.cost.calibrate(cost)
+    policy.cost.calibrate(target, draft)
     return policy
 
 
@@ -43,7 +48,7 @@ def feed(policy: AdaptiveK, request_id: str, acceptance: float, steps: int, rng:
 
 
 def test_zero_acceptance_chooses_plain_steps():
-    policy = policy_with_cost(lambda b, w: 1.0 + 0.1 * w)
+    policy = policy_with_cost(lambda rows: 1.0, lambda m, k: 0.1 * k)
     chosen = feed(policy, "a", 0.0, 60, random.Random(0))
     # Plain steps, but for single-draft probes after 16, then 32 plain steps.
     assert set(chosen[5:]) == {0, 1} and chosen[5:].count(1) == 2, chosen
@@ -53,14 +58,14 @@ def test_zero_acceptance_chooses_plain_steps():
 
 
 def test_high_acceptance_with_free_verification_chooses_the_maximum():
-    policy = policy_with_cost(lambda b, w: 1.0)
+    policy = policy_with_cost(lambda rows: 1.0)
     chosen = feed(policy, "a", 0.98, 30, random.Random(0))
     assert chosen[-10:] == [MAX_K] * 10
 
 
 def test_cost_growing_with_rows_lowers_k_as_concurrency_rises():
     # A step reads the weights once (fixed part) and then pays per verified row, as a compute-bound CPU does.
-    policy = policy_with_cost(lambda b, w: 1.0 + 0.08 * b * (w + 1), max_batch=16)
+    policy = policy_with_cost(lambda rows: 1.0 + 0.08 * rows, max_batch=16)
     history = policy.estimate("history")  # every request has seen 70% of its drafts accepted at each position
     history.tried, history.accepted, history.prior_weight = [10.0] * MAX_K, [7.0] * MAX_K, [0.0] * MAX_K
     ks = []
@@ -77,7 +82,7 @@ def test_cost_growing_with_rows_lowers_k_as_concurrency_rises():
 
 def test_collapsing_acceptance_lowers_k_within_a_few_steps():
     """A request moves from text the head predicts well (code) to text it does not (prose)."""
-    policy = policy_with_cost(lambda b, w: 1.0 + 0.15 * w)
+    policy = policy_with_cost(lambda rows: 1.0, lambda m, k: 0.15 * k)
     rng = random.Random(1)
     before = feed(policy, "a", 0.95, 30, rng)
     assert sum(before[-10:]) / 10 >= 5, before
@@ -88,7 +93,7 @@ def test_collapsing_acceptance_lowers_k_within_a_few_steps():
 
 
 def test_requests_near_their_end_need_no_deep_window():
-    policy = policy_with_cost(lambda b, w: 1.0 + 0.05 * w)
+    policy = policy_with_cost(lambda rows: 1.0, lambda m, k: 0.05 * k)
     feed(policy, "a", 1.0, 30, random.Random(0))
     assert policy.choose([Candidate("a", 1000)]) == [MAX_K]
     assert policy.choose([Candidate("a", 3)]) == [2]  # 3 tokens left: 2 drafts and the target's own token
@@ -96,8 +101,8 @@ def test_requests_near_their_end_need_no_deep_window():
 
 def test_requests_that_gain_draft_while_the_others_take_a_plain_step():
     """Verify rows are dear (cost grows with rows, as on a compute-bound CPU): only the requests whose drafts are
-    accepted get a window; the rest decode plainly in a second, cheaper forward."""
-    policy = policy_with_cost(lambda b, w: 1.0 + 0.25 * b * (w + 1))
+    accepted get a window; the rest decode plainly in the same forward, without rows of their own."""
+    policy = policy_with_cost(lambda rows: 1.0 + 0.25 * rows)
     good, bad = policy.estimate("good"), policy.estimate("bad")
     good.tried, good.accepted, good.prior_weight = [10.0] * MAX_K, [9.5] * MAX_K, [0.0] * MAX_K
     bad.tried, bad.accepted, bad.prior_weight = [10.0] * MAX_K, [0.0] * MAX_K, [0.0] * MAX_K
@@ -111,23 +116,42 @@ def test_requests_that_gain_draft_while_the_others_take_a_plain_step():
 
 def test_cost_model_follows_real_step_times():
     cost = StepCostModel(4, 3)
-    cost.calibrate(lambda b, w: 1.0 + w)
-    assert cost.predict(1, 3) == pytest.approx(4.0)
-    assert cost.predict(4, 2) == pytest.approx(3.0)
-    for _ in range(50):  # verify windows turn out three times dearer than calibrated
-        cost.observe(1, 3, 12.0)
-    assert cost.predict(1, 3) == pytest.approx(12.0, rel=0.05)
-    for _ in range(200):  # and the whole machine slows down by half
-        cost.observe(1, 0, 1.5)
-    assert cost.predict(1, 0) == pytest.approx(1.5, rel=0.05)
-    assert cost.predict(2, 1) > 2.0  # cells never timed follow the drift
+    timed = []
+    cost.calibrate(lambda rows: timed.append(rows) or 1.0 + 0.1 * rows, lambda m, k: 0.5 * m + 0.2 * k)
+    assert set(timed) == {1, 2, 4, 8, 16}  # the rest is interpolated
+    assert cost.predict(1) == pytest.approx(1.1)
+    assert cost.predict(12) == pytest.approx(2.2)
+    assert cost.predict(4, 1, 3) == pytest.approx(1.4 + 0.5 + 0.6)
+    for _ in range(60):  # drafting one request at K = 3 turns out four times dearer than calibrated
+        cost.observe(4, 1, 3, 1.4 + 4 * 1.1)
+    assert cost.predict(4, 1, 3) == pytest.approx(5.8, rel=0.05)
+    # Mostly charged to the drafter's cell; the shared drift takes a little (one step time, two unknowns).
+    assert cost.predict_target(4) < 1.3 * 1.4 and cost.predict_draft(1, 3) > 3 * 1.1
+    for _ in range(200):  # and then the whole machine slows down by half
+        cost.observe(2, 0, 0, 1.5 * 1.2)
+    assert cost.predict(2) == pytest.approx(1.8, rel=0.05)
+    assert cost.predict(16) > 2.6 * 1.2  # cells never timed follow the drift
 
 
 def test_plain_steps_probe_now_and_then():
-    policy = policy_with_cost(lambda b, w: 1.0 + 0.5 * w)
+    policy = policy_with_cost(lambda rows: 1.0, lambda m, k: 0.5 * k)
     chosen = feed(policy, "a", 0.0, 100, random.Random(0))
     probes = chosen[20:].count(1)
     assert 1 <= probes <= 6 and set(chosen[20:]) <= {0, 1}
+
+
+def test_a_probe_drafts_for_one_request_only():
+    """Re-measuring acceptance costs one verify row and one request's drafter pass, not a window for the batch."""
+    policy = policy_with_cost(lambda rows: 1.0 + 0.1 * rows, lambda m, k: 0.2 * m * k)
+    cands = [Candidate(f"r{i}", 1000) for i in range(6)]
+    probes = []
+    for _ in range(80):
+        ks = policy.choose(cands)
+        for c, k in zip(cands, ks):
+            if k:
+                policy.observe(c.request_id, k, 0)
+        probes += [ks] if any(ks) else []
+    assert len(probes) >= 2 and all(sorted(ks) == [0] * 5 + [1] for ks in probes[-2:]), probes
 
 
 def test_unknown_policy_names_the_choices():
@@ -152,9 +176,9 @@ def engine(target: TargetModel, k: int, policy: str, parallel: bool = True, max_
                      speculation_policy=policy)
 
 
-def synthetic_costs(eng: LLMEngine, cost) -> LLMEngine:
-    """Step costs from a formula instead of this machine's timings, so which K the policy picks is reproducible."""
-    eng.policy.cost.calibrate(cost)
+def synthetic_costs(eng: LLMEngine, target, draft=no_drafter_cost) -> LLMEngine:
+    """Step costs from formulas instead of this machine's timings, so which K the policy picks is reproducible."""
+    eng.policy.cost.calibrate(target, draft)
     eng.policy.observe_step = lambda *timing: None
     return eng
 
@@ -188,7 +212,7 @@ def test_adaptive_greedy_is_lossless(tiny_target, parallel):
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     ref = [o.token_ids for o in LLMEngine(tiny_target, None, max_num_seqs=8, max_model_len=256).generate(ps, params)]
     eng = synthetic_costs(engine(tiny_target, 7, "adaptive", parallel, max_num_seqs=3),
-                          lambda b, w: 1.0 + 0.1 * b * (w + 1))
+                          lambda rows: 1.0 + 0.1 * rows)
     half_right_oracle(eng, {tuple(p): r for p, r in zip(ps, ref)})
     outs = eng.generate(ps, [SamplingParams(max_tokens=m, ignore_eos=True) for m in (48, 9, 48, 30, 1, 48)])
     for o, r, m in zip(outs, ref, (48, 9, 48, 30, 1, 48)):
@@ -218,8 +242,23 @@ def test_steps_split_between_windows_are_lossless(tiny_target, parallel):
     eng = engine(tiny_target, 3, "fixed", parallel, max_num_seqs=4)
     eng.policy = Rotating(3)
     half_right_oracle(eng, {tuple(p): r for p, r in zip(ps, ref)})
-    assert [o.token_ids for o in eng.generate(ps, params)] == ref
+    forwards, per_step = [], []
+    hook = eng.target.register_forward_hook(lambda module, args, out: forwards.append(args[0].shape))
+    real_step = eng._decode_step
+
+    def decode_step(reqs, ks):
+        before = len(forwards)
+        real_step(reqs, ks)
+        per_step.append((len(forwards) - before, forwards[-1], sum(k + 1 for k in ks)))
+
+    eng._decode_step = decode_step
+    try:
+        assert [o.token_ids for o in eng.generate(ps, params)] == ref
+    finally:
+        hook.remove()
     assert all(n > 0 for n in eng.stats.steps_per_k), eng.stats.steps_per_k
+    # Every step verified all its windows in one target forward, with exactly the rows they hold (no padding).
+    assert all(n == 1 and shape.numel() == rows for n, shape, rows in per_step), per_step
 
 
 def test_adaptive_logprobs_equal_plain_decoding(tiny_target):
@@ -228,7 +267,7 @@ def test_adaptive_logprobs_equal_plain_decoding(tiny_target):
     ps = prompts(4, seed=9)
     params = SamplingParams(max_tokens=30, ignore_eos=True, logprobs=3)
     plain = LLMEngine(tiny_target, None, max_num_seqs=4, max_model_len=256).generate(ps, params)
-    eng = synthetic_costs(engine(tiny_target, 5, "adaptive", max_num_seqs=4), lambda b, w: 1.0 + 0.2 * b * (w + 1))
+    eng = synthetic_costs(engine(tiny_target, 5, "adaptive", max_num_seqs=4), lambda rows: 1.0 + 0.2 * rows)
     half_right_oracle(eng, {tuple(p): o.token_ids for p, o in zip(ps, plain)})
     outs = eng.generate(ps, params)
     assert eng.stats.steps_per_k[0] > 0 and sum(eng.stats.steps_per_k[1:]) > 0
@@ -243,7 +282,7 @@ def test_adaptive_with_a_useless_head_decodes_plainly(tiny_target):
     ps = prompts(4, seed=5)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     ref = [o.token_ids for o in LLMEngine(tiny_target, None, max_num_seqs=4, max_model_len=256).generate(ps, params)]
-    eng = synthetic_costs(engine(tiny_target, 7, "adaptive"), lambda b, w: 1.0 + 0.1 * w)
+    eng = synthetic_costs(engine(tiny_target, 7, "adaptive"), lambda rows: 1.0, lambda m, k: 0.1 * k)
     assert [o.token_ids for o in eng.generate(ps, params)] == ref
     steps = eng.stats.steps_per_k
     assert steps[0] > 0.6 * sum(steps), steps

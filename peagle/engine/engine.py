@@ -4,11 +4,12 @@ requests at once.
 Every step:
   1. admit waiting requests into free cache slots: target prefill and first token (the prompt's rows wait for the
      drafter like any other real rows: a request the policy never drafts for never runs the drafter);
-  2. ask the speculation policy (policy.py) how many drafts K, from 0 to num_speculative_tokens, each request
-     verifies; requests with the same K form one group, and each group takes steps 3-5 on its own;
-  3. draft K tokens for the group in one drafter forward (P-EAGLE) or K of them (EAGLE-3), after the drafter has
-     caught up on every real row it has not seen;
-  4. verify [x_n, d_1..d_K] for the group in one target forward;
+  2. ask the speculation policy (policy.py) how many drafts K_b, from 0 to num_speculative_tokens, each request
+     verifies;
+  3. draft for the requests with K_b > 0 in one drafter forward (P-EAGLE) or one per draft (EAGLE-3), at the
+     widest K_b, after the drafter has caught up on every real row it has not seen;
+  4. verify every request's [x_n, d_1..d_K_b] in one target forward (ragged when the K_b differ: each request
+     pays only for its own rows);
   5. accept per request, emit, and queue the accepted positions as the drafter's next real rows.
 At K = 0 nothing is drafted: the new real rows wait in the request and the drafter runs them, in one pass, just
 before the next draft (or once MAX_PENDING_ROWS have piled up), so its cache has no gap when drafting resumes. A
@@ -97,7 +98,7 @@ class LLMEngine:
         self.policy = make_policy(speculation_policy, self.k, max_num_seqs) if self.spec else None
         self._step_clock = step_clock(self.device)
         if self.policy is not None and self.policy.name == "adaptive":
-            self.policy.cost.calibrate(self._time_step)
+            self.policy.cost.calibrate(self._time_target, self._time_draft)
 
     # -- construction ------------------------------------------------------------------------------------------
     @classmethod
@@ -328,48 +329,74 @@ class LLMEngine:
             req.pending_tokens = req.prompt_ids[1:] + [first]
 
     def _decode(self, reqs: list[Request]) -> None:
-        """One decode step: the policy gives each request its number of drafts; requests with the same number share
-        one draft and one verify forward."""
+        """One decode step: the policy gives each request its number of drafts."""
         if self.policy is None:
-            self._decode_window(reqs, 0)
-            return
-        ks = self.policy.choose([Candidate(r.request_id, r.params.max_tokens - len(r.output_ids)) for r in reqs])
-        if self.spec.disable_by_batch_size and len(reqs) >= self.spec.disable_by_batch_size:
-            ks = [0] * len(reqs)  # vLLM's switch: no speculation while this many requests run
-        for k in sorted(set(ks)):
-            self._decode_window([r for r, kr in zip(reqs, ks) if kr == k], k)
+            ks = [0] * len(reqs)
+        else:
+            ks = self.policy.choose([Candidate(r.request_id, r.params.max_tokens - len(r.output_ids)) for r in reqs])
+            if self.spec.disable_by_batch_size and len(reqs) >= self.spec.disable_by_batch_size:
+                ks = [0] * len(reqs)  # vLLM's switch: no speculation while this many requests run
+        self._decode_step(reqs, ks)
 
-    def _decode_window(self, reqs: list[Request], K: int) -> None:
+    def _decode_step(self, reqs: list[Request], ks: list[int]) -> None:
+        """Draft for the requests with K_b > 0 (together, at the widest K), then verify every request's
+        [x_n, d_1..d_K_b] in one target forward, accept, emit."""
         if self.spec is not None:  # before drafting: long backlogs alone; at K = 0 only one at the cap
-            self._run_backlogs(reqs, JOINT_PENDING_ROWS if K else MAX_PENDING_ROWS - 1)
+            for req, k in zip(reqs, ks):
+                if len(req.pending_tokens) > (JOINT_PENDING_ROWS if k else MAX_PENDING_ROWS - 1):
+                    self._run_backlog(req)
         started, dev = self._step_clock(), self.device
+        kmax, drafting = max(ks), [b for b, k in enumerate(ks) if k]
+        drafts = None
+        if kmax:
+            drafters = [reqs[b] for b in drafting]
+            drafts = self._draft(drafters, torch.tensor([r.slot for r in drafters], device=dev), kmax)
+        windows = self._verify(reqs, ks, drafting, drafts)
+        for b, (req, k, logits, features) in enumerate(zip(reqs, ks, *windows)):
+            if k == 0:
+                new = [self._sample_one(req, logits[0])]
+            else:
+                d = drafts[drafting.index(b), :k]
+                if req.params.greedy:
+                    num_acc, emitted = verify_greedy(d[None], logits.argmax(-1)[None])
+                    new = emitted[0, : int(num_acc[0]) + 1].tolist()
+                else:
+                    new = verify_sampled(d, target_probs(logits, req.params), req.generator)
+            if self.spec is not None:
+                a = len(new) - 1
+                req.spec.record(k, a)
+                self.stats.record(k, a)
+                if k:
+                    self.policy.observe(req.request_id, k, a)
+                # Positions n..n+a are now verified: they become the drafter's next real rows.
+                self._queue_drafter_rows(req, req.num_tokens - 1, features[: a + 1], new)
+            self._commit(req, new, logits)
+        if self.policy is not None:  # timed after the backlogs: work earlier plain steps skipped, not this step's
+            self.policy.observe_step(len(reqs) + sum(ks), len(drafting), kmax, self._step_clock() - started)
+
+    def _verify(self, reqs: list[Request], ks: list[int], drafting: list[int], drafts: torch.Tensor | None):
+        """The target's forward over every request's window [x_n, d_1..d_K_b] at positions n..n+K_b: per request,
+        logits [K_b + 1, V] and features [K_b + 1, 3H]. One K for all: a [B, K + 1] batch. Different K: every row
+        its own batch entry ([sum (K_b + 1), 1]), so no request pays for a wider neighbour's rows (attention and
+        the matrix kernels compute each row alone, so the layout never changes a row's result)."""
+        dev = self.device
         slots = torch.tensor([r.slot for r in reqs], device=dev)
         n = torch.tensor([r.num_tokens - 1 for r in reqs], device=dev)  # position of x_n, the newest token
         last = torch.tensor([[r.last_token] for r in reqs], device=dev)
-        drafts = self._draft(reqs, slots, K) if K > 0 else None
-        tokens = last if drafts is None else torch.cat([last, drafts], dim=1)
-        positions = n[:, None] + torch.arange(K + 1, device=dev)[None, :]
-        out = self.target(tokens, BatchLayout.build(slots, positions), self.target_cache, num_logits=None)
-        if drafts is not None:
-            num_acc, emitted = verify_greedy(drafts, out.logits.argmax(-1))
-        for b, req in enumerate(reqs):
-            if drafts is None:
-                new = [self._sample_one(req, out.logits[b, 0])]
-            elif req.params.greedy:
-                new = emitted[b, : int(num_acc[b]) + 1].tolist()
-            else:
-                new = verify_sampled(drafts[b], target_probs(out.logits[b], req.params), req.generator)
-            if self.spec is not None:
-                a = len(new) - 1
-                req.spec.record(K, a)
-                self.stats.record(K, a)
-                if K:
-                    self.policy.observe(req.request_id, K, a)
-                # Positions n..n+a are now verified: they become the drafter's next real rows.
-                self._queue_drafter_rows(req, int(n[b]), out.features[b, : a + 1], new)
-            self._commit(req, new, out.logits[b])
-        if self.policy is not None:  # timed after the backlogs: work earlier plain steps skipped, not this window's
-            self.policy.observe_step(len(reqs), K, self._step_clock() - started)
+        if len(set(ks)) == 1:
+            tokens = last if drafts is None else torch.cat([last, drafts], dim=1)
+            positions = n[:, None] + torch.arange(ks[0] + 1, device=dev)[None, :]
+            out = self.target(tokens, BatchLayout.build(slots, positions), self.target_cache, num_logits=None)
+            return out.logits, out.features
+        sizes = [k + 1 for k in ks]
+        tokens = last.clone().expand(-1, max(sizes)).clone()
+        for j, b in enumerate(drafting):
+            tokens[b, 1: sizes[b]] = drafts[j, : ks[b]]
+        keep = torch.arange(max(sizes), device=dev)[None, :] < torch.tensor(sizes, device=dev)[:, None]
+        positions = n[:, None] + torch.arange(max(sizes), device=dev)[None, :]
+        layout = BatchLayout.build(slots[:, None].expand_as(keep)[keep], positions[keep][:, None])
+        out = self.target(tokens[keep][:, None], layout, self.target_cache, num_logits=None)
+        return out.logits[:, 0].split(sizes), out.features[:, 0].split(sizes)
 
     @staticmethod
     def _queue_drafter_rows(req: Request, start: int, features: torch.Tensor, tokens: list[int]) -> None:
@@ -421,28 +448,36 @@ class LLMEngine:
     def _draft_fn(self):
         return self.drafter.draft_parallel if self.spec.parallel_drafting else self.drafter.draft_chain
 
-    def _time_step(self, batch: int, window: int) -> float:
-        """Seconds of one decode step's forwards (draft, verify) for `batch` requests at window `window`, on scratch
-        rows in slots no request holds yet: the adaptive policy's start-up cost calibration."""
-        dev = self.device
+    # -- start-up cost calibration of the adaptive policy: forwards on scratch rows in slots no request holds yet --
+    def _time_target(self, rows: int) -> float:
+        """Seconds of the target's forward over `rows` rows, one per batch entry, spread over the cache slots."""
+        dev, p0 = self.device, min(128, self.max_model_len // 2)  # a typical context: p0 cached positions
+        slot_of_row = torch.arange(rows, device=dev) % self.max_num_seqs
+        positions = p0 + torch.arange(rows, device=dev) // self.max_num_seqs
+        layout = BatchLayout.build(slot_of_row, positions[:, None])
+        tokens = torch.ones(rows, 1, dtype=torch.long, device=dev)
+
+        def forward():
+            with torch.inference_mode():
+                self.target(tokens, layout, self.target_cache, num_logits=None)
+
+        return timed(forward, self._step_clock)
+
+    def _time_draft(self, batch: int, k: int) -> float:
+        """Seconds of drafting k tokens for `batch` requests, with a typical step's two new real rows each."""
+        dev, p0, rows = self.device, min(128, self.max_model_len // 2), 2
         slots = torch.arange(batch, device=dev)
-        p0 = min(128, self.max_model_len // 2)  # a typical context: attention reads p0 cached positions
-        rows = 2  # a typical step's real drafter rows: the newest token and one accepted draft
         tokens = torch.ones(batch, rows, dtype=torch.long, device=dev)
         feats = torch.zeros(batch, rows, self.drafter.fc.weight.shape[1], dtype=self.drafter.fc.weight.dtype,
                             device=dev)
         num_real = torch.full((batch,), rows, device=dev)
         start = torch.full((batch,), p0 - rows, device=dev)
-        window_tokens = torch.ones(batch, window + 1, dtype=torch.long, device=dev)
-        layout = BatchLayout.build(slots, p0 + torch.arange(window + 1, device=dev)[None, :].expand(batch, -1))
 
-        def step():
+        def draft():
             with torch.inference_mode():
-                if window:
-                    self._draft_fn(tokens, feats, num_real, start, slots, self.drafter_cache, window)
-                self.target(window_tokens, layout, self.target_cache, num_logits=None)
+                self._draft_fn(tokens, feats, num_real, start, slots, self.drafter_cache, k)
 
-        return timed(step, self._step_clock)
+        return timed(draft, self._step_clock)
 
     def _sample_one(self, req: Request, logits: torch.Tensor) -> int:
         if req.params.greedy:

@@ -4,21 +4,20 @@
 as a maximum and picks, before every step, how many drafts each request verifies, for the most expected output
 tokens per second:
 
-    expected tokens of request b at window W   E_b(W) = 1 + s_b,1 + ... + s_b,W   (at most what b may still emit)
-    survival of draft position i               s_b,i  = a_b,1 * ... * a_b,i
-    a step with window W for requests S        sum_b E_b(K_b) / (cost(|S|, W) + cost(B - |S|, 0))
+    expected tokens of request b with K_b drafts   E_b = 1 + s_b,1 + ... + s_b,K_b   (at most what b may still emit)
+    survival of draft position i                   s_b,i = a_b,1 * ... * a_b,i
+    a step                                         sum_b E_b / (target(B + sum_b K_b) + drafter(#{b: K_b > 0}, max K_b))
 
 a_b,i is the acceptance of position i given that position i-1 was accepted, from exponentially forgotten counts of
 request b, with the engine-wide estimate as its prior (so a new request starts from what the engine has seen, and a
-request whose text changes character moves off it within a few steps). cost(B, W) is a table of forward times for
-B requests at window W, measured at start-up (`StepCostModel.calibrate`) and corrected from every real step.
+request whose text changes character moves off it within a few steps). target(rows) and drafter(requests, K) are
+forward times measured at start-up (`StepCostModel.calibrate`) and corrected from every real step.
 
-The choice is between one plain step for everyone (W = 0), one window W for everyone, and a window W for the m
-requests that gain most from it while the rest take a plain step in a second forward. The target verifies a
-rectangular [B, W + 1] batch, so inside one forward a request given fewer drafts than its neighbours would still
-pay for its padded rows; a second forward reads the weights a second time, which pays only where verify rows are
-dear (a compute-bound CPU at high concurrency). A window must beat the plain step by SPECULATION_MARGIN. When the
-plain step has won many steps in a row, one step at W = 1 re-measures acceptance (a head that was useless on one
+Every request's window is its own: the engine verifies all of a step's rows in one target forward, each request
+only its own K_b + 1 (docs/engine.md, "Choosing K"), so a draft slot (b, i) costs one verify row wherever it is.
+Slots are taken best first, as vLLM's adaptive verification does, while they raise the step's tokens per second;
+a request may get none. A window must beat the plain step by SPECULATION_MARGIN. When the plain step has won many
+steps in a row, one draft for the most promising request re-measures acceptance (a head that was useless on one
 stretch of text may be good on the next); the wait doubles after every probe that does not bring drafting back.
 """
 from __future__ import annotations
@@ -105,51 +104,70 @@ class AcceptanceEstimate:
 
 
 class StepCostModel:
-    """Seconds per decode step for B requests at window W (0..max_k): a calibrated table times two corrections
-    learnt from real steps, one per cell (the calibration's error at that shape) and one shared by all cells (the
-    machine getting slower or faster)."""
+    """Seconds of one decode step: the target's verify forward over `rows` rows (B plain rows plus every verified
+    draft) plus the drafter's forward for the `drafted` requests that draft, at window `k` (the widest one). Two
+    calibrated tables, each with a correction per cell learnt from real steps, and one drift factor shared by all
+    cells (the machine getting slower or faster)."""
 
     def __init__(self, max_batch: int, max_k: int):
         self.max_batch, self.max_k = max_batch, max_k
-        self.base = [[1.0 + b * (w + 1) for w in range(max_k + 1)] for b in range(max_batch + 1)]  # until calibrated
-        self.cell = [[1.0] * (max_k + 1) for _ in range(max_batch + 1)]
+        self.max_rows = max_batch * (max_k + 1)
+        self.target = [float(n) for n in range(self.max_rows + 1)]  # until calibrated
+        self.draft = [[0.5 * m * k for k in range(max_k + 1)] for m in range(max_batch + 1)]
+        self.target_cell = [1.0] * (self.max_rows + 1)
+        self.draft_cell = [[1.0] * (max_k + 1) for _ in range(max_batch + 1)]
         self.drift = 1.0
 
     @staticmethod
-    def grid(max_batch: int, max_k: int) -> tuple[list[int], list[int]]:
-        """The (B, W) shapes calibration times; other cells are interpolated between them."""
+    def grid(max_batch: int, max_k: int) -> tuple[list[int], list[int], list[int]]:
+        """The shapes calibration times (row counts of the target; requests and windows of the drafter); the rest
+        is interpolated between them."""
+        max_rows = max_batch * (max_k + 1)
+        rows = sorted({n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if n < max_rows} | {max_rows})
         bs = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < max_batch} | {1, max_batch})
-        # W = 0 has no drafter and W = 1 adds it: the big step. Past that the cost grows about linearly in W.
-        ws = sorted({0, 1, (1 + max_k) // 2, max_k})
-        return bs, ws
+        # The drafter's cost grows about linearly in K (a chain: one forward per draft; parallel: wider rows).
+        ks = sorted({1, (1 + max_k) // 2, max_k}) if max_k else []
+        return rows, bs, ks
 
-    def calibrate(self, time_step: Callable[[int, int], float]) -> None:
-        """Fill the table from time_step(B, W) -> seconds at the grid's shapes. For each B, the windows W >= 1 get
-        the least-squares line through the timed ones (one noisy timing must not make a window look cheap: a cell
-        the policy then never chooses would never be corrected); B in between is interpolated."""
-        bs, ws = self.grid(self.max_batch, self.max_k)
-        measured = {(b, w): time_step(b, w) for b in bs for w in ws}
-        rows = {b: [measured[(b, 0)]] + _line([(w, measured[(b, w)]) for w in ws if w], self.max_k) for b in bs}
+    def calibrate(self, time_target: Callable[[int], float], time_draft: Callable[[int, int], float]) -> None:
+        """Fill the tables from time_target(rows) and time_draft(requests, k) -> seconds at the grid's shapes.
+        For each number of requests the drafter's windows get the least-squares line through the timed ones (one
+        noisy timing must not make a window look cheap: a cell the policy then never chooses is never corrected);
+        shapes in between are interpolated."""
+        rows, bs, ks = self.grid(self.max_batch, self.max_k)
+        timed_rows = {n: time_target(n) for n in rows}
+        for n in range(1, self.max_rows + 1):
+            n0, n1 = _bracket(rows, n)
+            self.target[n] = _lerp(n, n0, n1, timed_rows[n0], timed_rows[n1])
+        if not ks:
+            return
+        lines = {b: [0.0] + _line([(k, time_draft(b, k)) for k in ks], self.max_k) for b in bs}
         for b in range(1, self.max_batch + 1):
             b0, b1 = _bracket(bs, b)
-            self.base[b] = [_lerp(b, b0, b1, rows[b0][w], rows[b1][w]) for w in range(self.max_k + 1)]
+            self.draft[b] = [_lerp(b, b0, b1, lines[b0][k], lines[b1][k]) for k in range(self.max_k + 1)]
 
-    def predict(self, batch: int, window: int) -> float:
-        return self.base[batch][window] * self.cell[batch][window] * self.drift
+    def predict_target(self, rows: int) -> float:
+        return self.target[rows] * self.target_cell[rows] * self.drift
 
-    def predict_row(self, batch: int) -> list[float]:
-        """predict(batch, W) for W = 0..max_k, made non-decreasing in W: a wider window never costs less, and a
-        noisy timing must not make it look so."""
-        out, top = [], 0.0
-        for w in range(self.max_k + 1):
-            top = max(top, self.predict(batch, w))
-            out.append(top)
-        return out
+    def predict_draft(self, drafted: int, k: int) -> float:
+        return self.draft[drafted][k] * self.draft_cell[drafted][k] * self.drift
 
-    def observe(self, batch: int, window: int, seconds: float) -> None:
-        base = self.base[batch][window]
-        self.drift += COST_DRIFT_RATE * (seconds / (base * self.cell[batch][window]) - self.drift)
-        self.cell[batch][window] += COST_CELL_RATE * (seconds / (base * self.drift) - self.cell[batch][window])
+    def predict(self, rows: int, drafted: int = 0, k: int = 0) -> float:
+        return self.predict_target(rows) + (self.predict_draft(drafted, k) if drafted else 0.0)
+
+    def observe(self, rows: int, drafted: int, k: int, seconds: float) -> None:
+        """A real step's time. A plain step corrects its row count's cell; a drafting step corrects the drafter's
+        cell with what the step took beyond the target's predicted share."""
+        predicted = self.predict(rows, drafted, k)
+        self.drift += COST_DRIFT_RATE * (seconds / predicted - 1.0) * self.drift
+        if not drafted:
+            measured = seconds / (self.target[rows] * self.drift)
+            self.target_cell[rows] += COST_CELL_RATE * (measured - self.target_cell[rows])
+            return
+        base = self.draft[drafted][k] * self.drift
+        if base > 0:
+            measured = max(0.0, seconds - self.predict_target(rows)) / base
+            self.draft_cell[drafted][k] += COST_CELL_RATE * (measured - self.draft_cell[drafted][k])
 
 
 @dataclass
@@ -173,7 +191,7 @@ class FixedK:
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
         pass
 
-    def observe_step(self, batch: int, window: int, seconds: float) -> None:
+    def observe_step(self, rows: int, drafted: int, k: int, seconds: float) -> None:
         pass
 
     def forget(self, request_id: str) -> None:
@@ -199,47 +217,44 @@ class AdaptiveK:
             est = self.requests[request_id] = AcceptanceEstimate(self.max_k, REQUEST_MEMORY, prior=self.engine_wide)
         return est
 
-    def gains(self, request: Candidate) -> list[float]:
-        """E_b(W) - 1 for W = 0..max_k: the tokens a window of W drafts is expected to add to the target's one."""
-        survival = self.estimate(request.request_id).survival()
-        useful = max(0, min(self.max_k, request.remaining - 1))  # drafts past the request's last token emit nothing
-        out, g = [0.0], 0.0
-        for w in range(1, self.max_k + 1):
-            if w <= useful:
-                g += survival[w - 1]
-            out.append(g)
-        return out
+    def margins(self, request: Candidate) -> list[float]:
+        """s_1, s_2, ..: what each further draft of this request adds to its expected tokens (nothing past the
+        request's last token)."""
+        useful = max(0, min(self.max_k, request.remaining - 1))
+        return self.estimate(request.request_id).survival()[:useful]
 
     def choose(self, requests: Sequence[Candidate]) -> list[int]:
-        """K per request: 0 for all, or W for the m requests that gain most from it and 0 for the rest (two
-        target forwards), whichever promises the most tokens per second."""
+        """K per request. Draft slots (request b, position i) are worth s_b,i expected tokens; for each widest
+        window W they are taken best first (so each request's slots stay a prefix) while the step's expected
+        tokens per second rise; the best (W, slots) wins if it beats the plain step by SPECULATION_MARGIN."""
         batch = len(requests)
-        gains = [self.gains(r) for r in requests]
-        rows = {b: self.cost.predict_row(b) for b in range(1, batch + 1)}
-        plain = batch / rows[batch][0]
-        best_rate, best_w, chosen = plain, 0, []
+        margins = [self.margins(r) for r in requests]
+        plain = batch / self.cost.predict(batch)
+        best_rate, best = plain, [0] * batch
         for w in range(1, self.max_k + 1):
-            order = sorted(range(batch), key=lambda i: -gains[i][w])
-            tokens = float(batch)
-            for m in range(1, batch + 1):
-                tokens += gains[order[m - 1]][w]
-                cost = rows[m][w] + (rows[batch - m][0] if m < batch else 0.0)
-                if tokens / cost > best_rate:
-                    best_rate, best_w, chosen = tokens / cost, w, order[:m]
-        if best_w and best_rate >= SPECULATION_MARGIN * plain:
+            slots = sorted(((-s, b, i) for b, m in enumerate(margins) for i, s in enumerate(m[:w])))
+            ks, tokens, drafted = [0] * batch, float(batch), 0
+            for n, (neg_s, b, i) in enumerate(slots, start=1):
+                ks[b] = i + 1
+                drafted += i == 0
+                tokens -= neg_s
+                rate = tokens / self.cost.predict(batch + n, drafted, w)
+                if rate > best_rate:
+                    best_rate, best = rate, list(ks)
+        if any(best) and best_rate >= SPECULATION_MARGIN * plain:
             self.plain_steps_in_a_row, self.probe_after = 0, PROBE_AFTER
-            ks = [0] * batch
-            for i in chosen:
-                ks[i] = best_w
-            self._age(requests, ks)
-            return ks
+            self._age(requests, best)
+            return best
+        ks = [0] * batch
         self.plain_steps_in_a_row += 1
         if self.plain_steps_in_a_row > self.probe_after and self.max_k:
+            # One draft for the most promising request re-measures acceptance: one more verify row and the
+            # drafter for one request, not a window for the whole batch.
             self.plain_steps_in_a_row = 0
             self.probe_after = min(2 * self.probe_after, PROBE_AFTER_MAX)
-            return [1] * batch
-        self._age(requests, [0] * batch)
-        return [0] * batch
+            ks[max(range(batch), key=lambda b: margins[b][0] if margins[b] else -1.0)] = 1
+        self._age(requests, ks)
+        return ks
 
     def _age(self, requests: Sequence[Candidate], ks: list[int]) -> None:
         """Requests that take a plain step learn nothing from it; their estimates age instead."""
@@ -251,8 +266,8 @@ class AdaptiveK:
         self.estimate(request_id).observe(num_drafted, num_accepted)
         self.engine_wide.observe(num_drafted, num_accepted)
 
-    def observe_step(self, batch: int, window: int, seconds: float) -> None:
-        self.cost.observe(batch, window, seconds)
+    def observe_step(self, rows: int, drafted: int, k: int, seconds: float) -> None:
+        self.cost.observe(rows, drafted, k, seconds)
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
