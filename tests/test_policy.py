@@ -286,7 +286,7 @@ def test_adaptive_with_a_useless_head_decodes_plainly(tiny_target):
     assert [o.token_ids for o in eng.generate(ps, params)] == ref
     steps = eng.stats.steps_per_k
     assert steps[0] > 0.6 * sum(steps), steps
-    assert all(r.pending_features is None for r in eng.running)
+    assert all(not r.pending_features for r in eng.running)
 
 
 def test_adaptive_sampling_keeps_the_target_distribution(small_vocab_target):  # noqa: F811

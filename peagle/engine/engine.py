@@ -273,7 +273,7 @@ class LLMEngine:
             self.free_slots.append(req.slot)
             self.free_slots.sort()  # lowest slots first keeps batches contiguous (no cache gather)
             req.finished_at = time.perf_counter()
-            req.pending_features = None
+            req.pending_features = []
             if self.policy is not None:
                 self.policy.forget(req.request_id)
             self.num_finished += 1
@@ -314,7 +314,7 @@ class LLMEngine:
             m = len(req.prompt_ids)
             logits = out.logits[b, m - 1 : m] if every_row else out.logits[b, :1]
             first = self._sample_one(req, logits[0])
-            req.pending_features = out.features[b, :m].clone()  # not a view: the batch's features can go
+            req.pending_features = [out.features[b, :m].clone()]  # not a view: the batch's features can go
             req.pending_start = 0
             req.first_token_at = now
             if req.params.prompt_logprobs is not None:
@@ -400,23 +400,24 @@ class LLMEngine:
 
     @staticmethod
     def _queue_drafter_rows(req: Request, start: int, features: torch.Tensor, tokens: list[int]) -> None:
-        """Rows (token x_{t+1}, feature g_t) at positions start.. for the drafter, after any it has not run yet."""
+        """Rows (token x_{t+1}, feature g_t) at positions start.. for the drafter, after any it has not run yet.
+        Features are kept as one chunk per step (a copy, so the step's batch can go), joined only when the drafter
+        runs: appending to one growing tensor would copy the whole backlog every plain step."""
         if not req.pending_tokens:
-            req.pending_start, req.pending_features, req.pending_tokens = start, features, list(tokens)
-        else:
-            req.pending_features = torch.cat([req.pending_features, features])
-            req.pending_tokens = req.pending_tokens + list(tokens)
+            req.pending_start, req.pending_features, req.pending_tokens = start, [], []
+        req.pending_features.append(features.clone())
+        req.pending_tokens += tokens
 
     def _pending_batch(self, reqs: list[Request]):
         """Every request's unseen real rows, left-aligned: tokens [B, R], features [B, R, 3Ht], counts, starts."""
         B, dev = len(reqs), self.device
         R = max(len(r.pending_tokens) for r in reqs)
-        width = reqs[0].pending_features.shape[-1]
+        first = reqs[0].pending_features[0]
         tokens = torch.zeros(B, R, dtype=torch.long, device=dev)
-        feats = torch.zeros(B, R, width, dtype=reqs[0].pending_features.dtype, device=dev)
+        feats = torch.zeros(B, R, first.shape[-1], dtype=first.dtype, device=dev)
         for b, r in enumerate(reqs):
             tokens[b, : len(r.pending_tokens)] = torch.tensor(r.pending_tokens, device=dev)
-            feats[b, : len(r.pending_tokens)] = r.pending_features
+            torch.cat(r.pending_features, out=feats[b, : len(r.pending_tokens)])
         num_real = torch.tensor([len(r.pending_tokens) for r in reqs], device=dev)
         start = torch.tensor([r.pending_start for r in reqs], device=dev)
         return tokens, feats, num_real, start
@@ -425,13 +426,8 @@ class LLMEngine:
         """Drafts [B, k] as target ids; the drafter runs every request's pending real rows on the way."""
         tokens, feats, num_real, start = self._pending_batch(reqs)
         for r in reqs:
-            r.pending_tokens, r.pending_features = [], None
+            r.pending_tokens, r.pending_features = [], []
         return self._draft_fn(tokens, feats, num_real, start, slots, self.drafter_cache, k)
-
-    def _run_backlogs(self, reqs: list[Request], limit: int) -> None:
-        for req in reqs:
-            if len(req.pending_tokens) > limit:
-                self._run_backlog(req)
 
     def _run_backlog(self, req: Request) -> None:
         """Bring one request's drafter cache up to date without drafting (real rows only: no mask slots, no LM
@@ -440,8 +436,9 @@ class LLMEngine:
         tokens = torch.tensor([req.pending_tokens[:n]], device=dev)
         positions = req.pending_start + torch.arange(n, device=dev)[None, :]
         layout = BatchLayout.build(torch.tensor([req.slot], device=dev), positions)
-        self.drafter(tokens, req.pending_features[None, :n], layout, self.drafter_cache)
-        req.pending_tokens, req.pending_features = req.pending_tokens[n:], req.pending_features[n:].clone()
+        features = torch.cat(req.pending_features)
+        self.drafter(tokens, features[None, :n], layout, self.drafter_cache)
+        req.pending_tokens, req.pending_features = req.pending_tokens[n:], [features[n:].clone()]
         req.pending_start += n
 
     @property

@@ -229,18 +229,22 @@ class AdaptiveK:
         tokens per second rise; the best (W, slots) wins if it beats the plain step by SPECULATION_MARGIN."""
         batch = len(requests)
         margins = [self.margins(r) for r in requests]
-        plain = batch / self.cost.predict(batch)
+        target = [self.cost.predict_target(batch + n) for n in range(sum(map(len, margins)) + 1)]
+        plain = batch / target[0]
         best_rate, best = plain, [0] * batch
         for w in range(1, self.max_k + 1):
-            slots = sorted(((-s, b, i) for b, m in enumerate(margins) for i, s in enumerate(m[:w])))
-            ks, tokens, drafted = [0] * batch, float(batch), 0
+            slots = sorted((-s, b, i) for b, m in enumerate(margins) for i, s in enumerate(m[:w]))
+            draft = [0.0] + [self.cost.predict_draft(m, w) for m in range(1, batch + 1)]
+            ks, tokens, drafted, left = [0] * batch, float(batch), 0, -sum(neg_s for neg_s, _, _ in slots)
             for n, (neg_s, b, i) in enumerate(slots, start=1):
                 ks[b] = i + 1
                 drafted += i == 0
-                tokens -= neg_s
-                rate = tokens / self.cost.predict(batch + n, drafted, w)
-                if rate > best_rate:
-                    best_rate, best = rate, list(ks)
+                tokens, left = tokens - neg_s, left + neg_s
+                cost = target[n] + draft[drafted]
+                if tokens / cost > best_rate:
+                    best_rate, best = tokens / cost, list(ks)
+                elif (tokens + left) / cost <= best_rate:
+                    break  # costs only grow: even every slot left could not win
         if any(best) and best_rate >= SPECULATION_MARGIN * plain:
             self.plain_steps_in_a_row, self.probe_after = 0, PROBE_AFTER
             self._age(requests, best)

@@ -77,7 +77,7 @@ class Request:
     finish_reason: str | None = None
     # Drafter rows not yet run: tokens x_{t+1} with target features g_t, starting at position `pending_start`.
     pending_tokens: list[int] = field(default_factory=list)
-    pending_features: torch.Tensor | None = None
+    pending_features: list[torch.Tensor] = field(default_factory=list)  # [rows, 3H] chunks, one per step
     pending_start: int = 0
     # Text bookkeeping for streaming and stop strings.
     detokenizer: IncrementalDetokenizer | None = None
