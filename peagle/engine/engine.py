@@ -351,12 +351,13 @@ class LLMEngine:
         if kmax:
             drafters = [reqs[b] for b in drafting]
             drafts = self._draft(drafters, torch.tensor([r.slot for r in drafters], device=dev), kmax)
+        draft_row = {b: j for j, b in enumerate(drafting)}
         windows = self._verify(reqs, ks, drafting, drafts)
         for b, (req, k, logits, features) in enumerate(zip(reqs, ks, *windows)):
             if k == 0:
                 new = [self._sample_one(req, logits[0])]
             else:
-                d = drafts[drafting.index(b), :k]
+                d = drafts[draft_row[b], :k]
                 if req.params.greedy:
                     num_acc, emitted = verify_greedy(d[None], logits.argmax(-1)[None])
                     new = emitted[0, : int(num_acc[0]) + 1].tolist()
@@ -389,7 +390,7 @@ class LLMEngine:
             out = self.target(tokens, BatchLayout.build(slots, positions), self.target_cache, num_logits=None)
             return out.logits, out.features
         sizes = [k + 1 for k in ks]
-        tokens = last.clone().expand(-1, max(sizes)).clone()
+        tokens = last.expand(-1, max(sizes)).clone()
         for j, b in enumerate(drafting):
             tokens[b, 1: sizes[b]] = drafts[j, : ks[b]]
         keep = torch.arange(max(sizes), device=dev)[None, :] < torch.tensor(sizes, device=dev)[:, None]
