@@ -34,7 +34,7 @@ ENV_VAR = "SM_VLLM_SPECULATION_POLICY"  # read by `peagle serve` (every flag map
 REQUEST_MEMORY = 0.7  # per-request counts keep this much weight per new observation (about 3 steps' memory)
 PLAIN_STEP_MEMORY = 0.9  # ... and per step a position is not tried: back to the engine-wide estimate in ~10
 ENGINE_MEMORY = 0.98  # engine-wide counts: about 50 observations
-REQUEST_PRIOR_WEIGHT = 2.0  # the engine-wide estimate counts as this many observations in a request's estimate
+REQUEST_PRIOR_WEIGHT = 4.0  # the engine-wide estimate counts as this many observations in a request's estimate
 INITIAL_ACCEPTANCE = 0.5  # before anything is seen: optimistic enough that the first steps draft and learn
 INITIAL_WEIGHT = 0.5  # but weak: a few observations outweigh it
 PROBE_AFTER = 16  # plain steps in a row after which one step drafts a single token to re-measure acceptance ...
@@ -42,6 +42,7 @@ PROBE_AFTER_MAX = 256  # ... a wait that doubles after every probe that does not
 # A window must promise this much more than a plain step to be chosen: estimates and timings are noisy, and a wrong
 # window costs more (drafter, verify rows) than a wrongly plain step loses.
 SPECULATION_MARGIN = 1.05
+SURPRISE_SCALE = 2.0  # how fast a request's own contrary evidence overrides the engine-wide prior (z² units)
 COST_CELL_RATE = 0.2  # how fast one (B, W) cell follows its own timings
 COST_DRIFT_RATE = 0.05  # how fast every cell follows the machine's drift (load from other processes, heat)
 
@@ -50,9 +51,13 @@ class AcceptanceEstimate:
     """Conditional acceptance per draft position, from exponentially forgotten counts.
 
     Position i is *tried* in a step when the window reached it and positions 1..i-1 were accepted; a_i is accepted
-    over tried. A prior enters as pseudo-counts that are forgotten like real ones, so a request starts from the
-    engine-wide estimate and within a few steps stands on its own data. The engine-wide estimate's prior for a
-    position never tried is the estimate of the position before it."""
+    over tried. A request's estimate shrinks its own few recent observations towards the engine-wide estimate,
+    which counts as REQUEST_PRIOR_WEIGHT observations for as long as the request's data agree with it: a couple of
+    unlucky drafts must not switch speculation off where the head is as good as ever (three steps of memory are
+    too few to tell luck from a change). When they disagree beyond chance (z² = t (a/t - p)² / p(1 - p) large),
+    the prior's weight shrinks by exp(-z² / SURPRISE_SCALE) and the request follows its own data: a change of text
+    shows within a few steps. The engine-wide estimate's prior for a position never tried is the estimate of the
+    position before it."""
 
     def __init__(self, max_k: int, memory: float, prior: "AcceptanceEstimate | None" = None):
         self.memory, self.prior = memory, prior
@@ -66,7 +71,8 @@ class AcceptanceEstimate:
             if i < tried:
                 self.tried[i] = self.memory * self.tried[i] + 1.0
                 self.accepted[i] = self.memory * self.accepted[i] + (1.0 if i < num_accepted else 0.0)
-                self.prior_weight[i] *= self.memory
+                if self.prior is None:  # a request's prior keeps its weight: see the class docstring
+                    self.prior_weight[i] *= self.memory
             else:
                 self._age(i)
 
@@ -76,21 +82,25 @@ class AcceptanceEstimate:
             self._age(i)
 
     def _age(self, i: int) -> None:
-        """Position i was not tried: its evidence fades and the prior's weight returns, so a request whose estimate
-        fell during a bad stretch drifts back to the engine-wide estimate instead of staying frozen at its worst
-        (a position that is never tried cannot correct itself)."""
-        if self.prior is None:  # the engine-wide estimate only learns
-            return
-        m = PLAIN_STEP_MEMORY
+        """Position i was not tried: its evidence fades and the prior's weight returns, so an estimate that fell
+        during a bad stretch does not stay frozen at its worst (a position that is never tried cannot correct
+        itself). A request's drifts back to the engine-wide estimate; the engine-wide one, more slowly, to its
+        position before it, so a deep position written off early (a few unlucky drafts while everything was cold)
+        is tried again once the shallower ones prove good."""
+        m, weight = (PLAIN_STEP_MEMORY, REQUEST_PRIOR_WEIGHT) if self.prior is not None else (ENGINE_MEMORY,
+                                                                                              INITIAL_WEIGHT)
         self.tried[i] *= m
         self.accepted[i] *= m
-        self.prior_weight[i] = m * self.prior_weight[i] + (1 - m) * REQUEST_PRIOR_WEIGHT
+        self.prior_weight[i] = m * self.prior_weight[i] + (1 - m) * weight
 
     def conditional(self) -> list[float]:
         prior = self.prior.conditional() if self.prior is not None else None
         out: list[float] = []
         for i, (a, t, w) in enumerate(zip(self.accepted, self.tried, self.prior_weight)):
             p = prior[i] if prior is not None else out[i - 1] if i else INITIAL_ACCEPTANCE
+            if prior is not None and t > 0:  # the prior yields to evidence that contradicts it (a change of text)
+                z2 = t * (a / t - p) ** 2 / max(p * (1 - p), 0.01)
+                w *= math.exp(-z2 / SURPRISE_SCALE)
             out.append((a + w * p) / (t + w))
         return out
 
