@@ -93,6 +93,15 @@ def test_collapsing_acceptance_lowers_k_within_a_few_steps():
     assert after[6] <= 2 and after[-10:].count(0) >= 5 and sum(after[-10:]) / 10 < MAX_K / 2, after
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_unlucky_drafts_do_not_switch_off_a_head_that_pays(seed):
+    """Drafts accepted independently at 55%: speculation pays at every step, and a couple of rejections in a row is
+    luck, not a change of text. The request keeps drafting instead of falling back to plain steps after each."""
+    policy = policy_with_cost(lambda rows: 1.0 + 0.01 * rows, lambda m, k: 0.25 + 0.02 * k)
+    chosen = feed(policy, "a", 0.55, 400, random.Random(seed))[50:]
+    assert chosen.count(0) < 0.06 * len(chosen), chosen
+
+
 def test_requests_near_their_end_need_no_deep_window():
     policy = policy_with_cost(lambda rows: 1.0, lambda m, k: 0.05 * k)
     feed(policy, "a", 1.0, 30, random.Random(0))
