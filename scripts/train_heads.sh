@@ -7,9 +7,11 @@
 #   STEPS=4000 bash scripts/train_heads.sh                        # train further: the same WORK, a longer schedule
 #   BUNDLE=1 bash scripts/train_heads.sh                          # after measuring: copy the heads into the package
 #
-# 1. data: the 1600 ShareGPT prompts answered greedily by SmolLM2 itself (data/heads/smollm2-regenerated.jsonl),
-#    so the heads learn what the target really says; PROMPTS=N (N > 1600) picks N prompts, half about code, and
-#    regenerates their answers first (hours on a 2-core CPU; resumable)
+# 1. data: ShareGPT prompts answered greedily by SmolLM2 itself, so the heads learn what the target really says: the
+#    1,600 the bundled heads were trained on (data/heads/smollm2-regenerated.jsonl) and 2,400 more
+#    (data/heads/prompts-2.jsonl; the answers regenerated so far are in data/heads/smollm2-regenerated-2.jsonl, and
+#    the rest are regenerated first: about 35 per minute on one core, resumable)
+# 2. the bundled heads' 32 held-out conversations kept apart (scripts/split_head_data.py), evaluated every 100 steps
 # 3. both heads trained on the same data, in parallel, one core each, checkpointing every 20 steps (--resume latest)
 # 4. measured on MT-Bench and HumanEval (benchmarks/acceptance.py) into WORK/acceptance; bundle only a head that is
 #    clearly better than the bundled one (every bundle stays in the repository's history)
@@ -17,9 +19,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK="${WORK:-runs/heads3}"
 STEPS="${STEPS:-2000}"
-PROMPTS="${PROMPTS:-1600}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # one core per process: two threads stall on a shared 2-core machine
-mkdir -p "$WORK"
+mkdir -p "$WORK/regen"
 
 if [ -n "${BUNDLE:-}" ]; then
   python3 scripts/bundle_head.py "$WORK/peagle" smollm2-135m-peagle
@@ -28,17 +29,18 @@ if [ -n "${BUNDLE:-}" ]; then
   exit 0
 fi
 
-DATA="$WORK/data"
-if [ "$PROMPTS" -gt 1600 ]; then  # more prompts than the committed answers: regenerate (resumes where it stopped)
-  [ -f "$WORK/prompts.jsonl" ] || python3 scripts/make_head_prompts.py --num "$PROMPTS" --out "$WORK/prompts.jsonl"
-  peagle data prepare --input "$WORK/prompts.jsonl" --out "$WORK/regen" --regenerate --max-new-tokens 256 \
-    --max-model-len 1024 --batch-size 32 --max-num-seqs 16
-  DATA="$WORK/regen"
-else
-  [ -f "$DATA/peagle_data.json" ] || peagle data prepare --input data/heads/smollm2-regenerated.jsonl --out "$DATA"
+[ -f "$WORK/regen/regenerated.jsonl" ] || cp data/heads/smollm2-regenerated-2.jsonl "$WORK/regen/regenerated.jsonl"
+peagle data prepare --input data/heads/prompts-2.jsonl --out "$WORK/regen" --regenerate --max-new-tokens 256 \
+  --max-model-len 1024 --batch-size 32 --max-num-seqs 16  # skips the answers already there
+if [ ! -f "$WORK/heldout-data/peagle_data.json" ]; then
+  python3 scripts/split_head_data.py --inputs data/heads/smollm2-regenerated.jsonl "$WORK/regen/regenerated.jsonl" \
+    --train "$WORK/train.jsonl" --heldout "$WORK/heldout.jsonl"
+  peagle data prepare --input "$WORK/train.jsonl" --out "$WORK/train-data"
+  peagle data prepare --input "$WORK/heldout.jsonl" --out "$WORK/heldout-data"
 fi
 
-COMMON=(--data "$DATA" --max-steps "$STEPS" --save-every 20 --resume latest --teacher-cache "$WORK/teacher-cache")
+COMMON=(--data "$WORK/train-data" --eval-data "$WORK/heldout-data" --eval-every 100 --eval-depths 8
+        --max-steps "$STEPS" --save-every 20 --resume latest --teacher-cache "$WORK/teacher-cache")
 peagle train --method peagle --out "$WORK/peagle" "${COMMON[@]}" 2>> "$WORK/peagle.log" &
 peagle train --method eagle3 --out "$WORK/eagle3" "${COMMON[@]}" 2>> "$WORK/eagle3.log" &
 wait
