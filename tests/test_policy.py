@@ -135,8 +135,9 @@ def test_cost_model_follows_real_step_times():
     for _ in range(60):  # drafting one request at K = 3 turns out four times dearer than calibrated
         cost.observe(4, 1, 3, 1.4 + 4 * 1.1)
     assert cost.predict(4, 1, 3) == pytest.approx(5.8, rel=0.05)
-    # Mostly charged to the drafter's cell; the shared drift takes a little (one step time, two unknowns).
+    # Mostly charged to the drafter; the shared drift takes a little (one step time, two unknowns).
     assert cost.predict_target(4) < 1.3 * 1.4 and cost.predict_draft(1, 3) > 3 * 1.1
+    assert cost.predict_draft(3, 1) > 1.5 * (0.5 * 3 + 0.2)  # drafting shapes never timed learn it too
     for _ in range(200):  # and then the whole machine slows down by half
         cost.observe(2, 0, 0, 1.5 * 1.2)
     assert cost.predict(2) == pytest.approx(1.8, rel=0.05)

@@ -45,6 +45,7 @@ SPECULATION_MARGIN = 1.05
 SURPRISE_SCALE = 2.0  # how fast a request's own contrary evidence overrides the engine-wide prior (z² units)
 COST_CELL_RATE = 0.2  # how fast one (B, W) cell follows its own timings
 COST_DRIFT_RATE = 0.05  # how fast every cell follows the machine's drift (load from other processes, heat)
+DRAFT_DRIFT_RATE = 0.1  # how fast every drafting shape follows what drafting steps turn out to cost
 
 
 class AcceptanceEstimate:
@@ -127,6 +128,7 @@ class StepCostModel:
         self.target_cell = [1.0] * (self.max_rows + 1)
         self.draft_cell = [[1.0] * (max_k + 1) for _ in range(max_batch + 1)]
         self.drift = 1.0
+        self.draft_drift = 1.0
 
     @staticmethod
     def grid(max_batch: int, max_k: int) -> tuple[list[int], list[int], list[int]]:
@@ -160,14 +162,16 @@ class StepCostModel:
         return self.target[rows] * self.target_cell[rows] * self.drift
 
     def predict_draft(self, drafted: int, k: int) -> float:
-        return self.draft[drafted][k] * self.draft_cell[drafted][k] * self.drift
+        return self.draft[drafted][k] * self.draft_cell[drafted][k] * self.draft_drift * self.drift
 
     def predict(self, rows: int, drafted: int = 0, k: int = 0) -> float:
         return self.predict_target(rows) + (self.predict_draft(drafted, k) if drafted else 0.0)
 
     def observe(self, rows: int, drafted: int, k: int, seconds: float) -> None:
-        """A real step's time. A plain step corrects its row count's cell; a drafting step corrects the drafter's
-        cell with what the step took beyond the target's predicted share."""
+        """A real step's time. A plain step corrects its row count's cell; a drafting step charges what it took
+        beyond the target's predicted share to the drafter: to a factor shared by every drafting shape (requests
+        and K vary from step to step, so one cell alone would learn too slowly to stop a run of dear windows) and
+        to its own cell."""
         predicted = self.predict(rows, drafted, k)
         self.drift += COST_DRIFT_RATE * (seconds / predicted - 1.0) * self.drift
         if not drafted:
@@ -176,8 +180,10 @@ class StepCostModel:
             return
         base = self.draft[drafted][k] * self.drift
         if base > 0:
-            measured = max(0.0, seconds - self.predict_target(rows)) / base
-            self.draft_cell[drafted][k] += COST_CELL_RATE * (measured - self.draft_cell[drafted][k])
+            measured = max(0.0, seconds - self.predict_target(rows)) / base  # = cell x shared factor, ideally
+            cell = self.draft_cell[drafted][k]
+            self.draft_drift += DRAFT_DRIFT_RATE * (measured / cell - self.draft_drift)
+            self.draft_cell[drafted][k] += COST_CELL_RATE * (measured / self.draft_drift - cell)
 
 
 @dataclass
