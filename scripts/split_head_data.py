@@ -10,17 +10,17 @@ from __future__ import annotations
 import argparse
 import json
 
-import torch
+from peagle.train.trainer import TrainConfig, heldout_split
 
 BUNDLED_DATA = "data/heads/smollm2-regenerated.jsonl"
-EVAL_FRACTION, SEED = 0.02, 0  # peagle train's defaults when the bundled heads were trained
 
 
 def bundled_heldout_ids(path: str = BUNDLED_DATA) -> set[str]:
-    """The ids `peagle train` held out of the bundled data (the trainer's permutation, seeded with seed + 17)."""
+    """The ids `peagle train` held out of the bundled data (its split with the defaults the heads were trained
+    with)."""
     ids = [json.loads(line)["id"] for line in open(path, encoding="utf-8") if line.strip()]
-    perm = torch.randperm(len(ids), generator=torch.Generator().manual_seed(SEED + 17)).tolist()
-    return {ids[i] for i in perm[: max(1, round(EVAL_FRACTION * len(ids)))]}
+    heldout, _ = heldout_split(len(ids), TrainConfig.eval_fraction, TrainConfig.seed)
+    return {ids[i] for i in heldout}
 
 
 def main() -> None:

@@ -447,9 +447,14 @@ class LLMEngine:
         return self.drafter.draft_parallel if self.spec.parallel_drafting else self.drafter.draft_chain
 
     # -- start-up cost calibration of the adaptive policy: forwards on scratch rows in slots no request holds yet --
+    @property
+    def _calibration_context(self) -> int:
+        """Cached positions a calibration row attends to: a typical context."""
+        return min(128, self.max_model_len // 2)
+
     def _time_target(self, rows: int) -> float:
         """Seconds of the target's forward over `rows` rows, one per batch entry, spread over the cache slots."""
-        dev, p0 = self.device, min(128, self.max_model_len // 2)  # a typical context: p0 cached positions
+        dev, p0 = self.device, self._calibration_context
         slot_of_row = torch.arange(rows, device=dev) % self.max_num_seqs
         positions = p0 + torch.arange(rows, device=dev) // self.max_num_seqs
         layout = BatchLayout.build(slot_of_row, positions[:, None])
@@ -463,7 +468,7 @@ class LLMEngine:
 
     def _time_draft(self, batch: int, k: int) -> float:
         """Seconds of drafting k tokens for `batch` requests, with a typical step's two new real rows each."""
-        dev, p0, rows = self.device, min(128, self.max_model_len // 2), 2
+        dev, p0, rows = self.device, self._calibration_context, 2
         slots = torch.arange(batch, device=dev)
         tokens = torch.ones(batch, rows, dtype=torch.long, device=dev)
         feats = torch.zeros(batch, rows, self.drafter.fc.weight.shape[1], dtype=self.drafter.fc.weight.dtype,

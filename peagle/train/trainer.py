@@ -195,6 +195,14 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
 
 
+def heldout_split(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(held-out, training) row indices, each sorted, of n rows: a seeded `fraction` held out (at least one row,
+    and never all of them) when no --eval-data is given."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 17)).tolist()
+    n_eval = min(n - 1, max(1, round(fraction * n))) if fraction > 0 and n >= 2 else 0
+    return sorted(perm[:n_eval]), sorted(perm[n_eval:])
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
@@ -261,10 +269,8 @@ class Trainer:
             self.eval_ids = list(range(len(self.eval_rows)))
             self.train_rows, self.train_ids = rows, list(range(N))
         else:
-            perm = torch.randperm(N, generator=torch.Generator().manual_seed(cfg.seed + 17)).tolist()
-            n_eval = min(N - 1, max(1, round(cfg.eval_fraction * N))) if cfg.eval_fraction > 0 and N >= 2 else 0
             self.eval_rows = self.train_rows = rows
-            self.eval_ids, self.train_ids = sorted(perm[:n_eval]), sorted(perm[n_eval:])
+            self.eval_ids, self.train_ids = heldout_split(N, cfg.eval_fraction, cfg.seed)
         self.eval_ids = self.eval_ids[:cfg.eval_samples]
         if not self.train_ids:
             raise ValueError(f"{cfg.data}: no training rows")
