@@ -25,6 +25,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--dtype", default=None, help="the head's compute dtype (peagle train --dtype) [its default]")
     p.add_argument("--profile", action="store_true", help="also print torch.profiler's top operators of one step")
     args = p.parse_args(argv)
     import torch
@@ -34,6 +35,8 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     shape = dict(num_layers=2, num_depths=12) if args.method == "peagle" else dict(num_layers=1, num_depths=7)
+    if args.dtype:
+        shape.update(dtype=args.dtype, target_dtype="bf16")
     with tempfile.TemporaryDirectory() as tmp:
         cfg = TrainConfig(data=args.data, out=f"{tmp}/out", method=args.method, draft_vocab_size=8192, batch_size=4,
                           lr=1e-3, max_steps=1000, teacher_cache=f"{tmp}/cache", eval_fraction=0.0, save_every=0,

@@ -234,6 +234,33 @@ def test_bare_peagle_train_uses_the_bundled_heads_recipe(method):
     head = HEADS_DIR / DEFAULT_HEADS[method]
     recipe = json.loads((head / "training_args.json").read_text())
     assert cfg.num_layers == json.loads((head / "config.json").read_text())["num_hidden_layers"]
+    # (--dtype is how the arithmetic runs, not the recipe: auto takes bf16 or fp32, whichever is faster here)
     for key in ("num_depths", "draft_vocab_size", "max_seq_len", "batch_size", "lr", "warmup_ratio", "min_lr_ratio",
-                "weight_decay", "max_grad_norm", "dtype", "cod_ratio", "cod_min_ratio", "loss", "ttt_decay"):
+                "weight_decay", "max_grad_norm", "cod_ratio", "cod_min_ratio", "loss", "ttt_decay"):
         assert getattr(cfg, key) == recipe[key], key
+
+
+@pytest.mark.parametrize("fastest", ["bf16", "fp32"])
+def test_auto_dtype_computes_in_the_faster_dtype_and_keeps_the_target_in_bf16(tmp_path, monkeypatch, fastest):
+    """--dtype auto (the default) runs the head in whichever dtype the probe found faster, and the frozen target in
+    bf16 either way (the features the head is served)."""
+    from peagle.train import trainer as trainer_mod
+
+    calls = []
+    monkeypatch.setattr(trainer_mod, "fastest_dtype", lambda device, h, i: calls.append((h, i)) or fastest)
+    target = make_tiny_model(tmp_path / "t", "llama", num_hidden_layers=8, vocab_size=128)
+    save_rows(_random_rows(4, 40, 128, seed=3), tmp_path / "data", {})
+    tr = Trainer(_cfg(tmp_path, target, tmp_path / "data", max_steps=1, dtype="auto"))
+    assert calls == [(tr.drafter.config.hidden_size, tr.drafter.config.intermediate_size)]
+    assert tr.compute_dtype == fastest
+    with tr._autocast():
+        y = tr.drafter.fc(torch.randn(2, tr.drafter.fc.in_features))
+    assert y.dtype == (torch.bfloat16 if fastest == "bf16" else torch.float32)
+    assert tr.teacher(torch.arange(3, 9))[0].dtype == torch.bfloat16
+    assert torch.isfinite(torch.tensor(tr.train_step()["loss"]))
+
+
+def test_fastest_dtype_measures_on_a_cpu():
+    from peagle.train.trainer import fastest_dtype
+
+    assert fastest_dtype(torch.device("cpu"), 64, 128) in ("bf16", "fp32")

@@ -49,10 +49,11 @@ def register(name: str, parser) -> None:
     p.add_argument("--weight-decay", type=float, default=D["weight_decay"])
     p.add_argument("--max-grad-norm", type=float, default=D["max_grad_norm"],
                    help=f"gradient clipping (0: off) [{D['max_grad_norm']}]")
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
-                   help="compute dtype (bf16 autocast with fp32 master weights, or fp32)")
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default=D["dtype"],
+                   help="the head's compute: bf16 autocast with fp32 master weights, fp32, or auto: bf16 on GPUs, on "
+                        "a CPU whichever multiplies faster there (measured at start) [auto]")
     p.add_argument("--target-dtype", choices=("bf16", "fp32", "fp16"), default=None,
-                   help="dtype of the frozen target [same as --dtype]")
+                   help="dtype of the frozen target [bf16, or --dtype when that is given]")
     p.add_argument("--target-device-map", default=None,
                    help="load the frozen target with this transformers device_map (e.g. auto) to spread a target "
                         "too large for one GPU over the GPUs this process sees")
