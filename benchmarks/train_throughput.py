@@ -26,6 +26,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--dtype", default=None, help="the head's compute dtype (peagle train --dtype) [its default]")
+    p.add_argument("--num-depths", type=int, default=None, help="COD depths / TTT steps [the bundled head's]")
+    p.add_argument("--cod-ratio", type=float, default=None, help="COD retention r [peagle train's default]")
+    p.add_argument("--freeze-lm-head", action="store_true", help="keep the LM head at the target's rows")
     p.add_argument("--profile", action="store_true", help="also print torch.profiler's top operators of one step")
     args = p.parse_args(argv)
     import torch
@@ -37,6 +40,12 @@ def main(argv=None) -> int:
     shape = dict(num_layers=2, num_depths=12) if args.method == "peagle" else dict(num_layers=1, num_depths=7)
     if args.dtype:
         shape.update(dtype=args.dtype, target_dtype="bf16")
+    if args.num_depths:
+        shape.update(num_depths=args.num_depths)
+    if args.cod_ratio:
+        shape.update(cod_ratio=args.cod_ratio)
+    if args.freeze_lm_head:
+        shape.update(freeze_lm_head=True)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = TrainConfig(data=args.data, out=f"{tmp}/out", method=args.method, draft_vocab_size=8192, batch_size=4,
                           lr=1e-3, max_steps=1000, teacher_cache=f"{tmp}/cache", eval_fraction=0.0, save_every=0,
@@ -63,7 +72,9 @@ def main(argv=None) -> int:
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=50))
     tokens = sum(t for t, _, _ in passes)
     cpu, wall = sum(c for _, c, _ in passes), sum(w for _, _, w in passes)
-    result = {"code": peagle.__file__, "method": args.method, "steps": args.steps, "repeats": args.repeats,
+    recipe = {k: getattr(cfg, k, None) for k in ("num_layers", "num_depths", "cod_ratio", "freeze_lm_head")}
+    result = {"code": peagle.__file__, "method": args.method, **recipe,
+              "dtype": getattr(tr, "compute_dtype", cfg.dtype), "steps": args.steps, "repeats": args.repeats,
               "threads": args.threads, "tokens": tokens, "tokens_per_cpu_s": round(tokens / cpu, 1),
               "tokens_per_wall_s": round(tokens / wall, 1),
               "teacher_tokens_per_s": round(teacher_tokens / max(teacher_s, 1e-9), 1),
