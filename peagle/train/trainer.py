@@ -198,9 +198,9 @@ def peak_memory_gib(device: torch.device) -> float:
 def fastest_dtype(device: torch.device, hidden: int, intermediate: int) -> str:
     """bf16 on GPUs; on a CPU whichever of bf16 and fp32 multiplies the head's matrix shapes faster here.
 
-    Whether bf16 pays on a CPU depends on its matrix unit: with AMX tiles oneDNN's bf16 products are several times
-    fp32's, while on AVX-512 BF16 without AMX (Intel Xeon, measured) fp32 products run 1.6x faster than bf16 ones
-    and on AVX2 bf16 is emulated. A 0.1 s probe decides instead of a table of CPUs."""
+    Whether bf16 pays on a CPU depends on its matrix unit: AMX tiles exist for bf16 products, while on an Intel Xeon
+    with AVX-512 BF16 but no AMX PyTorch's fp32 products run 1.6x faster than its bf16 ones
+    (benchmarks/matmul_dtypes.py). A 0.1 s probe decides instead of a table of CPUs."""
     if device.type != "cpu":
         return "bf16"
     seconds = {}
