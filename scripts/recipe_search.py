@@ -25,6 +25,8 @@ VARIANTS = {
     "train-embeddings": ("whole embedding table trained", {"train_embeddings": True}),
     "4-layers": ("4 decoder layers", {"num_layers": 4}),
     "cod-8-0.7": ("8 COD depths, r 0.7 (speculators' defaults)", {"num_depths": 8, "cod_ratio": 0.7}),
+    "cod-8-0.7-frozen": ("8 COD depths, r 0.7, LM head frozen (the cheapest step)",
+                         {"num_depths": 8, "cod_ratio": 0.7, "freeze_lm_head": True}),
     "muon": ("Muon for the layers' matrices", {"optimizer": "muon"}),
     "lr-3e-3": ("learning rate 3e-3", {"lr": 3e-3}),
     "warm-eagle3": ("warm start from the bundled EAGLE-3 head", {"init_head": "smollm2-135m-eagle3"}),
