@@ -93,6 +93,7 @@ def main() -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     x = [p["tokens_seen"] / 1e6 for p in points]
@@ -106,6 +107,8 @@ def main() -> None:
         ax.plot([g / 1e6 for g in grid], [a + b * math.log(g) for g in grid], ls="--", color="black", lw=1,
                 label="fit, extended to 4x the tokens" if ax is ax2 else "depth-2 fit")
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if str(f"{v:g}")[0] in "25" else ""))
         ax.set_xlabel("training tokens seen (millions, log scale)")
         ax.grid(alpha=0.3)
         ax.legend()
