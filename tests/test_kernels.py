@@ -2,8 +2,8 @@
 for every matrix path this machine runs (AVX2 runs on every x86-64 machine these tests target; AVX-512 BF16 and AMX
 where the CPU has them).
 
-Skipped only where no native path exists at all (not x86-64 with AVX2 and FMA, or no C compiler); the model then
-uses PyTorch's kernels.
+Skipped only where the CPU lacks the instructions (tests/conftest.py): a path this CPU has but the build lacks
+fails here.
 """
 from __future__ import annotations
 
@@ -14,12 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from peagle.model import kernels
-
-needs_lib = pytest.mark.skipif(not kernels.available(), reason="no native kernel path here (not x86-64 with AVX2 "
-                               "and FMA, or no C compiler)")
-# A path is skipped only where the CPU lacks its instructions; where it has them, the path must run (tested below).
-PATHS = [pytest.param(p, marks=pytest.mark.skipif(not kernels.cpu_has(p), reason=f"this CPU lacks the {p} instructions"))
-         for p in kernels.PATHS]
+from tests.conftest import KERNEL_PATHS, needs_native_kernels
 
 
 def bf16(*shape, seed=0, scale=1.0):
@@ -43,7 +38,7 @@ def test_every_path_the_cpu_has_runs_and_the_fastest_is_chosen():
         assert kernels.matmul_path() == expected[0]
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", KERNEL_PATHS)
 @pytest.mark.parametrize("N, K", [(960, 576), (576, 1536), (49152, 64), (7, 40), (33, 101), (130, 96), (1, 2)])
 def test_packed_linear_matches_float64_and_is_batch_invariant(path, N, K):
     w, x = bf16(N, K, seed=1), bf16(70, K, seed=2)
@@ -69,7 +64,7 @@ def test_packed_linear_matches_float64_and_is_batch_invariant(path, N, K):
         assert torch.equal(kernels.packed_linear(wide, packed), full)
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", KERNEL_PATHS)
 def test_packed_linear_thread_count_does_not_change_bits(path):
     w, x = bf16(300, 200, seed=3), bf16(9, 200, seed=4)
     packed = kernels.PackedWeight.pack(w, path)
@@ -85,7 +80,7 @@ def test_packed_linear_thread_count_does_not_change_bits(path):
     assert torch.equal(one, two)
 
 
-@needs_lib
+@needs_native_kernels
 def test_packed_path_is_skipped_when_it_does_not_apply():
     w = bf16(64, 32)
     packed = kernels.PackedWeight.pack(w)
@@ -95,7 +90,7 @@ def test_packed_path_is_skipped_when_it_does_not_apply():
     assert kernels.PackedWeight.pack(w.float()) is None
 
 
-@needs_lib
+@needs_native_kernels
 def test_a_path_this_machine_cannot_run_is_refused(monkeypatch):
     missing = [p for p in kernels.PATHS if p not in kernels.supported_paths()]
     if not missing:  # a CPU that runs every path: take one away, so the refusal is checked here too
@@ -105,7 +100,7 @@ def test_a_path_this_machine_cannot_run_is_refused(monkeypatch):
         kernels.PackedWeight.pack(bf16(16, 16), missing[0])
 
 
-@needs_lib
+@needs_native_kernels
 def test_rms_norm_equals_the_reference_rounding():
     for i in range(20):
         x, w = bf16(3, 5, 576, seed=i, scale=1 + i), bf16(576, seed=100 + i)
@@ -118,7 +113,7 @@ def test_rms_norm_equals_the_reference_rounding():
             assert torch.equal(kernels.rms_norm_bf16(x[1, 2:3], w, 1e-5), out[1, 2:3])
 
 
-@needs_lib
+@needs_native_kernels
 def test_rope_equals_the_reference_rounding():
     from peagle.model.layers import apply_rope
 
@@ -139,7 +134,7 @@ def _attention_reference(q, kc, vc, slots, positions):
     return ref.transpose(1, 2)
 
 
-@needs_lib
+@needs_native_kernels
 def test_attention_writes_the_cache_matches_float64_and_is_batch_invariant():
     nh, nkv, D, max_len = 9, 3, 64, 256
     kc, vc = bf16(3, nkv, max_len, D, seed=6), bf16(3, nkv, max_len, D, seed=7)
@@ -160,7 +155,7 @@ def test_attention_writes_the_cache_matches_float64_and_is_batch_invariant():
                 assert torch.equal(one[0, 0], out[b, t])
 
 
-@needs_lib
+@needs_native_kernels
 @pytest.mark.parametrize("D", [8, 48, 128, 256])
 def test_attention_head_sizes(D):
     nh, nkv, max_len = 4, 2, 64
@@ -172,14 +167,14 @@ def test_attention_head_sizes(D):
     assert (out.double() - _attention_reference(q, kc, vc, slots, positions)).abs().max() < 0.02
 
 
-@needs_lib
+@needs_native_kernels
 def test_attention_refuses_positions_outside_the_cache():
     kc, vc, x = bf16(1, 1, 16, 8), bf16(1, 1, 16, 8), bf16(1, 1, 1, 8)
     with pytest.raises(IndexError, match="positions must lie"):
         kernels.attention_bf16(x, x, x, kc, vc, torch.tensor([0]), torch.tensor([[16]]))
 
 
-@needs_lib
+@needs_native_kernels
 def test_silu_mul_equals_the_reference_rounding():
     gate_up = bf16(7, 2 * 1536, seed=14, scale=4)
     gate, up = gate_up.chunk(2, dim=-1)
@@ -191,7 +186,7 @@ def test_silu_mul_equals_the_reference_rounding():
     assert (out.float() - ref.float()).abs().max() <= 0.01 * ref.float().abs().max()
 
 
-@needs_lib
+@needs_native_kernels
 def test_an_allocation_failure_raises_instead_of_returning_garbage():
     """Under an address-space limit the matmul's activation copy cannot be allocated: MemoryError, output untouched
     (a subprocess, so the limit cannot hurt this test run)."""
@@ -218,7 +213,7 @@ def test_an_allocation_failure_raises_instead_of_returning_garbage():
     assert "MemoryError: peagle" in r.stdout and "could not allocate" in r.stdout, r.stdout + r.stderr
 
 
-@needs_lib
+@needs_native_kernels
 def test_summary_names_the_kernels_and_whether_greedy_is_bit_exact(tiny_llama):
     from peagle.engine import LLMEngine
     from peagle.model.target import TargetModel

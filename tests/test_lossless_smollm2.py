@@ -3,7 +3,7 @@ both methods, K in {1, 3, 7}, batches of 1-8 requests that join while others are
 verify windows of different sizes in one ragged forward, on every matrix path this machine runs (the AVX2 path runs on every x86-64 machine these tests target).
 
 This holds because peagle's kernels compute every row of a verify window exactly as a one-row decode step would
-(docs/design.md, "Decoding step"); it is skipped only where no native path exists.
+(docs/design.md, "Decoding step"); it is skipped only off x86-64 CPUs with AVX2, where they do not run.
 """
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from transformers import AutoTokenizer
 
 from peagle.config import SpeculativeConfig
 from peagle.engine import LLMEngine, SamplingParams
-from peagle.model import kernels
 from peagle.model.checkpoint import load_head
 from peagle.model.heads import DEFAULT_HEADS, resolve_head
 from peagle.model.target import TargetModel
+from tests.conftest import KERNEL_PATHS, needs_native_kernels
 from tests.test_policy import Rotating
 
 PROMPTS = ["What is the capital of France?", "Write a Python function that adds two numbers.",
@@ -26,9 +26,6 @@ MAX_TOKENS = 20
 # (method, K, batch size): every K for both methods, batch sizes from 1 to 8
 CASES = [("peagle", 1, 8), ("peagle", 3, 3), ("peagle", 7, 5), ("eagle3", 1, 2), ("eagle3", 3, 8), ("eagle3", 7, 1),
          ("peagle", "0-3 per request", 6), ("eagle3", "0-3 per request", 4)]
-# Skipped only where the CPU lacks a path's instructions (tests/test_kernels.py checks that every other path runs).
-PATHS = [pytest.param(p, marks=pytest.mark.skipif(not kernels.cpu_has(p), reason=f"this CPU lacks the {p} instructions"))
-         for p in kernels.PATHS]
 
 
 def run_staggered(engine: LLMEngine, params: SamplingParams) -> list[list[int]]:
@@ -48,9 +45,8 @@ def run_staggered(engine: LLMEngine, params: SamplingParams) -> list[list[int]]:
     return [outputs[i] for i in ids]
 
 
-@pytest.mark.skipif(not kernels.available(), reason="no native kernel path here (not x86-64 with AVX2 and FMA, or "
-                    "no C compiler): PyTorch's kernels are not batch invariant")
-@pytest.mark.parametrize("path", PATHS)
+@needs_native_kernels
+@pytest.mark.parametrize("path", KERNEL_PATHS)
 def test_greedy_speculation_equals_plain_greedy_on_smollm2(path, smollm2_dir, one_thread):
     target = TargetModel.from_pretrained(smollm2_dir).pack_(path)
     assert target.lm_head_packed.path == path

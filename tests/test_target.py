@@ -12,10 +12,9 @@ import json
 import pytest
 import torch
 
-from peagle.model import kernels
 from peagle.model.layers import BatchLayout
 from peagle.model.target import TargetModel, default_feature_layer_ids
-from tests.conftest import make_tiny_model
+from tests.conftest import make_tiny_model, needs_native_kernels
 
 FAMILIES = {
     "llama": {},
@@ -234,8 +233,7 @@ def test_bfloat16_decoding_matches_transformers(wide_head_dir):
     assert_argmax_equal(logits, ref_logits, margin=0.01 * scale)
 
 
-@pytest.mark.skipif(not kernels.available(), reason="no native kernel path here (not x86-64 with AVX2 and FMA, or "
-                    "no C compiler): PyTorch's kernels run, and they are not batch invariant")
+@needs_native_kernels
 def test_rows_do_not_depend_on_their_batch(wide_head_dir):
     """Batch invariance, bit for bit: a token decoded alone, verified inside a window of K+1 rows, or batched with
     another request gets the same logits and features. This is what keeps speculative decoding token-for-token
@@ -268,8 +266,7 @@ def test_rows_do_not_depend_on_their_batch(wide_head_dir):
     assert torch.equal(batched.logits[:1], alone_logits) and torch.equal(batched.features[:1], alone_feats)
 
 
-@pytest.mark.skipif(not kernels.available(), reason="no native kernel path here (not x86-64 with AVX2 and FMA, or "
-                    "no C compiler)")
+@needs_native_kernels
 def test_native_layers_equal_the_modules_bit_for_bit(wide_head_dir):
     """The one-call native decoder layer runs the same kernels in the same order as DecoderLayer: identical logits,
     features and cache, for a prefill and a decode step of two requests in swapped slots."""
