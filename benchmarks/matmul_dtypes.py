@@ -55,7 +55,11 @@ def main() -> None:
     for name, r in results.items():
         print(f"{name:<{width}}  fp32 {r['fp32']:7.1f}  bf16 {r['bf16']:7.1f} GFLOP/s  bf16/fp32 "
               f"{r['bf16'] / r['fp32']:.2f}")
-    print(json.dumps({"threads": args.threads, "gflops": results}))
+    from peagle.train.trainer import fastest_dtype
+
+    choice = fastest_dtype(torch.device("cpu"), 576, 1536)
+    print(f"peagle train --dtype auto chooses {choice} here")
+    print(json.dumps({"threads": args.threads, "gflops": results, "auto_chooses": choice}))
 
 
 if __name__ == "__main__":

@@ -37,19 +37,19 @@ def main(argv=None) -> int:
     from peagle.train.trainer import TrainConfig, Trainer
 
     torch.set_num_threads(args.threads)
-    shape = dict(num_layers=2, num_depths=12) if args.method == "peagle" else dict(num_layers=1, num_depths=7)
+    recipe = dict(num_layers=2, num_depths=12) if args.method == "peagle" else dict(num_layers=1, num_depths=7)
     if args.dtype:
-        shape.update(dtype=args.dtype, target_dtype="bf16")
+        recipe.update(dtype=args.dtype, target_dtype="bf16")
     if args.num_depths:
-        shape.update(num_depths=args.num_depths)
+        recipe.update(num_depths=args.num_depths)
     if args.cod_ratio:
-        shape.update(cod_ratio=args.cod_ratio)
+        recipe.update(cod_ratio=args.cod_ratio)
     if args.freeze_lm_head:
-        shape.update(freeze_lm_head=True)
+        recipe.update(freeze_lm_head=True)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = TrainConfig(data=args.data, out=f"{tmp}/out", method=args.method, draft_vocab_size=8192, batch_size=4,
                           lr=1e-3, max_steps=1000, teacher_cache=f"{tmp}/cache", eval_fraction=0.0, save_every=0,
-                          progress=False, **shape)
+                          progress=False, **recipe)
         tr = Trainer(cfg)
         teacher_s = teacher_tokens = 0
         for _ in range(args.steps):
@@ -72,8 +72,9 @@ def main(argv=None) -> int:
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=50))
     tokens = sum(t for t, _, _ in passes)
     cpu, wall = sum(c for _, c, _ in passes), sum(w for _, _, w in passes)
-    recipe = {k: getattr(cfg, k, None) for k in ("num_layers", "num_depths", "cod_ratio", "freeze_lm_head")}
-    result = {"code": peagle.__file__, "method": args.method, **recipe,
+    # getattr: the same script measures older checkouts (PYTHONPATH), whose config may lack a field
+    used = {k: getattr(cfg, k, None) for k in ("num_layers", "num_depths", "cod_ratio", "freeze_lm_head")}
+    result = {"code": peagle.__file__, "method": args.method, **used,
               "dtype": getattr(tr, "compute_dtype", cfg.dtype), "steps": args.steps, "repeats": args.repeats,
               "threads": args.threads, "tokens": tokens, "tokens_per_cpu_s": round(tokens / cpu, 1),
               "tokens_per_wall_s": round(tokens / wall, 1),

@@ -59,7 +59,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 0.5
     dtype: str = "auto"  # drafter compute: bf16 (autocast; master weights stay fp32), fp32, or auto (fastest_dtype)
-    target_dtype: str | None = None  # default: bf16 when dtype is auto, else the same as dtype
+    target_dtype: str | None = None  # default: bf16 (the features it is served) when dtype is auto, else dtype
     target_device_map: str | None = None  # e.g. "auto": split a large frozen target over this process's GPUs
     cod_ratio: float = 0.8
     cod_min_ratio: float = 0.2
@@ -115,6 +115,8 @@ class TrainConfig:
             raise ValueError("--batch-size must be >= 1 and --max-seq-len >= 3")
         if self.eval_depths is None:
             self.eval_depths = self.num_depths
+        if self.target_dtype is None:
+            self.target_dtype = "bf16" if self.dtype == "auto" else self.dtype
 
 
 def _sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -234,9 +236,8 @@ class Trainer:
 
         self.target_dir = resolve_model(cfg.target)
         self.tokenizer = self._load_tokenizer()
-        # The target runs in bf16 unless asked otherwise: the features a head trains on are the ones it is served.
-        tdtype = torch_dtype(cfg.target_dtype or ("bf16" if cfg.dtype == "auto" else cfg.dtype))
-        self.teacher = Teacher(self.target_dir, dtype=tdtype, device=self.device, device_map=cfg.target_device_map)
+        self.teacher = Teacher(self.target_dir, dtype=torch_dtype(cfg.target_dtype), device=self.device,
+                               device_map=cfg.target_device_map)
         self._load_data()
         self._build_head()
         self.teacher_cache = None
@@ -317,16 +318,21 @@ class Trainer:
             self.model = DDP(self.head, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                              broadcast_buffers=False)
         dc = self.drafter.config
-        self.compute_dtype = cfg.dtype
-        if cfg.dtype == "auto":  # rank 0 measures, every rank follows (a sum over ranks of rank 0's vote)
-            vote = float(self.main and fastest_dtype(self.device, dc.hidden_size, dc.intermediate_size) == "bf16")
-            self.compute_dtype = "bf16" if self._all_reduce(torch.tensor([vote])).item() > 0 else "fp32"
+        self.compute_dtype = self._resolve_compute_dtype()
         ntrain = sum(p.numel() for p in self.head.parameters() if p.requires_grad)
         self.log(f"{cfg.method} head: {dc.num_layers} layer(s), hidden {dc.hidden_size}, draft vocab "
                  f"{dc.draft_vocab_size}{'' if dc.mask_token_id is None else f', mask token {dc.mask_token_id}'}, "
                  f"{ntrain / 1e6:.1f}M trainable parameters, {self.compute_dtype} compute"
                  f"{' (the faster here)' if cfg.dtype == 'auto' else ''}; target {self.target_dir} "
                  f"({self.teacher.hf_config.model_type}, feature layers {list(self.teacher.feature_layer_ids)})")
+
+    def _resolve_compute_dtype(self) -> str:
+        """--dtype, with auto decided by rank 0's probe for every rank (a sum over ranks of rank 0's vote)."""
+        if self.cfg.dtype != "auto":
+            return self.cfg.dtype
+        dc = self.drafter.config
+        vote = float(self.main and fastest_dtype(self.device, dc.hidden_size, dc.intermediate_size) == "bf16")
+        return "bf16" if self._all_reduce(torch.tensor([vote])).item() > 0 else "fp32"
 
     def _build_optimizer(self):
         cfg = self.cfg
