@@ -116,16 +116,19 @@ def test_ttt_steps_match_draft_chain():
 
 
 @pytest.mark.parametrize("kl", [True, False])
-def test_fused_head_loss_equals_autograd(kl):
+@pytest.mark.parametrize("frozen_lm_head", [False, True])
+def test_fused_head_loss_equals_autograd(kl, frozen_lm_head):
     from peagle.train.objective import head_loss
 
     d = tiny_drafter(num_layers=1)
+    d.lm_head.weight.requires_grad_(not frozen_lm_head)
     seq = random_seq(40, d)
     h = torch.randn(33, d.config.hidden_size, requires_grad=True)
     rows = torch.randint(0, 40, (33,))
     loss, drafts = head_loss(d, h, seq, rows, kl=kl, chunk=7)
     loss.backward()
-    got = (h.grad.clone(), d.lm_head.weight.grad.clone(), d.norm.weight.grad.clone())
+    grads = lambda: (h.grad, d.lm_head.weight.grad, d.norm.weight.grad)  # noqa: E731
+    got = tuple(None if g is None else g.clone() for g in grads())
     h.grad = None
     d.zero_grad()
     logq = d.logits(h).log_softmax(-1)
@@ -133,8 +136,10 @@ def test_fused_head_loss_equals_autograd(kl):
     ref = (lab.exp() * (lab - logq)).sum() if kl else -logq.gather(-1, lab.argmax(-1, keepdim=True)).sum()
     ref.backward()
     torch.testing.assert_close(loss, ref)
-    for a, b in zip(got, (h.grad, d.lm_head.weight.grad, d.norm.weight.grad)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert (got[1] is None) == frozen_lm_head  # a frozen LM head gets no gradient (and none is computed)
+    for a, b in zip(got, grads()):
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert torch.equal(drafts, d.to_target_ids(d.logits(h).argmax(-1)))
 
 

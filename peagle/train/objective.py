@@ -103,33 +103,40 @@ class _FusedHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, labels, rows, kl: bool, chunk: int, cdt: torch.dtype):
-        need = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need = need_x or need_w
         with torch.autocast(x.device.type, enabled=False):
             W = weight.to(cdt)
-            gx = torch.empty(x.shape, dtype=torch.float32, device=x.device) if need else None
-            gw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need else None
+            gx = torch.empty(x.shape, dtype=torch.float32, device=x.device) if need_x else None
+            # a frozen LM head (--freeze-lm-head) skips its weight gradient: a third of the head's products
+            gw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_w else None
             total = torch.zeros((), dtype=torch.float32, device=x.device)
             preds = []
             for a in range(0, x.shape[0], chunk):
                 xc = x[a:a + chunk].to(cdt)
                 logits = (xc @ W.t()).float()
+                preds.append(logits.argmax(-1))
                 logq = logits.log_softmax(-1)
-                lab = labels[rows[a:a + chunk]].float().log_softmax(-1)
+                del logits
+                lab = labels[rows[a:a + chunk]].log_softmax(-1, dtype=torch.float32)
+                # passes over [chunk x Vd] cost as much as the product itself: each op below is one pass, in place
+                # where it can be
                 if kl:
                     p = lab.exp()
-                    total += (p * (lab - logq)).sum()
-                    g = logq.exp_() - p if need else None
+                    total += lab.sub_(logq).mul_(p).sum()
+                    g = logq.exp_().sub_(p) if need else None
                 else:
                     tgt = lab.argmax(-1)
                     total -= logq.gather(-1, tgt[:, None]).sum()
                     if need:
                         g = logq.exp_()
                         g[torch.arange(tgt.numel(), device=g.device), tgt] -= 1
-                preds.append(logits.argmax(-1))
                 if need:
                     gc = g.to(cdt)
-                    gx[a:a + chunk] = (gc @ W).float()
-                    gw += (gc.t() @ xc).float()
+                    if need_x:
+                        gx[a:a + chunk] = (gc @ W).float()
+                    if need_w:
+                        gw += (gc.t() @ xc).float()
         pred = torch.cat(preds) if preds else rows.new_zeros(0)
         ctx.mark_non_differentiable(pred)
         ctx.dtypes = (x.dtype, weight.dtype)
@@ -236,7 +243,7 @@ def cod_hidden(drafter: Drafter, seq: TeacherSeq, el: Elements, chunk: int = 204
 
 
 def cod_segment_loss(drafter: Drafter, seq: TeacherSeq, el: Elements, seg: Segment, num_depths: int,
-                     kl: bool = True, chunk: int = 1024, attn_chunk: int = 2048) -> tuple[torch.Tensor, Stats]:
+                     kl: bool = True, chunk: int = 256, attn_chunk: int = 2048) -> tuple[torch.Tensor, Stats]:
     dev = seq.input_ids.device
     sub = el.select(seg.rows).to(dev)
     hidden = cod_hidden(drafter, seq, sub, attn_chunk)
@@ -351,7 +358,7 @@ def ttt_forward(drafter: Drafter, seq: TeacherSeq, el: Elements, chunk: int = 20
 
 
 def ttt_loss(drafter: Drafter, seq: TeacherSeq, el: Elements, num_steps: int, decay: float = 0.8, kl: bool = True,
-             chunk: int = 1024, attn_chunk: int = 2048) -> tuple[torch.Tensor, Stats]:
+             chunk: int = 256, attn_chunk: int = 2048) -> tuple[torch.Tensor, Stats]:
     """Sum over steps of decay^k * (summed loss of step k's supervised rows)."""
     total = torch.zeros((), dtype=torch.float32, device=seq.labels.device)
     correct = torch.zeros(num_steps, dtype=torch.long)

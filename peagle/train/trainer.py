@@ -85,7 +85,7 @@ class TrainConfig:
     limit: int | None = None  # use at most this many conversations
     log_every: int = 1
     progress: bool = True
-    loss_chunk: int = 1024
+    loss_chunk: int = 256  # rows per fused LM-head + loss chunk: [256 x Vd] fp32 stays in cache
     attn_chunk: int = 2048
     init_from_target: bool = True  # lm_head/norm from the target's
     norm_before_residual: bool = False  # layer 0 adds attention to hidden_norm(h), not h (vLLM reads the flag)
