@@ -135,7 +135,9 @@ class _FusedHeadLoss(torch.autograd.Function):
                     gc = g.to(cdt)
                     if need_x:
                         gx[a:a + chunk] = (gc @ W).float()
-                    if need_w:
+                    if need_w and gc.dtype == gw.dtype:
+                        gw.addmm_(gc.t(), xc)  # in place: no [Vd x H] temporary per chunk
+                    elif need_w:
                         gw += (gc.t() @ xc).float()
         pred = torch.cat(preds) if preds else rows.new_zeros(0)
         ctx.mark_non_differentiable(pred)
