@@ -18,11 +18,11 @@ PROMPTS = [
     "Explain what a hash table is in two sentences.",
 ]
 MAX_TOKENS = 64
-# Mean acceptance length on PROMPTS when the bundled heads were made (the same at K = 3 and 7: these heads' drafts
-# past the third position are almost never accepted yet), and the floor each head must stay above. An untrained
-# head scores 1.00.
-MEASURED = {"peagle": 1.19, "eagle3": 1.34}
-FLOOR = {"peagle": 1.10, "eagle3": 1.20}
+# Mean acceptance length on PROMPTS when the bundled heads were made (about the same at K = 3 and 7: these heads'
+# drafts past the third position are rarely accepted yet), and the floor each head must stay above (about 0.1 under,
+# room for the greedy text of another CPU's kernels). An untrained head scores 1.00.
+MEASURED = {"peagle": 1.25, "eagle3": 1.34}
+FLOOR = {"peagle": 1.15, "eagle3": 1.25}
 
 
 @pytest.fixture(scope="module")
