@@ -96,6 +96,11 @@ def element_inputs(drafter: Drafter, seq: TeacherSeq, el: Elements):
     return tokens, feats, el.position
 
 
+# Rows per fused LM-head + loss chunk: a [256 x Vd] fp32 chunk stays in cache through the passes over it, where 1024
+# rows did not (docs/training.md, "Throughput per core").
+LOSS_CHUNK = 256
+
+
 class _FusedHeadLoss(torch.autograd.Function):
     """Summed KL (or CE) of lm_head logits against teacher rows, computed chunk by chunk with the gradients made in
     the same pass (the loss is linear in its upstream gradient), so neither logits nor a recompute are ever kept:
@@ -154,7 +159,7 @@ class _FusedHeadLoss(torch.autograd.Function):
 
 
 def head_loss(drafter: Drafter, h: torch.Tensor, seq: TeacherSeq, label_rows: torch.Tensor, kl: bool = True,
-              chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+              chunk: int = LOSS_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed loss of rows `h` [M, H] (pre-norm) against the teacher rows `label_rows`, and the drafts as target
     ids. Equal to summing `(p * (log p - log_softmax(drafter.logits(h)))).sum(-1)` with
     log p = log_softmax(seq.labels[label_rows]), at the cost of one pass."""
@@ -245,7 +250,7 @@ def cod_hidden(drafter: Drafter, seq: TeacherSeq, el: Elements, chunk: int = 204
 
 
 def cod_segment_loss(drafter: Drafter, seq: TeacherSeq, el: Elements, seg: Segment, num_depths: int,
-                     kl: bool = True, chunk: int = 256, attn_chunk: int = 2048) -> tuple[torch.Tensor, Stats]:
+                     kl: bool = True, chunk: int = LOSS_CHUNK, attn_chunk: int = 2048) -> tuple[torch.Tensor, Stats]:
     dev = seq.input_ids.device
     sub = el.select(seg.rows).to(dev)
     hidden = cod_hidden(drafter, seq, sub, attn_chunk)
@@ -360,7 +365,7 @@ def ttt_forward(drafter: Drafter, seq: TeacherSeq, el: Elements, chunk: int = 20
 
 
 def ttt_loss(drafter: Drafter, seq: TeacherSeq, el: Elements, num_steps: int, decay: float = 0.8, kl: bool = True,
-             chunk: int = 256, attn_chunk: int = 2048) -> tuple[torch.Tensor, Stats]:
+             chunk: int = LOSS_CHUNK, attn_chunk: int = 2048) -> tuple[torch.Tensor, Stats]:
     """Sum over steps of decay^k * (summed loss of step k's supervised rows)."""
     total = torch.zeros((), dtype=torch.float32, device=seq.labels.device)
     correct = torch.zeros(num_steps, dtype=torch.long)
@@ -382,7 +387,7 @@ class TrainHead(nn.Module):
     all-reduce always covers all of them."""
 
     def __init__(self, drafter: Drafter, method: str, num_depths: int, kl: bool = True, ttt_decay: float = 0.8,
-                 loss_chunk: int = 256, attn_chunk: int = 2048):
+                 loss_chunk: int = LOSS_CHUNK, attn_chunk: int = 2048):
         super().__init__()
         if method not in ("peagle", "eagle3"):
             raise ValueError(f"method must be peagle or eagle3, not {method!r}")

@@ -30,7 +30,7 @@ from peagle.model.checkpoint import save_head
 from peagle.model.loading import EMBEDDED_HUB_ID, torch_dtype
 from peagle.train.cod import Elements, eval_elements, partition, sample_cod
 from peagle.train.head import build_head
-from peagle.train.objective import TeacherSeq, TrainHead, cod_hidden, export_drafter, ttt_forward
+from peagle.train.objective import LOSS_CHUNK, TeacherSeq, TrainHead, cod_hidden, export_drafter, ttt_forward
 from peagle.train.teacher import Teacher
 from peagle.train.vocab import used_ids
 
@@ -85,7 +85,7 @@ class TrainConfig:
     limit: int | None = None  # use at most this many conversations
     log_every: int = 1
     progress: bool = True
-    loss_chunk: int = 256  # rows per fused LM-head + loss chunk: [256 x Vd] fp32 stays in cache
+    loss_chunk: int = LOSS_CHUNK
     attn_chunk: int = 2048
     init_from_target: bool = True  # lm_head/norm from the target's
     norm_before_residual: bool = False  # layer 0 adds attention to hidden_norm(h), not h (vLLM reads the flag)
