@@ -8,9 +8,9 @@
 #   BUNDLE=1 bash scripts/train_heads.sh                          # after measuring: copy the heads into the package
 #
 # 1. data: ShareGPT prompts answered greedily by SmolLM2 itself, so the heads learn what the target really says: the
-#    1,600 the bundled heads were trained on (data/heads/smollm2-regenerated.jsonl) and 2,400 more
-#    (data/heads/prompts-2.jsonl; the answers regenerated so far are in data/heads/smollm2-regenerated-2.jsonl, and
-#    the rest are regenerated first: about 35 per minute on one core, resumable)
+#    1,600 of data/heads/smollm2-regenerated.jsonl and the 2,400 more of data/heads/smollm2-regenerated-2.jsonl
+#    (answers to data/heads/prompts-2.jsonl; any prompt still unanswered is regenerated first: about 35 per minute
+#    on one core, resumable)
 # 2. the bundled heads' 32 held-out conversations kept apart (scripts/split_head_data.py), evaluated every 100 steps
 # 3. both heads trained on the same data, in parallel, one core each, checkpointing every 20 steps (--resume latest)
 # 4. measured on MT-Bench and HumanEval (benchmarks/acceptance.py) into WORK/acceptance; bundle only a head that is
