@@ -665,6 +665,217 @@ int peagle_amx_gemm(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y
 #endif /* PEAGLE_NO_AMX */
 
 /* ---------------------------------------------------------------------------------------------------------------
+   Block-quantized weights: GGUF's Q4_0, Q4_1 and Q8_0, integer dot products on AVX2 (every x86-64 path)
+
+   A GGUF block holds 32 consecutive inputs of one output row: Q4_0 a fp16 scale d and 32 4-bit codes q (w = d (q-8));
+   Q4_1 d, a fp16 minimum m and 32 codes (w = d q + m); Q8_0 d and 32 int8 codes (w = d q). Byte j of a 4-bit block
+   holds input j in its low nibble and input j+16 in its high one. The bytes are kept exactly as in the file, only
+   regrouped ("qpanels"): the blocks of QCOLS = 8 output columns at one input block sit side by side in a record,
+     4-bit:  the 8 columns' 16 code bytes in column order, so columns 2p and 2p+1 fill one 32-byte load;
+     Q8_0:   per column pair p, 64 bytes: inputs 0-15 of column 2p, of 2p+1, then inputs 16-31 of 2p, of 2p+1;
+     then the 8 d (and for Q4_1 the 8 m) in lane order 0, 2, 4, 6, 1, 3, 5, 7 (the order the sums come out in),
+   so each group of 8 columns is one contiguous stream (N is zero padded to a multiple of 8).
+
+   Activations are quantized per row and per block of 32, as llama.cpp does: dx = max|x| / 127, qx = rint(x / dx) in
+   [-127, 127], sx = sum(qx). A block's dot product is then exact integer arithmetic (vpmaddubsw: unsigned 4-bit
+   codes or |q8| times signed activations, then vpmaddwd), and each output column accumulates its blocks in order:
+     acc = fma((float)isum, d * dx, acc)          [Q4_0: isum = q.qx - 8 sx; Q8_0: isum = q.qx]
+     acc = fma(m, dx * sx, acc)                   [Q4_1 only, after the line above with isum = q.qx]
+   in one fp32 lane per column. Nothing in that chain depends on the other rows or on the thread count, so a verify
+   window computes each row exactly as a one-row decode step does (batch invariance). */
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+#define QCOLS 8        /* output columns per qpanel group */
+#define QBLOCK 32      /* inputs per quantization block */
+#define QMAX_ROWS 4    /* rows per register block */
+
+enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+static const int q_block_bytes[3] = {18, 20, 34};    /* one GGUF block */
+static const int q_record_bytes[3] = {144, 160, 272}; /* one qpanel record: 8 blocks regrouped */
+
+size_t peagle_qpanels_size(int format, int N, int K) { /* bytes of W [N, K] regrouped into qpanels */
+    return (size_t)((N + QCOLS - 1) / QCOLS) * (size_t)(K / QBLOCK) * (size_t)q_record_bytes[format];
+}
+
+/* Regroup GGUF rows (N rows of K/32 blocks, row-major as in the file) into qpanels. Codes and scales are copied
+   byte for byte; padding columns get zero codes and zero scales. */
+void peagle_qpack(int format, const uint8_t *src, int N, int K, uint8_t *out) {
+    int Kb = K / QBLOCK, G = (N + QCOLS - 1) / QCOLS, bb = q_block_bytes[format], rb = q_record_bytes[format];
+    int qbytes = format == Q8_0 ? 32 : 16, scales = format == Q4_1 ? 2 : 1;
+    memset(out, 0, peagle_qpanels_size(format, N, K));
+    for (int g = 0; g < G; g++)
+        for (int b = 0; b < Kb; b++) {
+            uint8_t *rec = out + ((size_t)g * Kb + b) * rb;
+            for (int c = 0; c < QCOLS && g * QCOLS + c < N; c++) {
+                const uint8_t *blk = src + ((size_t)(g * QCOLS + c) * Kb + b) * bb, *codes = blk + 2 * scales;
+                int lane = c % 2 ? 4 + c / 2 : c / 2;
+                if (format == Q8_0) {
+                    memcpy(rec + 64 * (c / 2) + 16 * (c % 2), codes, 16);
+                    memcpy(rec + 64 * (c / 2) + 32 + 16 * (c % 2), codes + 16, 16);
+                } else
+                    memcpy(rec + 16 * c, codes, 16);
+                memcpy(rec + QCOLS * qbytes + 2 * lane, blk, 2);                                 /* d */
+                if (scales == 2) memcpy(rec + QCOLS * qbytes + 2 * QCOLS + 2 * lane, blk + 2, 2); /* m */
+            }
+        }
+}
+
+/* Quantize M rows of x (bf16, row stride ldx, K a multiple of 32) per block: codes qx [M, K], dx and sx [M, K/32]. */
+static void quantize_rows_q8(const uint16_t *x, long ldx, int M, int K, int8_t *qx, float *dx, int32_t *sx) {
+    int Kb = K / QBLOCK;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < Kb; b++) {
+            const uint16_t *xb = x + (size_t)m * ldx + b * QBLOCK;
+            __m256 v[4], amax = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                v[i] = bf16x8_to_f32(xb + 8 * i);
+                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+            }
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_movehdup_ps(h));
+            float a = _mm_cvtss_f32(h);
+            float d = a / 127.0f, id = a > 0.0f ? 127.0f / a : 0.0f;
+            __m256 idv = _mm256_set1_ps(id);
+            __m256i q[4];
+            for (int i = 0; i < 4; i++)
+                q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], idv),
+                                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+            s4 = _mm_hadd_epi32(s4, s4);
+            s4 = _mm_hadd_epi32(s4, s4);
+            /* int32 -> int8 in input order: packs interleave 128-bit lanes, the permute puts them back */
+            __m256i p16 = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
+            __m256i p8 = _mm256_packs_epi16(p16, p16b);
+            p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)(qx + (size_t)m * K + b * QBLOCK), p8);
+            dx[(size_t)m * Kb + b] = d;
+            sx[(size_t)m * Kb + b] = _mm_cvtsi128_si32(s4);
+        }
+}
+
+/* Column pair p's partial sums v[p] (lanes 0-3: column 2p, 4-7: column 2p+1) -> one vector with the totals of
+   columns 0, 2, 4, 6, 1, 3, 5, 7 in lanes 0..7 (three horizontal adds; exact integers, so the order is free). */
+static inline __m256i sum_column_pairs(const __m256i v[4]) {
+    return _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+}
+
+/* One register block: R rows x one group of 8 columns, over all K/32 blocks (see the chain above). */
+static inline __attribute__((always_inline)) void qblock(const int format, const int R, const int8_t *qx,
+                                                         const float *dx, const int32_t *sx, int K,
+                                                         const uint8_t *w, uint16_t *y, size_t ldy, int ncols) {
+    int Kb = K / QBLOCK, rb = q_record_bytes[format], qbytes = format == Q8_0 ? 32 : 16;
+    const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f);
+    __m256 acc[QMAX_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < Kb; b++) {
+        const uint8_t *rec = w + (size_t)b * rb;
+        for (int l = 0; l < rb; l += 64) _mm_prefetch((const char *)(rec + 8 * rb + l), _MM_HINT_T0);
+        __m256i lo[4], hi[4];
+        for (int p = 0; p < 4; p++) {
+            if (format == Q8_0) {
+                lo[p] = _mm256_loadu_si256((const __m256i *)(rec + 64 * p));
+                hi[p] = _mm256_loadu_si256((const __m256i *)(rec + 64 * p + 32));
+            } else {
+                __m256i raw = _mm256_loadu_si256((const __m256i *)(rec + 32 * p));
+                lo[p] = _mm256_and_si256(raw, low4);
+                hi[p] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+            }
+        }
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + QCOLS * qbytes)));
+        for (int r = 0; r < R; r++) {
+            const int8_t *xb = qx + (size_t)r * K + b * QBLOCK;
+            __m256i xlo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)xb));
+            __m256i xhi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xb + 16)));
+            __m256i v[4];
+            for (int p = 0; p < 4; p++) {
+                if (format == Q8_0)
+                    v[p] = _mm256_add_epi32(
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(lo[p]), _mm256_sign_epi8(xlo, lo[p])), ones),
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(hi[p]), _mm256_sign_epi8(xhi, hi[p])), ones));
+                else /* two products of at most 15 * 127 per int16 lane, two lanes added: no overflow */
+                    v[p] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo[p], xlo),
+                                                              _mm256_maddubs_epi16(hi[p], xhi)), ones);
+            }
+            __m256i isum = sum_column_pairs(v);
+            float dxr = dx[(size_t)r * Kb + b];
+            if (format == Q4_0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * sx[(size_t)r * Kb + b]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(dxr)), acc[r]);
+            if (format == Q4_1) {
+                __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + QCOLS * qbytes + 2 * QCOLS)));
+                acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(dxr * (float)sx[(size_t)r * Kb + b]), acc[r]);
+            }
+        }
+    }
+    const __m256i column_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int r = 0; r < R; r++)
+        store_bf16x8(y + r * ldy, _mm256_permutevar8x32_ps(acc[r], column_order), ncols < QCOLS ? ncols : QCOLS);
+}
+
+typedef void (*qblock_fn)(const int8_t *, const float *, const int32_t *, int, const uint8_t *, uint16_t *, size_t,
+                          int);
+#define QBLOCK_FN(F, R)                                                                                          \
+    static void qblock_##F##_##R(const int8_t *qx, const float *dx, const int32_t *sx, int K, const uint8_t *w,  \
+                                 uint16_t *y, size_t ldy, int ncols) {                                           \
+        qblock(F, R, qx, dx, sx, K, w, y, ldy, ncols);                                                           \
+    }
+QBLOCK_FN(Q4_0, 1) QBLOCK_FN(Q4_0, 2) QBLOCK_FN(Q4_0, 3) QBLOCK_FN(Q4_0, 4)
+QBLOCK_FN(Q4_1, 1) QBLOCK_FN(Q4_1, 2) QBLOCK_FN(Q4_1, 3) QBLOCK_FN(Q4_1, 4)
+QBLOCK_FN(Q8_0, 1) QBLOCK_FN(Q8_0, 2) QBLOCK_FN(Q8_0, 3) QBLOCK_FN(Q8_0, 4)
+static const qblock_fn qblocks[3][QMAX_ROWS + 1] = {
+    {0, qblock_Q4_0_1, qblock_Q4_0_2, qblock_Q4_0_3, qblock_Q4_0_4},
+    {0, qblock_Q4_1_1, qblock_Q4_1_2, qblock_Q4_1_3, qblock_Q4_1_4},
+    {0, qblock_Q8_0_1, qblock_Q8_0_2, qblock_Q8_0_3, qblock_Q8_0_4},
+};
+
+/* y[M, N] (row stride ldy) = x[M, K] (bf16, row stride ldx) @ W^T, W in qpanels of `format`; K a multiple of 32.
+   Threads split the column groups; each group's weights (a few KB) stay in cache while every row block passes.
+   Returns 0, or -1 when memory for the quantized activations could not be allocated (y untouched). */
+static int qgemm(int format, const uint16_t *x, long ldx, const uint8_t *wp, uint16_t *y, long ldy, int M, int N,
+                 int K, int nthreads) {
+    int Kb = K / QBLOCK, G = (N + QCOLS - 1) / QCOLS;
+    size_t gstride = (size_t)Kb * q_record_bytes[format];
+    int8_t *qx = malloc((size_t)M * K + (size_t)M * Kb * (sizeof(float) + sizeof(int32_t)));
+    if (!qx) return -1;
+    float *dx = (float *)(qx + (size_t)M * K);
+    int32_t *sx = (int32_t *)(dx + (size_t)M * Kb);
+    quantize_rows_q8(x, ldx, M, K, qx, dx, sx);
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int g = 0; g < G; g++)
+        for (int m = 0; m < M; m += QMAX_ROWS) {
+            int R = M - m < QMAX_ROWS ? M - m : QMAX_ROWS;
+            qblocks[format][R](qx + (size_t)m * K, dx + (size_t)m * Kb, sx + (size_t)m * Kb, K, wp + g * gstride,
+                               y + (size_t)m * ldy + g * QCOLS, (size_t)ldy, N - g * QCOLS);
+        }
+    free(qx);
+    return 0;
+}
+
+int peagle_qgemm_q4_0(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy, int M, int N, int K,
+                      int nthreads) {
+    return qgemm(Q4_0, x, ldx, (const uint8_t *)wp, y, ldy, M, N, K, nthreads);
+}
+int peagle_qgemm_q4_1(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy, int M, int N, int K,
+                      int nthreads) {
+    return qgemm(Q4_1, x, ldx, (const uint8_t *)wp, y, ldy, M, N, K, nthreads);
+}
+int peagle_qgemm_q8_0(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy, int M, int N, int K,
+                      int nthreads) {
+    return qgemm(Q8_0, x, ldx, (const uint8_t *)wp, y, ldy, M, N, K, nthreads);
+}
+
+/* The quantized activations of M rows as the kernels compute them (for the tests' float64 reference). */
+void peagle_quantize_rows_q8(const uint16_t *x, long ldx, int M, int K, int8_t *qx, float *dx, int32_t *sx) {
+    quantize_rows_q8(x, ldx, M, K, qx, dx, sx);
+}
+
+#pragma GCC pop_options
+
+/* ---------------------------------------------------------------------------------------------------------------
    A whole Llama decoder layer in one call: the target's forward on the CPU. The same kernels in the same order as
    layers.py's DecoderLayer, with the reference's bf16 rounding at every step (so both give identical bits), minus
    the Python between them: a one-row decode step makes a dozen small calls per layer, whose fixed cost adds up
@@ -676,7 +887,7 @@ int peagle_amx_gemm(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y
 typedef int (*gemm_fn)(const uint16_t *, long, const uint16_t *, uint16_t *, long, int, int, int, int);
 
 typedef struct {
-    gemm_fn gemm;                             /* the matrix path the four weights are packed for */
+    gemm_fn gemm_qkv, gemm_o, gemm_gate_up, gemm_down; /* the matrix kernel each weight is packed for */
     const uint16_t *input_norm, *post_norm;   /* RMSNorm weights [H] */
     const uint16_t *qkv, *o, *gate_up, *down; /* packed [(nh + 2 nkv) D, H], [H, nh D], [2 I, H], [H, I] */
     int H, I, nh, nkv, D;
@@ -705,17 +916,17 @@ int peagle_decoder_layer(const peagle_layer *w, const uint16_t *x, uint16_t *y, 
     uint16_t *act = gu + M * 2 * I;
     int rc;
     peagle_rms_norm_bf16(x, w->input_norm, normed, (int)M, H, w->eps);
-    if ((rc = w->gemm(normed, H, w->qkv, qkv, W, (int)M, W, H, nthreads))) goto done;
+    if ((rc = w->gemm_qkv(normed, H, w->qkv, qkv, W, (int)M, W, H, nthreads))) goto done;
     peagle_rope_bf16(qkv, cos_, sin_, (int)M, nh + 2 * nkv, nh + nkv, D);
     if ((rc = peagle_attention_bf16(qkv, W, qkv + (size_t)nh * D, qkv + (size_t)(nh + nkv) * D, W, kc, vc, slots,
                                     positions, att, B, T, nh, nkv, D, num_slots, max_len, w->scale, nthreads)))
         goto done;
-    if ((rc = w->gemm(att, (long)nh * D, w->o, out, H, (int)M, H, nh * D, nthreads))) goto done;
+    if ((rc = w->gemm_o(att, (long)nh * D, w->o, out, H, (int)M, H, nh * D, nthreads))) goto done;
     add_bf16(x, out, y, M * H);
     peagle_rms_norm_bf16(y, w->post_norm, normed, (int)M, H, w->eps);
-    if ((rc = w->gemm(normed, H, w->gate_up, gu, 2 * I, (int)M, 2 * I, H, nthreads))) goto done;
+    if ((rc = w->gemm_gate_up(normed, H, w->gate_up, gu, 2 * I, (int)M, 2 * I, H, nthreads))) goto done;
     peagle_silu_mul_bf16(gu, act, (int)M, I);
-    if ((rc = w->gemm(act, I, w->down, out, H, (int)M, H, I, nthreads))) goto done;
+    if ((rc = w->gemm_down(act, I, w->down, out, H, (int)M, H, I, nthreads))) goto done;
     add_bf16(y, out, y, M * H);
 done:
     free(buf);

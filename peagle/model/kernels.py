@@ -113,6 +113,12 @@ def _declare(lib) -> None:
         "peagle_silu_mul_bf16": ([p, p, i, i], None),
         "peagle_attention_bf16": ([p, l, p, p, l, p, p, p, p, p, i, i, i, i, i, i, i, f, i], i),
         "peagle_decoder_layer": ([p, p, p, i, i, p, p, p, p, p, p, i, i, i], i),
+        "peagle_qpanels_size": ([i, i, i], sz),
+        "peagle_qpack": ([i, p, i, i, p], None),
+        "peagle_qgemm_q4_0": gemm,
+        "peagle_qgemm_q4_1": gemm,
+        "peagle_qgemm_q8_0": gemm,
+        "peagle_quantize_rows_q8": ([p, l, i, i, p, p, p], None),
     }
     for name, (args, res) in signatures.items():
         if hasattr(lib, name):  # the AMX / AVX-512 sections may be compiled out
@@ -236,13 +242,21 @@ class PackedWeight:
             _lib.peagle_pack_panels(w.data_ptr(), N, K, data.data_ptr(), torch.get_num_threads())
         return cls(data, N, K, path)
 
+    format = "bf16"  # the weights' number format (peagle.model.quant has the block formats)
+
     def __post_init__(self) -> None:
         self.gemm = getattr(_lib, _GEMM_SYMBOL[self.path])  # looked up once: packed_linear runs every step
+        self.gemm_ptr = ctypes.cast(self.gemm, ctypes.c_void_p).value
         self.data_ptr = self.data.data_ptr()
 
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * 2
 
-def packed_linear(x: torch.Tensor, packed: PackedWeight | None) -> torch.Tensor | None:
-    """x [..., K] @ W^T for a packed W, or None when the packed path does not apply (then use F.linear)."""
+
+def packed_linear(x: torch.Tensor, packed) -> torch.Tensor | None:
+    """x [..., K] @ W^T for a packed W (a PackedWeight or a quant.QuantWeight), or None when the packed path does
+    not apply (then use F.linear)."""
     if packed is None or not _usable(x) or x.shape[-1] != packed.in_features:
         return None
     K, N = packed.in_features, packed.out_features
@@ -328,7 +342,8 @@ def attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: t
 
 class _LayerWeights(ctypes.Structure):
     """kernels.c's peagle_layer: one decoder layer's weights and shapes."""
-    _fields_ = [("gemm", ctypes.c_void_p), ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+    _fields_ = [("gemm_qkv", ctypes.c_void_p), ("gemm_o", ctypes.c_void_p), ("gemm_gate_up", ctypes.c_void_p),
+                ("gemm_down", ctypes.c_void_p), ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
                 ("qkv", ctypes.c_void_p), ("o", ctypes.c_void_p), ("gate_up", ctypes.c_void_p),
                 ("down", ctypes.c_void_p), ("H", ctypes.c_int), ("I", ctypes.c_int), ("nh", ctypes.c_int),
                 ("nkv", ctypes.c_int), ("D", ctypes.c_int), ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
@@ -339,21 +354,20 @@ class NativeDecoderLayer:
     fused gate/up, SiLU, down, residual) in one native call: the same kernels in the same order as layers.py's
     DecoderLayer, so the bits are identical, without a dozen Python-level calls per layer per step."""
 
-    def __init__(self, input_norm: torch.Tensor, post_norm: torch.Tensor, qkv: PackedWeight, o: PackedWeight,
-                 gate_up: PackedWeight, down: PackedWeight, num_heads: int, num_kv_heads: int, head_dim: int,
-                 eps: float):
+    def __init__(self, input_norm: torch.Tensor, post_norm: torch.Tensor, qkv, o, gate_up, down, num_heads: int,
+                 num_kv_heads: int, head_dim: int, eps: float):
+        """qkv, o, gate_up, down: each a PackedWeight or a quant.QuantWeight (a layer may mix formats)."""
         self._keep = (input_norm, post_norm, qkv, o, gate_up, down)  # the pointers below stay valid
-        gemm = ctypes.cast(getattr(_lib, _GEMM_SYMBOL[qkv.path]), ctypes.c_void_p).value
-        self._weights = _LayerWeights(gemm, input_norm.data_ptr(), post_norm.data_ptr(), qkv.data_ptr, o.data_ptr,
-                                      gate_up.data_ptr, down.data_ptr, o.out_features, down.in_features, num_heads,
-                                      num_kv_heads, head_dim, eps, head_dim ** -0.5)
+        self._weights = _LayerWeights(qkv.gemm_ptr, o.gemm_ptr, gate_up.gemm_ptr, down.gemm_ptr, input_norm.data_ptr(),
+                                      post_norm.data_ptr(), qkv.data_ptr, o.data_ptr, gate_up.data_ptr, down.data_ptr,
+                                      o.out_features, down.in_features, num_heads, num_kv_heads, head_dim, eps,
+                                      head_dim ** -0.5)
         self._ref = ctypes.byref(self._weights)
 
     @staticmethod
-    def applies(packed: list[PackedWeight | None], head_dim: int, intermediate: int) -> bool:
-        """Whether the native layer can run these (bias-free, all packed for one path) weights."""
-        return (all(p is not None for p in packed) and len({p.path for p in packed}) == 1
-                and head_dim % 8 == 0 and head_dim <= 256 and intermediate % 8 == 0)
+    def applies(packed: list, head_dim: int, intermediate: int) -> bool:
+        """Whether the native layer can run these (bias-free, all packed) weights."""
+        return all(p is not None for p in packed) and head_dim % 8 == 0 and head_dim <= 256 and intermediate % 8 == 0
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_k: torch.Tensor,
                  cache_v: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

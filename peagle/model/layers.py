@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from peagle.model import kernels
+from peagle.model import kernels, quant
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -23,6 +23,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     it applies: bf16 on a CPU where a native path runs, no gradients needed."""
     y = kernels.packed_linear(x, packed) if packed is not None else None
     if y is None:
+        if weight is None:  # block-quantized: only the packed form exists
+            raise RuntimeError(f"a {packed.format} matrix takes bf16 CPU input without gradients; got "
+                               f"{x.dtype} on {x.device}")
         return F.linear(x, weight, bias)
     return y if bias is None else y + bias
 
@@ -179,11 +182,12 @@ class Attention(nn.Module):
         self.o_packed = None  # set by pack_()
 
     @torch.no_grad()
-    def pack_(self, path: str | None = None) -> None:
+    def pack_(self, path: str | None = None, blocks: dict | None = None, prefix: str = "") -> None:
         """Inference layout: q/k/v as one matrix, and every projection packed for peagle's kernels (`path`: a
-        matrix path of kernels.PATHS; default: the machine's fastest)."""
-        self.qkv.pack_(path)
-        self.o_packed = kernels.PackedWeight.pack(self.o_proj.weight, path)
+        matrix path of kernels.PATHS; default: the machine's fastest). `blocks`: block-quantized matrices by
+        name (prefix + "q_proj.weight", ...), packed for the quantized kernels instead (TargetModel.pack_)."""
+        self.qkv.pack_(path, blocks, [prefix + n for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight")])
+        self.o_packed = pack_matrix(self.o_proj, path, blocks, prefix + "o_proj.weight")
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layout: BatchLayout,
                 cache_k: torch.Tensor | None, cache_v: torch.Tensor | None) -> torch.Tensor:
@@ -210,7 +214,15 @@ class FusedLinear(nn.Module):
         self.packed = None
 
     @torch.no_grad()
-    def pack_(self, path: str | None = None) -> None:
+    def pack_(self, path: str | None = None, blocks: dict | None = None, names: list[str] | None = None) -> None:
+        """`blocks` and the parts' `names` in it: when the parts are block-quantized, their blocks are fused."""
+        if blocks and names and names[0] in blocks:
+            self.packed = fuse_blocks([blocks[n] for n in names], names)
+            for p in self.parts:
+                p.weight = None
+            if self.parts[0].bias is not None:
+                self.bias = torch.cat([p.bias for p in self.parts])
+            return
         weight = torch.cat([p.weight for p in self.parts])
         sizes = [p.weight.shape[0] for p in self.parts]
         for p, w in zip(self.parts, weight.split(sizes)):  # the parts become views: memory does not grow
@@ -224,10 +236,31 @@ class FusedLinear(nn.Module):
         self.packed = kernels.PackedWeight.pack(weight, path)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight is None:  # training: concatenate the live parameters (gradients flow to each part)
+        if self.weight is None and self.packed is None:  # training: the live parameters (gradients flow to each)
             bias = None if self.parts[0].bias is None else torch.cat([p.bias for p in self.parts])
             return F.linear(x, torch.cat([p.weight for p in self.parts]), bias)
         return linear(x, self.weight, self.bias, self.packed)
+
+
+def pack_matrix(module: nn.Linear, path: str | None, blocks: dict | None, name: str):
+    """One projection packed for the kernels: its block-quantized form when `blocks` has it (the float parameter
+    is then dropped), else its bf16 weight packed for `path`."""
+    if blocks and name in blocks:
+        fmt, data = blocks[name]
+        module.weight = None
+        return quant.QuantWeight.from_blocks(data, fmt, module.out_features, module.in_features)
+    return kernels.PackedWeight.pack(module.weight, path)
+
+
+def fuse_blocks(parts: list[tuple[str, torch.Tensor]], names: list[str]):
+    """Block-quantized matrices of one input, stacked by output rows into one (q/k/v, gate/up)."""
+    formats = {fmt for fmt, _ in parts}
+    if len(formats) > 1:
+        raise ValueError(f"peagle runs {', '.join(names)} as one matrix, so they must share a block format; this "
+                         f"file has {', '.join(f'{n} {f}' for n, (f, _) in zip(names, parts))}")
+    data = torch.cat([d for _, d in parts])
+    in_features = data.shape[1] // quant.FORMATS[parts[0][0]][1] * quant.BLOCK
+    return quant.QuantWeight.from_blocks(data, parts[0][0], data.shape[0], in_features)
 
 
 class MLP(nn.Module):
@@ -240,10 +273,10 @@ class MLP(nn.Module):
         self.down_packed = None  # set by pack_()
 
     @torch.no_grad()
-    def pack_(self, path: str | None = None) -> None:
+    def pack_(self, path: str | None = None, blocks: dict | None = None, prefix: str = "") -> None:
         """Inference layout: gate/up as one matrix, and every projection packed for peagle's kernels."""
-        self.gate_up.pack_(path)
-        self.down_packed = kernels.PackedWeight.pack(self.down_proj.weight, path)
+        self.gate_up.pack_(path, blocks, [prefix + "gate_proj.weight", prefix + "up_proj.weight"])
+        self.down_packed = pack_matrix(self.down_proj, path, blocks, prefix + "down_proj.weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)

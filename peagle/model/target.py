@@ -12,8 +12,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from peagle.model import kernels
+from peagle.model import kernels, quant
 from peagle.model.layers import BatchLayout, DecoderLayer, KVCache, RMSNorm, RotaryEmbedding, linear, rope_inv_freq
+
+from peagle.model.quant import QuantEmbedding, QuantWeight
 
 SUPPORTED_ARCHITECTURES = {"llama": "Llama 2/3, SmolLM2", "mistral": "Mistral", "qwen2": "Qwen2/2.5", "qwen3": "Qwen3"}
 
@@ -109,13 +111,41 @@ class TargetModel(nn.Module):
         self.native_layers = None  # set by pack_(): each layer in one native call (kernels.NativeDecoderLayer)
 
     @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+    def lm_head_weight(self) -> torch.Tensor | None:
+        """The LM head's float weight (None when it is block-quantized: lm_head_packed holds it)."""
+        if self.lm_head is None:
+            return getattr(self.embed_tokens, "weight", None)
+        return self.lm_head.weight
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
+    @property
+    def weights(self) -> str:
+        """The number format of the decoder layers' matrices ("bf16", "q4_1", ...), as stats and /v1/models name it;
+        an LM head in another format is named after it ("q4_0, lm_head q8_0")."""
+        packed = self.layers[0].self_attn.qkv.packed
+        layers = getattr(packed, "format", None) or str(self.norm.weight.dtype).removeprefix("torch.").replace(
+            "bfloat16", "bf16")
+        head = getattr(self.lm_head_packed, "format", None)
+        return layers if head in (None, layers) else f"{layers}, lm_head {head}"
+
+    def input_embeddings(self) -> torch.Tensor:
+        """The token embedding table as a float tensor (a drafter head shares it); a block-quantized table is
+        dequantized here, once, for the drafter's own copy."""
+        if isinstance(self.embed_tokens, QuantEmbedding):
+            return self.embed_tokens.table()
+        return self.embed_tokens.weight
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
-        p = self.embed_tokens.weight
+        p = self.norm.weight
         return KVCache(self.config.num_layers, num_slots, max_len, self.config.num_kv_heads, self.config.head_dim,
-                       p.dtype, p.device)
+                       torch.bfloat16 if self.quantized else p.dtype, p.device)
+
+    @property
+    def quantized(self) -> bool:
+        return isinstance(self.embed_tokens, QuantEmbedding)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, layout: BatchLayout, cache: KVCache,
@@ -152,38 +182,80 @@ class TargetModel(nn.Module):
         return h, torch.cat([feats[i] for i in self.feature_layer_ids], dim=-1)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.bfloat16,
-                        device: str | torch.device = "cpu") -> "TargetModel":
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+                        quantization: str | None = None) -> "TargetModel":
+        """A Hugging Face folder (safetensors), or a .gguf file whose block-quantized matrices stay as they are.
+        `quantization` ("q4_0", "q4_1", "q8_0") quantizes a float model's matrices, LM head and embedding at load."""
         from safetensors.torch import load_file
-        from transformers import AutoConfig
+
+        from peagle.model import gguf_model
 
         path = Path(path)
+        if gguf_model.is_gguf(path):
+            if quantization:
+                raise ValueError(f"--quantization {quantization} applies to float models; {path.name} is already "
+                                 "quantized (its own formats are used as they are)")
+            raw = json.loads((gguf_model.metadata_dir(path) / "config.json").read_text())
+            return cls._build(raw, gguf_model.read_tensors(path, raw), gguf_model.metadata_dir(path), "cpu")
         raw = json.loads((path / "config.json").read_text())
-        config = TargetConfig.from_hf(raw)
-        hf_config = AutoConfig.from_pretrained(path) if config.rope_parameters.get("rope_type", "default") != "default" else None
-        with torch.device("meta"):
-            model = cls(config, hf_config)
         state = {}
         for f in sorted(path.glob("*.safetensors")):
             for name, tensor in load_file(f, device=str(device)).items():
                 state[name.removeprefix("model.")] = tensor.to(dtype)
+        if quantization:
+            if torch.device(device).type != "cpu":
+                raise ValueError(f"--quantization {quantization} runs on peagle's CPU kernels; drop it on {device}")
+            state = quantize_state(state, quantization, TargetConfig.from_hf(raw).tie_word_embeddings)
+        return cls._build(raw, state, path, device)
+
+    @classmethod
+    def _build(cls, raw: dict, state: dict, config_dir: Path, device: str | torch.device) -> "TargetModel":
+        """The model from its state: float tensors, and (format, GGUF blocks) for block-quantized matrices."""
+        from transformers import AutoConfig
+
+        config = TargetConfig.from_hf(raw)
+        rope_type = config.rope_parameters.get("rope_type", "default")
+        hf_config = AutoConfig.from_pretrained(config_dir) if rope_type != "default" else None
+        with torch.device("meta"):
+            model = cls(config, hf_config)
         if config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
-        model.load_state_dict(state, strict=True, assign=True)
+        blocks = {name: v for name, v in state.items() if isinstance(v, tuple)}
+        floats = {name: v for name, v in state.items() if not isinstance(v, tuple)}
+        if blocks:
+            quant.require_kernels("a block-quantized model")
+            if "embed_tokens.weight" in blocks:
+                fmt, data = blocks.pop("embed_tokens.weight")
+                model.embed_tokens = QuantEmbedding(QuantWeight.from_blocks(data, fmt, config.vocab_size,
+                                                                            config.hidden_size))
+        missing, unexpected = model.load_state_dict(floats, strict=False, assign=True)
+        missing = [m for m in missing if m not in blocks and not (m == "embed_tokens.weight" and model.quantized)]
+        if missing or unexpected:
+            raise ValueError(f"the model's tensors do not match its config: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
         model.rotary = RotaryEmbedding(*rope_inv_freq(config.rope_parameters, config.head_dim, hf_config)).to(device)
-        return model.eval().requires_grad_(False).pack_()
+        return model.eval().requires_grad_(False).pack_(blocks=blocks)
 
     @torch.no_grad()
-    def pack_(self, path: str | None = None) -> "TargetModel":
+    def pack_(self, path: str | None = None, blocks: dict | None = None) -> "TargetModel":
         """Inference layout (from_pretrained does it): q/k/v and gate/up projections each become one matrix (the
         original parameters become views, so memory and state_dict names are unchanged), and where peagle's CPU
         kernels run, every projection and the LM head are also packed once for them (kernels.py; a packed copy of
         the weights, so the model takes twice the weight memory). The frozen target never changes after. `path`
-        picks a matrix path of kernels.PATHS (default: the machine's fastest)."""
-        for layer in self.layers:
-            layer.self_attn.pack_(path)
-            layer.mlp.pack_(path)
-        self.lm_head_packed = kernels.PackedWeight.pack(self.lm_head_weight, path)
+        picks a matrix path of kernels.PATHS (default: the machine's fastest). `blocks` holds the block-quantized
+        matrices by name, (format, GGUF blocks): those are regrouped for the quantized kernels instead, and no
+        float copy of them exists."""
+        blocks = blocks or {}
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.pack_(path, blocks, f"layers.{i}.self_attn.")
+            layer.mlp.pack_(path, blocks, f"layers.{i}.mlp.")
+        if "lm_head.weight" in blocks:
+            fmt, data = blocks["lm_head.weight"]
+            self.lm_head_packed = QuantWeight.from_blocks(data, fmt, self.config.vocab_size, self.config.hidden_size)
+        elif self.quantized and self.lm_head is None:
+            self.lm_head_packed = self.embed_tokens.quant  # tied: the LM head reads the embedding's blocks
+        else:
+            self.lm_head_packed = kernels.PackedWeight.pack(self.lm_head_weight, path)
         self.native_layers = None
         c = self.config
         if not (c.attention_bias or c.qk_norm):
@@ -195,3 +267,18 @@ class TargetModel(nn.Module):
                                                c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)
                     for la, p in zip(self.layers, packed)]
         return self
+
+
+def quantize_state(state: dict[str, torch.Tensor], fmt: str, tied: bool) -> dict:
+    """A float state dict with every decoder matrix, the LM head and the embedding table as (fmt, GGUF blocks)."""
+    if fmt not in quant.QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {fmt!r}; choose one of {', '.join(quant.QUANTIZATIONS)}")
+    quant.require_kernels(f"--quantization {fmt}")
+    matrices = ("_proj.weight", "lm_head.weight", "embed_tokens.weight")
+    out = {}
+    for name, value in state.items():
+        if name.endswith(matrices) and not (tied and name == "lm_head.weight"):
+            out[name] = (fmt, quant.quantize_blocks(value, fmt))
+        else:
+            out[name] = value
+    return out

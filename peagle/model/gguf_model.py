@@ -1,0 +1,134 @@
+"""Reading a GGUF file (llama.cpp's format) as a target: its Q4_0 / Q4_1 / Q8_0 matrices stay in their blocks, bit
+for bit (peagle.model.quant runs them), float tensors become bf16, and the tokenizer, chat template and config come
+from the file's metadata (transformers parses those; peagle keeps them in a small folder under $PEAGLE_HOME so that
+later loads skip the parse).
+
+Any other tensor type (the K-quants, the IQ types, ...) is refused with its name: peagle never dequantizes weights
+behind the user's back.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+BLOCK_FORMATS = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}  # GGUF type -> peagle.model.quant format
+FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias", "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
+}
+_TOP_NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
+              "output.weight": "lm_head.weight"}
+_SKIPPED = {"rope_freqs.weight"}  # llama3 RoPE factors: transformers derives them from the config
+
+
+def is_gguf(name: str | Path | None) -> bool:
+    return name is not None and str(name).lower().endswith(".gguf")
+
+
+def _reader(path: Path):
+    from gguf import GGUFReader
+
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such GGUF file")
+    try:
+        return GGUFReader(path)
+    except Exception as e:  # noqa: BLE001 - gguf raises ValueError, IndexError, struct errors... on a bad file
+        raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}") from e
+
+
+def metadata_dir(path: str | Path) -> Path:
+    """A folder with the GGUF's config.json and tokenizer (with its chat template), made once per file."""
+    from peagle.model.loading import _file_lock, peagle_home
+
+    path = Path(path).resolve()
+    st = path.stat()
+    out = peagle_home() / "gguf" / f"{path.stem}-{st.st_size}-{st.st_mtime_ns}"
+    if (out / "config.json").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(out.parent / f".{out.name}.lock"):
+        if (out / "config.json").exists():
+            return out
+        _reader(path)  # a clear error for a bad file before transformers' own
+        from transformers import AutoConfig, AutoTokenizer
+
+        print(f"peagle: reading the config and tokenizer of {path.name} (once)...", file=sys.stderr, flush=True)
+        t0 = time.time()
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.mkdir(exist_ok=True)
+        AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
+        cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name).to_dict()
+        for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
+            cfg.pop(key, None)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        tmp.rename(out)
+        print(f"peagle: done in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+    return out
+
+
+def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's reordering of q/k rows for its interleaved RoPE (convert_hf_to_gguf's `permute`), so that
+    the rows are in the order of Hugging Face's half-split RoPE, which peagle uses. Works on block rows too."""
+    n = rows.shape[0]
+    return rows.reshape(heads, n // heads // 2, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
+
+
+def read_tensors(path: str | Path, config: dict) -> dict[str, torch.Tensor | tuple[str, torch.Tensor]]:
+    """The GGUF's tensors under peagle's (Hugging Face) names: float ones as bf16 tensors, block-quantized ones as
+    (format, uint8 blocks [rows, bytes]) exactly as stored."""
+    path = Path(path)
+    reader = _reader(path)
+    field = reader.fields["general.architecture"]
+    arch = bytes(field.parts[field.data[0]]).decode()
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    out, unsupported = {}, []
+    for t in reader.tensors:
+        if t.name in _SKIPPED:
+            continue
+        m = re.fullmatch(r"blk\.(\d+)\.(.+)", t.name)
+        name = f"layers.{m.group(1)}.{_LAYER_NAMES.get(m.group(2), m.group(2))}" if m else _TOP_NAMES.get(t.name, t.name)
+        kind = t.tensor_type.name
+        shape = [int(s) for s in reversed(t.shape)]  # GGUF lists dimensions innermost first
+        if kind in BLOCK_FORMATS:
+            from gguf import GGML_QUANT_SIZES
+
+            block, nbytes = GGML_QUANT_SIZES[t.tensor_type]
+            expected = shape[0] * (shape[-1] // block) * nbytes if len(shape) == 2 else -1
+            if t.data.size != expected:
+                raise ValueError(f"{path}: tensor {t.name} holds {t.data.size} bytes where a {kind} "
+                                 f"{shape[0]}x{shape[-1]} matrix has {expected} (truncated or corrupt file)")
+            value = torch.from_numpy(np.array(t.data).reshape(shape[0], -1))
+        elif kind in FLOAT_TYPES:
+            data = np.array(t.data)
+            if data.size != int(np.prod(shape)):
+                raise ValueError(f"{path}: tensor {t.name} is short (truncated or corrupt file)")
+            if kind == "BF16":
+                value = torch.from_numpy(data.view(np.int16)).view(torch.bfloat16).reshape(shape)
+            else:
+                value = torch.from_numpy(data).reshape(shape).to(torch.bfloat16)
+        else:
+            unsupported.append(f"{t.name} ({kind})")
+            continue
+        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+            value = _unpermute(value, heads if ".q_proj." in name else kv_heads)
+        out[name] = (BLOCK_FORMATS[kind], value) if kind in BLOCK_FORMATS else value
+    if unsupported:
+        shown = ", ".join(unsupported[:4]) + (f" and {len(unsupported) - 4} more" if len(unsupported) > 4 else "")
+        raise ValueError(
+            f"{path.name}: peagle's kernels have no {', '.join(sorted({u.split('(')[1][:-1] for u in unsupported}))} "
+            f"(tensors {shown}). Supported tensor types: {', '.join(BLOCK_FORMATS)} and {', '.join(FLOAT_TYPES)}; "
+            "make such a file with `llama-quantize --pure` (for example to Q4_0 or Q8_0), or pass the original "
+            "safetensors model with `--quantization q4_0`")
+    return out

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The heads' training campaign: one command, started in the background whenever work on the project begins, that
+# picks up wherever the last run stopped (on a fresh machine: from the bundled heads and the data in the
+# repository; checkpoints live under WORK, out of git). One core by default; every stage resumes after a kill.
+#
+#   nohup bash scripts/campaign.sh >> runs/campaign.log 2>&1 &     # WORK=runs/campaign
+#
+# Stages, in order (each one skips itself when its output is complete):
+#   1. data   the conversations the bundled heads have not trained on (data/heads/smollm2-regenerated-2.jsonl from
+#             line FIRST_UNSEEN on), without the bundled heads' 32 held-out conversations, and those 32 apart
+#   2. peagle continue the bundled P-EAGLE head on them with the cheapest step that learns as much
+#             (docs/heads.md, "Recipe search": 8 COD depths at r 0.7, frozen LM head), checkpoint every 20 steps,
+#             held-out evaluation every 100
+#   3. eagle3 the same for the bundled EAGLE-3 head
+#   4. regen  SmolLM2's answers to data/heads/prompts-3.jsonl (new ShareGPT prompts; made once, resumable)
+#   5. accept benchmarks/acceptance.py on both continued heads into WORK/acceptance; re-bundling stays a decision
+#             (scripts/bundle_head.py refuses a head that is not better)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WORK="${WORK:-runs/campaign}"
+FIRST_UNSEEN="${FIRST_UNSEEN:-1217}"   # the second bundle trained on lines 1-1,216 of smollm2-regenerated-2.jsonl
+LR="${LR:-5e-4}"                       # a continuation's rate (docs/heads.md, "The second bundle")
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+mkdir -p "$WORK"
+log() { echo "campaign $(date -u +%FT%TZ): $*"; }
+
+if [ ! -f "$WORK/heldout-data/peagle_data.json" ]; then
+  log "stage 1: data"
+  tail -n "+$FIRST_UNSEEN" data/heads/smollm2-regenerated-2.jsonl > "$WORK/unseen.jsonl"
+  python3 scripts/split_head_data.py --inputs data/heads/smollm2-regenerated.jsonl "$WORK/unseen.jsonl" \
+    --train "$WORK/all.jsonl" --heldout "$WORK/heldout.jsonl"
+  # Only the unseen conversations train; the held-out ones come from the first file.
+  python3 - "$WORK" <<'EOF'
+import json, sys
+work = sys.argv[1]
+unseen = {json.loads(l)["id"] for l in open(f"{work}/unseen.jsonl") if l.strip()}
+with open(f"{work}/train.jsonl", "w") as out:
+    for line in open(f"{work}/all.jsonl"):
+        if line.strip() and json.loads(line)["id"] in unseen:
+            out.write(line)
+EOF
+  peagle data prepare --input "$WORK/train.jsonl" --out "$WORK/train-data"
+  peagle data prepare --input "$WORK/heldout.jsonl" --out "$WORK/heldout-data"
+fi
+
+COMMON=(--data "$WORK/train-data" --eval-data "$WORK/heldout-data" --eval-every 100 --eval-depths 8 --lr "$LR"
+        --save-every 20 --resume latest --teacher-cache "$WORK/teacher-cache" --no-progress)
+if [ ! -f "$WORK/peagle/model.safetensors" ]; then
+  log "stage 2: P-EAGLE"
+  peagle train --method peagle --init-head smollm2-135m-peagle --out "$WORK/peagle" --num-depths 8 \
+    --cod-ratio 0.7 --freeze-lm-head "${COMMON[@]}"
+fi
+if [ ! -f "$WORK/eagle3/model.safetensors" ]; then
+  log "stage 3: EAGLE-3"
+  peagle train --method eagle3 --init-head smollm2-135m-eagle3 --out "$WORK/eagle3" --freeze-lm-head "${COMMON[@]}"
+fi
+
+if [ ! -f data/heads/prompts-3.jsonl ]; then
+  python3 scripts/make_head_prompts.py --num 8000 --seed 2 --first-id 4000 --exclude data/heads/prompts.jsonl \
+    --exclude data/heads/prompts-2.jsonl --out data/heads/prompts-3.jsonl
+fi
+log "stage 4: regenerate data/heads/prompts-3.jsonl"
+peagle data prepare --input data/heads/prompts-3.jsonl --out "$WORK/regen3" --regenerate --max-new-tokens 256 \
+  --max-model-len 1024 --batch-size 32 --max-num-seqs 16   # skips the answers already there
+
+if [ ! -f "$WORK/acceptance/acceptance.md" ]; then
+  log "stage 5: acceptance"
+  python3 benchmarks/acceptance.py --peagle-head "$WORK/peagle" --eagle3-head "$WORK/eagle3" --out "$WORK/acceptance"
+fi
+log "done; compare $WORK/acceptance/acceptance.md with docs/heads/acceptance.md"
