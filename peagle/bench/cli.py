@@ -58,6 +58,9 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", help="bearer key for --url")
     g.add_argument("--max-model-len", type=int, help="context per request (default: longest prompt + max tokens)")
     g.add_argument("--dtype", default="auto", help="auto (bfloat16), bfloat16, float16 or float32")
+    from peagle.model.quant import QUANTIZATION_HELP, QUANTIZATIONS
+
+    g.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help=QUANTIZATION_HELP)
     g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     g.add_argument("--threads", type=int,
                    help="torch CPU threads, here and in the servers (default: torch's; on a shared machine 1 avoids "

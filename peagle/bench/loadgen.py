@@ -254,15 +254,21 @@ def run_offline(engine, prompts: list[BenchPrompt], concurrency: int, params_for
 # -- transformers -------------------------------------------------------------------------------------------------
 
 class HFRunner:
-    """transformers' generate() on a local model folder, with prompts encoded exactly as the engine encodes them."""
+    """transformers' generate() on a local model folder (or a GGUF file, which transformers dequantizes), with
+    prompts encoded exactly as the engine encodes them."""
 
     def __init__(self, model_path: str | Path, dtype=None, device: str = "cpu"):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from peagle.model.loading import config_dir
+
         self.torch = torch
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype or torch.bfloat16).to(device).eval()
+        model_path = Path(model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(config_dir(model_path))
+        where = dict(pretrained_model_name_or_path=model_path.parent, gguf_file=model_path.name) \
+            if model_path.suffix.lower() == ".gguf" else dict(pretrained_model_name_or_path=model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(**where, dtype=dtype or torch.bfloat16).to(device).eval()
         self.device = device
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])

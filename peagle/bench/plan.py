@@ -86,7 +86,8 @@ def canonical_command(args) -> str:
              "--k", args.k, "--temperature", str(args.temperature), "--seed", str(args.seed)]
     for flag, value in (("--model", args.model), ("--peagle-head", args.peagle_head),
                         ("--eagle3-head", args.eagle3_head), ("--url", args.url),
-                        ("--max-model-len", args.max_model_len), ("--device", args.device),
+                        ("--max-model-len", args.max_model_len), ("--quantization", args.quantization),
+                        ("--device", args.device),
                         ("--threads", args.threads)):
         if value is not None:
             parts += [flag, str(value)]
@@ -244,7 +245,7 @@ def create_random_head(method: str, model_path: Path, holder: "TargetHolder", de
     target = holder.target(model_path)
     mask_id = choose_mask_token_id(holder.tokenizer(model_path), target.config.vocab_size) \
         if method == "peagle" else None
-    head = random_head(target.config, target.embed_tokens.weight, method=method, mask_token_id=mask_id, seed=0)
+    head = random_head(target.config, target.input_embeddings(), method=method, mask_token_id=mask_id, seed=0)
     save_head(head, dest)
     return dest
 
@@ -252,15 +253,17 @@ def create_random_head(method: str, model_path: Path, holder: "TargetHolder", de
 class TargetHolder:
     """Loads the target and tokenizer once for everything done in this process (heads, offline engines)."""
 
-    def __init__(self, dtype: str = "auto", device: str | None = None):
-        self.dtype, self.device = dtype, device
+    def __init__(self, dtype: str = "auto", device: str | None = None, quantization: str | None = None):
+        self.dtype, self.device, self.quantization = dtype, device, quantization
         self._target = self._tok = None
 
     def tokenizer(self, model_path: Path):
         if self._tok is None:
             from transformers import AutoTokenizer
 
-            self._tok = AutoTokenizer.from_pretrained(model_path)
+            from peagle.model.loading import config_dir
+
+            self._tok = AutoTokenizer.from_pretrained(config_dir(Path(model_path)))
         return self._tok
 
     def target(self, model_path: Path):
@@ -270,8 +273,12 @@ class TargetHolder:
             from peagle.model.loading import torch_dtype
             from peagle.model.target import TargetModel
 
-            device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-            self._target = TargetModel.from_pretrained(model_path, dtype=torch_dtype(self.dtype), device=device)
+            from peagle.model.gguf_model import is_gguf
+
+            quantized = is_gguf(model_path) or self.quantization
+            device = self.device or ("cuda" if torch.cuda.is_available() and not quantized else "cpu")
+            self._target = TargetModel.from_pretrained(model_path, dtype=torch_dtype(self.dtype), device=device,
+                                                       quantization=self.quantization)
         return self._target
 
     def engine(self, model_path: Path, cfg: Config, max_num_seqs: int, max_model_len: int | None):
@@ -285,8 +292,8 @@ class TargetHolder:
         spec = drafter = None
         if cfg.method in SPEC_METHODS:
             spec = SpeculativeConfig.parse(cfg.speculative_config())
-            drafter = load_head(cfg.head, target_embeddings=target.embed_tokens.weight, dtype=torch_dtype(self.dtype),
-                                device=target.embed_tokens.weight.device).pack_()  # as `peagle serve` loads it
+            drafter = load_head(cfg.head, target_embeddings=target.input_embeddings(), dtype=torch_dtype(self.dtype),
+                                device=target.device).pack_()  # as `peagle serve` loads it
         return LLMEngine(target, tok, drafter, spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                          model_name=Path(model_path).name, speculation_policy=cfg.policy)
 

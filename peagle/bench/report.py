@@ -317,7 +317,8 @@ def results_section(report: dict, plots: dict[str, str] | None = None, level: in
     lines = []
     facts = [("dataset", m.get("dataset")), ("prompts", m.get("num_prompts")), ("max tokens", m.get("max_tokens")),
              ("temperature", m.get("temperature")), ("chat template", m.get("chat")), ("mode", m.get("mode")),
-             ("model", m.get("model")), ("started", m.get("started")), ("wall time", _wall(m)),
+             ("model", m.get("model")), ("weights", m.get("weights")), ("started", m.get("started")),
+             ("wall time", _wall(m)),
              ("machine", m.get("machine", {}).get("summary")), ("load average (1/5/15 min) at start / end",
                                                                 _load(m.get("machine", {})))]
     lines += [f"- {k}: {v}" for k, v in facts if v is not None]

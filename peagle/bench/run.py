@@ -47,7 +47,7 @@ def sweep(args) -> int:
         torch.set_num_threads(args.threads)
     started = _dt.datetime.now().astimezone()
     t_start = time.perf_counter()
-    holder = TargetHolder(args.dtype, args.device)
+    holder = TargetHolder(args.dtype, args.device, args.quantization)
     hf_holder: dict = {}
     plan = make_plan(args, holder)
     runs_planned = [(cfg, c) for cfg in plan.configs for c in plan.concurrencies_for(cfg)]
@@ -67,7 +67,8 @@ def sweep(args) -> int:
             "seed": args.seed, "chat": plan.chat, "mode": plan.mode, "concurrency": plan.concurrencies,
             "model": str(args.model or (f"served at {args.url}" if args.url else
                                         f"embedded SmolLM2-135M-Instruct ({plan.model_path})")),
-            "max_model_len": plan.max_model_len, "heads": plan.heads, "notes": plan.notes,
+            "weights": _weights(args, plan), "max_model_len": plan.max_model_len, "heads": plan.heads,
+            "notes": plan.notes,
             "started": started.isoformat(timespec="seconds"), "machine": machine()}
     results: list[RunMetrics] = []
     try:
@@ -119,6 +120,17 @@ def _progress_bar(total: int, disable: bool):
 
     return tqdm(total=total, unit="req", desc="bench", file=sys.stderr, disable=disable, dynamic_ncols=True,
                 smoothing=0.1)
+
+
+def _weights(args, plan) -> str | None:
+    """The target's weight format: a .gguf file's own blocks, --quantization, or the float dtype."""
+    from peagle.model.gguf_model import is_gguf
+
+    if args.url:
+        return None  # the server's /v1/models says (its "kernels" card)
+    if plan.model_path is not None and is_gguf(plan.model_path):
+        return f"gguf ({Path(plan.model_path).name})"
+    return args.quantization or ("bf16" if args.dtype == "auto" else args.dtype)
 
 
 def _run_config(args, plan: Plan, cfg: Config, concurrencies: list[int], holder: TargetHolder, hf_holder: dict,
@@ -202,7 +214,8 @@ def _run_config(args, plan: Plan, cfg: Config, concurrencies: list[int], holder:
     log = out / "logs" / f"{cfg.method}-k{cfg.k}{'-adaptive' if cfg.policy == 'adaptive' else ''}.log"
     server = loadgen.ServerProcess(args.model, json.dumps(spec) if spec else None, max(plan.concurrencies), log,
                                    plan.max_model_len, None if args.dtype == "auto" else args.dtype, args.device,
-                                   extra_args=["--speculation-policy", cfg.policy] if spec else None,
+                                   extra_args=(["--speculation-policy", cfg.policy] if spec else [])
+                                   + (["--quantization", args.quantization] if args.quantization else []),
                                    threads=args.threads)
     bar.set_description(f"{cfg.label}: starting server")
     try:

@@ -80,9 +80,10 @@ class LLMEngine:
         capacity = self.max_model_len + JOINT_PENDING_ROWS + 2 * self.k + 2
         self.target_cache = target.new_cache(max_num_seqs, capacity)
         self.drafter_cache = drafter.new_cache(max_num_seqs, capacity) if self.spec else None
-        self.device = target.embed_tokens.weight.device
-        self.kernels = kernels.summary(self.device)  # which kernels run the forward, and whether greedy is bit-exact
-        logger.info("peagle engine: %s", kernels.describe(self.device))
+        self.device = target.device
+        # which kernels run the forward, in which weight format, and whether greedy is bit-exact
+        self.kernels = {**kernels.summary(self.device), "weights": target.weights}
+        logger.info("peagle engine: %s weights, %s", target.weights, kernels.describe(self.device))
         self.eos_token_ids = set(target.config.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
@@ -104,21 +105,26 @@ class LLMEngine:
     @classmethod
     def from_pretrained(cls, model: str | None = None, speculative_config: SpeculativeConfig | str | dict | None = None,
                         max_num_seqs: int = 8, max_model_len: int | None = None, device: str | None = None,
-                        dtype: str | torch.dtype | None = None, speculation_policy: str = "fixed") -> "LLMEngine":
-        """A target (None: the embedded SmolLM2) and optionally a head named by the speculative config."""
+                        dtype: str | torch.dtype | None = None, speculation_policy: str = "fixed",
+                        quantization: str | None = None) -> "LLMEngine":
+        """A target (None: the embedded SmolLM2; a .gguf file runs its block-quantized weights as they are) and
+        optionally a head named by the speculative config. `quantization` (q4_0, q4_1, q8_0) quantizes a float
+        target's matrices at load, as vLLM's --quantization does."""
         from transformers import AutoTokenizer
 
         from peagle.model.heads import resolve_head
         from peagle.model.checkpoint import load_head
-        from peagle.model.loading import resolve_model, torch_dtype
+        from peagle.model.gguf_model import is_gguf
+        from peagle.model.loading import config_dir, resolve_model, torch_dtype
 
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = torch_dtype(dtype)
         path = resolve_model(model)
-        target = TargetModel.from_pretrained(path, dtype=dtype, device=device)
-        has_tokenizer = any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
-                                                                 "tokenizer.model"))
-        tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
+        device = device or ("cpu" if is_gguf(path) or quantization else
+                            "cuda" if torch.cuda.is_available() else "cpu")
+        dtype = torch_dtype(dtype)
+        target = TargetModel.from_pretrained(path, dtype=dtype, device=device, quantization=quantization)
+        meta = config_dir(path)
+        has_tokenizer = any((meta / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+        tokenizer = AutoTokenizer.from_pretrained(meta) if has_tokenizer else None
         spec = speculative_config
         if isinstance(spec, (str, dict)):
             spec = SpeculativeConfig.parse(spec)
@@ -126,7 +132,7 @@ class LLMEngine:
         if spec is not None:
             head_path = resolve_head(spec.model, model, method=spec.method_name)
             spec = spec.model_copy(update={"model": str(head_path)})
-            drafter = load_head(head_path, target_embeddings=target.embed_tokens.weight, dtype=dtype, device=device)
+            drafter = load_head(head_path, target_embeddings=target.input_embeddings(), dtype=dtype, device=device)
             drafter.pack_()  # the engine never trains it: pack its weights once for the CPU kernels (no-op elsewhere)
         return cls(target, tokenizer, drafter, spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                    model_name=model or Path(path).name, speculation_policy=speculation_policy)

