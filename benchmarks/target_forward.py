@@ -10,6 +10,8 @@ cache is cropped back after each step, ours simply overwrites the same positions
     python benchmarks/target_forward.py --threads 1          # the numbers in docs/performance.md
     python benchmarks/target_forward.py --rows 1 --profile   # a torch.profiler table of our 1-row step
     PEAGLE_CPU_KERNELS=avx2 python benchmarks/target_forward.py --threads 1   # another matrix path
+    python benchmarks/target_forward.py --threads 1 --model smollm2-q4_1      # the embedded model's own GGUF
+    python benchmarks/target_forward.py --threads 1 --quantization q4_0       # quantized at load
 """
 from __future__ import annotations
 
@@ -54,6 +56,8 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--quantization", choices=["q4_0", "q4_1", "q8_0"], default=None,
+                    help="quantize the matrices at load (a .gguf --model runs its own blocks; both imply --no-hf)")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table of our step")
     args = ap.parse_args(argv)
@@ -66,8 +70,9 @@ def main(argv=None) -> None:
     from peagle.model.target import TargetModel
 
     path = resolve_model(args.model)
-    ours = TargetModel.from_pretrained(path, dtype=dtype)
-    weight_bytes = sum(p.numel() * p.element_size() for p in ours.state_dict().values())
+    ours = TargetModel.from_pretrained(path, dtype=dtype, quantization=args.quantization)
+    weight_bytes = ours.weight_bytes()
+    args.no_hf = args.no_hf or ours.quantized
     B, L = args.batch, args.context
     max_len = L + max(args.rows) + 1
     g = torch.Generator().manual_seed(0)
@@ -93,7 +98,7 @@ def main(argv=None) -> None:
     threads = torch.get_num_threads()
     stream = {n: streaming_read_gbs(n) for n in (1, 2)}
     torch.set_num_threads(threads)
-    print(f"model {path.name} {args.dtype}, batch {B}, context {L}, threads {threads}, "
+    print(f"model {path.name} {ours.weights}, batch {B}, context {L}, threads {threads}, "
           f"weights {weight_bytes / 1e6:.0f} MB, median of {args.iters} "
           f"({'CPU' if threads == 1 else 'wall'} time)")
     print(f"cpu {cpu}; {kernels.describe()}; load average at start {os.getloadavg()[0]:.2f}")

@@ -787,6 +787,8 @@ static inline __attribute__((always_inline)) void qblock(const int format, const
             }
         }
         __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + QCOLS * qbytes)));
+        __m256 mn = format == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + QCOLS * qbytes + 2 * QCOLS)))
+                                   : _mm256_setzero_ps();
         for (int r = 0; r < R; r++) {
             const int8_t *xb = qx + (size_t)r * K + b * QBLOCK;
             __m256i xlo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)xb));
@@ -805,10 +807,8 @@ static inline __attribute__((always_inline)) void qblock(const int format, const
             float dxr = dx[(size_t)r * Kb + b];
             if (format == Q4_0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * sx[(size_t)r * Kb + b]));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(dxr)), acc[r]);
-            if (format == Q4_1) {
-                __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + QCOLS * qbytes + 2 * QCOLS)));
+            if (format == Q4_1)
                 acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(dxr * (float)sx[(size_t)r * Kb + b]), acc[r]);
-            }
         }
     }
     const __m256i column_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);

@@ -131,12 +131,29 @@ class TargetModel(nn.Module):
         head = getattr(self.lm_head_packed, "format", None)
         return layers if head in (None, layers) else f"{layers}, lm_head {head}"
 
+    def weight_bytes(self) -> int:
+        """Bytes of weights one forward reads: every matrix in the format it runs in (a packed bf16 copy counts
+        once), the LM head, the norms; the embedding table only when it is not also the (tied) LM head."""
+        matrices = [w for la in self.layers for w in (la.self_attn.qkv.packed, la.self_attn.o_packed,
+                                                      la.mlp.gate_up.packed, la.mlp.down_packed)]
+        if any(w is None for w in matrices):  # not packed (no native kernels): the plain parameters are read
+            return sum(p.numel() * p.element_size() for p in self.state_dict().values())
+        total = sum(w.nbytes for w in matrices) + (self.lm_head_packed.nbytes if self.lm_head_packed else 0)
+        floats = [p for n, p in self.named_parameters() if p.dim() == 1]  # norms and biases
+        return total + sum(p.numel() * p.element_size() for p in floats)
+
     def input_embeddings(self) -> torch.Tensor:
         """The token embedding table as a float tensor (a drafter head shares it); a block-quantized table is
         dequantized here, once, for the drafter's own copy."""
         if isinstance(self.embed_tokens, QuantEmbedding):
             return self.embed_tokens.table()
         return self.embed_tokens.weight
+
+    def output_embeddings(self) -> torch.Tensor:
+        """The LM head as a float tensor [V, H] (a block-quantized one dequantized), for heads that start from it."""
+        if self.lm_head_weight is not None:
+            return self.lm_head_weight
+        return self.lm_head_packed.dequantize().to(torch.bfloat16)
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         p = self.norm.weight

@@ -54,12 +54,12 @@ def register(name: str, parser) -> None:
 def run(args) -> int:
     from transformers import AutoTokenizer
 
-    from peagle.model.loading import resolve_model
+    from peagle.model.loading import config_dir, resolve_model
 
     try:
         convs = iter_conversations(args.input)
         target_dir = resolve_model(args.target)
-        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        tokenizer = AutoTokenizer.from_pretrained(config_dir(target_dir))
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         guard = HeldOutGuard()
@@ -108,10 +108,11 @@ def _guarded(convs, guard: HeldOutGuard, report: dict, limit: int | None):
 # regeneration
 # ---------------------------------------------------------------------------------------------------------------
 def engine_supports(target_dir: Path) -> bool:
+    from peagle.model.loading import config_dir
     from peagle.model.target import TargetConfig
 
     try:
-        TargetConfig.from_hf(json.loads((Path(target_dir) / "config.json").read_text()))
+        TargetConfig.from_hf(json.loads((config_dir(Path(target_dir)) / "config.json").read_text()))
         return True
     except (ValueError, KeyError):
         return False

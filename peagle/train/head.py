@@ -49,7 +49,7 @@ def build_head(cfg: TrainConfig, teacher: Teacher, tokenizer, rows: Iterable[tup
     if init is None:
         used = select_draft_vocab(sup_counts, Vd, exclude=[] if mask_id is None else [mask_id])
     teacher.used = used
-    dc = drafter_config_for(teacher.model_dir, teacher.hf_config, num_layers, Vd, mask_id)
+    dc = drafter_config_for(teacher.config_dir, teacher.hf_config, num_layers, Vd, mask_id)
     dc.norm_before_residual = norm_before_residual
     dc.extra = {**dc.extra, "peagle_training": {"method": cfg.method, "num_depths": cfg.num_depths,
                                                  "max_seq_len": cfg.max_seq_len}}

@@ -75,8 +75,11 @@ class Teacher:
         """`native=False` keeps transformers' forward even where the engine's would run."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        self.model_dir = Path(model_dir)
-        self.hf_config = AutoConfig.from_pretrained(self.model_dir)
+        from peagle.model.loading import config_dir
+
+        self.model_dir = Path(model_dir)  # a Hugging Face folder, or a .gguf file (its own blocks run natively)
+        self.config_dir = config_dir(self.model_dir)
+        self.hf_config = AutoConfig.from_pretrained(self.config_dir)
         self.dtype = dtype
         L = num_layers_of(self.hf_config)
         self.feature_layer_ids = tuple(feature_layer_ids or default_feature_layer_ids(L))
@@ -86,12 +89,16 @@ class Teacher:
         self.target = self._native_target(device, device_map, L) if native else None
         if self.target is not None:
             self.device = torch.device("cpu")
-        elif device_map is not None:  # a target too big for one device: layers spread over several (accelerate)
-            self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype, device_map=device_map)
-            self.device = self.model.get_input_embeddings().weight.device
         else:
-            self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).to(device)
-            self.device = torch.device(device)
+            # transformers reads a GGUF by dequantizing it: the teacher then computes on the same weights in float
+            where = dict(pretrained_model_name_or_path=self.model_dir.parent, gguf_file=self.model_dir.name) \
+                if self.model_dir.suffix.lower() == ".gguf" else dict(pretrained_model_name_or_path=self.model_dir)
+            if device_map is not None:  # a target too big for one device: layers spread over several (accelerate)
+                self.model = AutoModelForCausalLM.from_pretrained(**where, dtype=dtype, device_map=device_map)
+                self.device = self.model.get_input_embeddings().weight.device
+            else:
+                self.model = AutoModelForCausalLM.from_pretrained(**where, dtype=dtype).to(device)
+                self.device = torch.device(device)
         if self.model is not None:
             self.model.eval().requires_grad_(False)
         self.vocab_size = int(self.hf_config.vocab_size)
@@ -106,7 +113,7 @@ class Teacher:
                 or kernels.matmul_path() == "pytorch" or max(self.feature_layer_ids) >= num_layers:
             return None
         try:
-            TargetConfig.from_hf(json.loads((self.model_dir / "config.json").read_text()))
+            TargetConfig.from_hf(json.loads((self.config_dir / "config.json").read_text()))
         except (ValueError, KeyError):
             return None
         target = TargetModel.from_pretrained(self.model_dir, dtype=self.dtype)
@@ -118,12 +125,12 @@ class Teacher:
     # -- weights the head starts from ------------------------------------------------------------------------
     def input_embeddings(self) -> torch.Tensor:
         if self.target is not None:
-            return self.target.embed_tokens.weight
+            return self.target.input_embeddings()
         return self.model.get_input_embeddings().weight
 
     def output_embeddings(self) -> torch.Tensor | None:
         if self.target is not None:
-            return self.target.lm_head_weight
+            return self.target.output_embeddings()
         out = self.model.get_output_embeddings()
         return None if out is None else out.weight
 

@@ -276,7 +276,9 @@ class Trainer:
         try:
             from transformers import AutoTokenizer
 
-            return AutoTokenizer.from_pretrained(self.target_dir)
+            from peagle.model.loading import config_dir
+
+            return AutoTokenizer.from_pretrained(config_dir(self.target_dir))
         except Exception:  # noqa: BLE001 - a target without a tokenizer trains from prepared token ids
             return None
 
