@@ -286,6 +286,7 @@ class TargetHolder:
         from peagle.engine.engine import LLMEngine
         from peagle.model.loading import torch_dtype
         from peagle.model.checkpoint import load_head
+        from peagle.model.quant import DRAFTER_QUANTIZATION
 
         target = self.target(model_path)
         tok = self.tokenizer(model_path)
@@ -293,7 +294,8 @@ class TargetHolder:
         if cfg.method in SPEC_METHODS:
             spec = SpeculativeConfig.parse(cfg.speculative_config())
             drafter = load_head(cfg.head, target_embeddings=target.input_embeddings(), dtype=torch_dtype(self.dtype),
-                                device=target.device).pack_()  # as `peagle serve` loads it
+                                device=target.device).pack_(DRAFTER_QUANTIZATION if target.quantized else None)
+            # (as `peagle serve` loads it)
         return LLMEngine(target, tok, drafter, spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                          model_name=Path(model_path).name, speculation_policy=cfg.policy)
 

@@ -83,6 +83,8 @@ class LLMEngine:
         self.device = target.device
         # which kernels run the forward, in which weight format, and whether greedy is bit-exact
         self.kernels = {**kernels.summary(self.device), "weights": target.weights}
+        if drafter is not None:
+            self.kernels["drafter_weights"] = drafter.weights
         logger.info("peagle engine: %s weights, %s", target.weights, kernels.describe(self.device))
         self.eos_token_ids = set(target.config.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
@@ -116,6 +118,7 @@ class LLMEngine:
         from peagle.model.checkpoint import load_head
         from peagle.model.gguf_model import is_gguf
         from peagle.model.loading import config_dir, resolve_model, torch_dtype
+        from peagle.model.quant import DRAFTER_QUANTIZATION
 
         path = resolve_model(model)
         device = device or ("cpu" if is_gguf(path) or quantization else
@@ -133,7 +136,9 @@ class LLMEngine:
             head_path = resolve_head(spec.model, model, method=spec.method_name)
             spec = spec.model_copy(update={"model": str(head_path)})
             drafter = load_head(head_path, target_embeddings=target.input_embeddings(), dtype=dtype, device=device)
-            drafter.pack_()  # the engine never trains it: pack its weights once for the CPU kernels (no-op elsewhere)
+            # the engine never trains it: pack its weights once for the CPU kernels (no-op elsewhere), in 8 bits
+            # beside a block-quantized target
+            drafter.pack_(DRAFTER_QUANTIZATION if target.quantized else None)
         return cls(target, tokenizer, drafter, spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                    model_name=model or Path(path).name, speculation_policy=speculation_policy)
 

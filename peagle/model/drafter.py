@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from peagle.model import kernels
-from peagle.model.layers import BatchLayout, DecoderLayer, KVCache, RMSNorm, RotaryEmbedding, linear, rope_inv_freq
+from peagle.model.layers import (BatchLayout, DecoderLayer, KVCache, RMSNorm, RotaryEmbedding, linear, pack_matrix,
+                                 rope_inv_freq)
 from peagle.model.target import TargetConfig, rope_parameters_of
 
 
@@ -172,16 +173,30 @@ class Drafter(nn.Module):
         self.fc_packed = self.lm_head_packed = None  # set by pack_()
 
     @torch.no_grad()
-    def pack_(self) -> "Drafter":
+    def pack_(self, quantization: str | None = None) -> "Drafter":
         """For inference with bf16 weights on a CPU with AMX: pack every projection once for peagle's kernel
         (kernels.py; about 1.5-2x faster drafting). The packed copies do NOT follow later weight updates: call it on
-        a head that will not be trained any more (the engine's), never during training. No-op elsewhere."""
-        for layer in [self.midlayer, *self.layers.values()]:
-            layer.self_attn.pack_()
-            layer.mlp.pack_()
+        a head that will not be trained any more (the engine's), never during training. No-op elsewhere.
+        `quantization` ("q8_0", ...) puts the layers' projections and the LM head into that block format instead
+        (drafts change a little, never the output: the target verifies every one)."""
+        blocks = {}
+        if quantization:
+            from peagle.model.quant import quantize_blocks
+
+            blocks = {name: (quantization, quantize_blocks(p, quantization)) for name, p in self.named_parameters()
+                      if name.endswith("_proj.weight") or name == "lm_head.weight"}
+        for name, layer in [("midlayer", self.midlayer), *((f"layers.{i}", la) for i, la in self.layers.items())]:
+            layer.self_attn.pack_(None, blocks, f"{name}.self_attn.")
+            layer.mlp.pack_(None, blocks, f"{name}.mlp.")
         self.fc_packed = kernels.PackedWeight.pack(self.fc.weight)
-        self.lm_head_packed = kernels.PackedWeight.pack(self.lm_head.weight)
+        self.lm_head_packed = pack_matrix(self.lm_head, None, blocks, "lm_head.weight")
         return self
+
+    @property
+    def weights(self) -> str:
+        """The number format its projections run in ("bf16", "q8_0", ...)."""
+        return getattr(self.lm_head_packed, "format", None) or str(self.fc.weight.dtype).removeprefix(
+            "torch.").replace("bfloat16", "bf16")
 
     # -- building blocks ---------------------------------------------------------------------------------------
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
