@@ -3,7 +3,8 @@ for the embedded SmolLM2 in every weight format peagle runs.
 
 The text is the bundled heads' 32 held-out conversations (SmolLM2's own answers to ShareGPT prompts, rendered with
 its chat template; never trained on), scored teacher-forced over every token after the first. Formats: bf16 (the
-embedded target), the embedded model's own Q4_1 GGUF (`smollm2-q4_1`), and Q4_0 / Q8_0 quantized at load; `--gguf`
+embedded target), the embedded model's own Q4_1 GGUF (`smollm2-q4_1`), Q4_0 / Q8_0 quantized at load (the LM head
+and embedding in Q8_0, as `--quantization` does) and Q4_0 with a Q4_0 LM head as well; `--gguf`
 adds other files (for example llama.cpp's `llama-quantize --pure` output, whose `llama-perplexity` is the anchor).
 
     python benchmarks/quant_accuracy.py --threads 1
@@ -50,6 +51,18 @@ def score(target, sequences: list[torch.Tensor]) -> tuple[torch.Tensor, float, i
     return torch.cat(argmaxes), nll, n
 
 
+def q4_0_everywhere(model_dir: Path):
+    """The embedded model with its LM head and embedding in Q4_0 as well (what `--quantization` avoids)."""
+    from safetensors.torch import load_file
+
+    from peagle.model.target import TargetModel, quantize_state
+
+    raw = json.loads((model_dir / "config.json").read_text())
+    state = {k.removeprefix("model."): v for k, v in load_file(model_dir / "model.safetensors").items()}
+    state = quantize_state(state, "q4_0", True, embedding_fmt="q4_0")
+    return TargetModel._build(raw, state, model_dir, "cpu")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--limit", type=int, default=32, help="held-out conversations scored (at most 32)")
@@ -74,7 +87,8 @@ def main() -> None:
     models = {"bf16": lambda: TargetModel.from_pretrained(bf16_dir),
               "q4_1 (embedded GGUF)": lambda: TargetModel.from_pretrained(embedded_gguf_path()),
               "q8_0 (at load)": lambda: TargetModel.from_pretrained(bf16_dir, quantization="q8_0"),
-              "q4_0 (at load)": lambda: TargetModel.from_pretrained(bf16_dir, quantization="q4_0")}
+              "q4_0 (at load)": lambda: TargetModel.from_pretrained(bf16_dir, quantization="q4_0"),
+              "q4_0, LM head too": lambda: q4_0_everywhere(bf16_dir)}
     for path in args.gguf:
         models[Path(path).name] = lambda p=path: TargetModel.from_pretrained(Path(p))
     rows, reference = [], None

@@ -204,7 +204,7 @@ def test_greedy_speculation_equals_plain_greedy_with_online_quantization(fmt, sm
     from transformers import AutoTokenizer
 
     target = TargetModel.from_pretrained(smollm2_dir, quantization=fmt)
-    assert target.weights == fmt
+    assert target.weights == fmt if fmt == "q8_0" else f"{fmt}, lm_head q8_0"
     cases = [("peagle", 3, 4), ("eagle3", 7, 3), ("peagle", "0-3 per request", 5)]
     # with the Q8_0 drafter that the engine gives a quantized target
     _assert_lossless(target, AutoTokenizer.from_pretrained(smollm2_dir), cases, drafter_quantization="q8_0")
@@ -226,3 +226,13 @@ def _assert_lossless(target: TargetModel, tok, cases, drafter_quantization: str 
             engine.policy = Rotating(3)
         assert run_staggered(engine, params) == reference, f"{target.weights}: {method} K={k} batch {batch}"
         assert engine.stats.num_accepted_tokens > 0
+
+
+def test_the_weight_format_is_named_with_the_kernels(gguf_target):
+    """What the stats line, --json, /v1/models and bench metadata show (they all read engine.kernels)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(config_dir(embedded_gguf_path()))
+    engine = LLMEngine(gguf_target, tok, max_num_seqs=1, max_model_len=64)
+    assert engine.kernels["weights"] == "q4_1, lm_head q8_0"
+    assert engine.kernels["greedy_bit_exact"] is True

@@ -361,10 +361,13 @@ def test_api_key(small_server):
     assert r.status_code == 401
     assert httpx.get(url + "/v1/models").status_code == 401
     assert httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 401
-    # vLLM's scope: only /v1/* needs the key; health checks, SageMaker's /invocations and Prometheus stay open
+    # /v1/* (vLLM's scope) and, outside SageMaker, /invocations need the key; health checks and Prometheus stay open
+    # (this test used to expect /invocations open on every deployment: a way past the key)
     assert httpx.get(url + "/health").status_code == 200 and httpx.get(url + "/ping").status_code == 200
     assert httpx.get(url + "/metrics").status_code == 200
-    assert httpx.post(url + "/invocations", json=body, timeout=60).status_code == 200
+    assert httpx.post(url + "/invocations", json=body, timeout=60).status_code == 401
+    assert httpx.post(url + "/invocations", json=body, timeout=60,
+                      headers={"Authorization": "Bearer sekret"}).status_code == 200
     good = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
     assert good.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3).usage.completion_tokens == 3
     with pytest.raises(openai.AuthenticationError):

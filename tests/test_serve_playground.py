@@ -113,6 +113,8 @@ def test_playground(server, tmp_path):
                             "document.getElementById('model-info').textContent")
         assert "P-EAGLE" in info
         browser.js("document.getElementById('max-tokens').value = '24'")
+        # side by side off: the no-speculation panel takes no room at all (not an empty box)
+        assert browser.js("getComputedStyle(document.getElementById('pane-base')).display") == "none"
 
         # one prompt: output streams in, stats fill
         browser.js("document.getElementById('prompt').value = 'What is the capital of France?';"
@@ -135,6 +137,7 @@ def test_playground(server, tmp_path):
         spec_text = browser.js("document.getElementById('output').textContent")
         base_text = browser.js("document.getElementById('output-base').textContent")
         assert spec_text and spec_text == base_text
+        assert browser.js("getComputedStyle(document.getElementById('pane-base')).display") != "none"
         assert browser.js("document.getElementById('stats-speedup').textContent").endswith("x")
         assert browser.js("document.getElementById('tps-base').textContent").endswith("tok/s")
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from peagle import cli_args
 from peagle.bench.plan import DEFAULT_METHODS, METHODS, BenchError
 from peagle.bench.run import sweep
 
@@ -29,12 +30,14 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__
     g = parser.add_argument_group("workload")
     g.add_argument("--dataset", default="humaneval", help=f"prompt set: {dataset_names()} (default humaneval)")
-    g.add_argument("--num-prompts", type=int, default=16, help="requests per run (default 16)")
-    g.add_argument("--max-tokens", type=int, default=128, help="output tokens per request at most (default 128)")
+    g.add_argument("--num-prompts", type=cli_args.positive_int, default=16, help="requests per run (default 16)")
+    g.add_argument("--max-tokens", type=cli_args.positive_int, default=128,
+                   help="output tokens per request at most (default 128)")
     g.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens per request")
     g.add_argument("--concurrency", default="1,4,8", help="comma-separated client counts (default 1,4,8)")
-    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
-    g.add_argument("--seed", type=int, default=0, help="request i uses seed+i when sampling (default 0)")
+    g.add_argument("--temperature", type=cli_args.temperature, default=0.0,
+                   help="sampling temperature (default 0: greedy)")
+    g.add_argument("--seed", type=cli_args.seed, default=0, help="request i uses seed+i when sampling (default 0)")
     g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="send prompts through the chat template (default: when the model has one)")
     g = parser.add_argument_group("what to compare")
@@ -49,23 +52,25 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
     g.add_argument("--random-heads", action="store_true",
                    help="where a method has no head, create an UNTRAINED random one (measures the mechanics only: "
                         "its drafts are hardly ever accepted); the report says so")
-    g.add_argument("--prompt-lookup-tokens", type=int, default=10,
+    g.add_argument("--prompt-lookup-tokens", type=cli_args.positive_int, default=10,
                    help="transformers-pld: prompt_lookup_num_tokens (default 10)")
     g = parser.add_argument_group("how to run")
     mode = g.add_mutually_exclusive_group()
     mode.add_argument("--url", help="benchmark a running OpenAI-compatible server (one configuration)")
     mode.add_argument("--offline", action="store_true", help="drive the engine in this process, without HTTP")
     g.add_argument("--api-key", help="bearer key for --url")
-    g.add_argument("--max-model-len", type=int, help="context per request (default: longest prompt + max tokens)")
+    g.add_argument("--max-model-len", type=cli_args.positive_int,
+                   help="context per request (default: longest prompt + max tokens)")
     g.add_argument("--dtype", default="auto", help="auto (bfloat16), bfloat16, float16 or float32")
     from peagle.model.quant import QUANTIZATION_HELP, QUANTIZATIONS
 
     g.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help=QUANTIZATION_HELP)
     g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    g.add_argument("--threads", type=int,
+    g.add_argument("--threads", type=cli_args.positive_int,
                    help="torch CPU threads, here and in the servers (default: torch's; on a shared machine 1 avoids "
                         "threads waiting for busy cores)")
-    g.add_argument("--warmup", type=int, default=1, help="warm-up requests per configuration (default 1)")
+    g.add_argument("--warmup", type=cli_args.nonnegative_int, default=1,
+                   help="warm-up requests per configuration (default 1)")
     g.add_argument("--out", default="bench-out", help="output folder (default bench-out)")
     g.add_argument("--note", action="append", default=[], help="a note to print in the report (repeatable)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")

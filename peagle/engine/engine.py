@@ -194,11 +194,14 @@ class LLMEngine:
         vocab = self.target.config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise RequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"stop_token_ids must be token ids in [0, {vocab}); got {bad[0]}", "stop_token_ids")
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens, but the prompt "
-                               f"has {len(prompt_ids)}; shorten the prompt or raise --max-model-len", "prompt",
-                               "context_length_exceeded")
+                               f"has {len(prompt_ids)}; shorten the prompt or raise the context length "
+                               "(--max-model-len)", "prompt", "context_length_exceeded")
         if params.max_tokens is None:
             params.max_tokens = room
         elif params.max_tokens > room:

@@ -6,6 +6,7 @@ import json
 import os
 import sys
 
+from peagle import cli_args
 from peagle.engine.policy import DEFAULT_POLICY, ENV_VAR, POLICIES
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a string is a palindrome, and explain it briefly."
@@ -21,11 +22,13 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculation-policy", choices=POLICIES, default=os.environ.get(ENV_VAR, DEFAULT_POLICY),
                         help=f"adaptive (default): K is picked every step from 0 up to num_speculative_tokens for the "
                              f"most tokens/s; fixed: always K, as vLLM does (default from {ENV_VAR})")
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=-1)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-tokens", type=cli_args.positive_int, default=256)
+    parser.add_argument("--max-model-len", type=cli_args.positive_int,
+                        help="context length (prompt + output); default: the model's, at most 4096")
+    parser.add_argument("--temperature", type=cli_args.temperature, default=0.0)
+    parser.add_argument("--top-p", type=cli_args.top_p, default=1.0)
+    parser.add_argument("--top-k", type=cli_args.top_k, default=-1)
+    parser.add_argument("--seed", type=cli_args.seed, default=None)
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                         help="apply the chat template (default: on when the tokenizer has one)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -50,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
             if spec is None:
                 print("peagle: no drafter head for this model; decoding without speculation "
                       "(name one with --speculative-config)", file=sys.stderr)
-        engine = LLMEngine.from_pretrained(args.model, spec, max_num_seqs=1, device=args.device, dtype=args.dtype,
+        engine = LLMEngine.from_pretrained(args.model, spec, max_num_seqs=1, max_model_len=args.max_model_len,
+                                           device=args.device, dtype=args.dtype,
                                            speculation_policy=args.speculation_policy, quantization=args.quantization)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed)

@@ -12,6 +12,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from peagle import cli_args
 from peagle.config import DEFAULT_NUM_SPECULATIVE_TOKENS
 from peagle.model.checkpoint import LAYOUTS, MASK_ROW
 from peagle.model.loading import EMBEDDED_HUB_ID
@@ -30,16 +31,16 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=None,
                         help="the target model (folder or hub id); names the verifier and the `vllm serve` model. "
                              "With --random-init: the model to build the head for (default: the embedded SmolLM2)")
-    parser.add_argument("--num-speculative-tokens", type=int, default=None,
+    parser.add_argument("--num-speculative-tokens", type=cli_args.positive_int, default=None,
                         help=f"K in the printed speculative config (default: {DEFAULT_NUM_SPECULATIVE_TOKENS})")
     init = parser.add_argument_group("untrained heads (--random-init)")
     init.add_argument("--random-init", action="store_true", help="create an untrained head for --target")
     init.add_argument("--method", default=None, choices=["peagle", "eagle3"], help="head type (default: peagle)")
-    init.add_argument("--num-layers", type=int, default=1, help="drafter decoder layers (default: 1)")
-    init.add_argument("--mask-token-id", type=int, default=None,
+    init.add_argument("--num-layers", type=cli_args.positive_int, default=1, help="drafter decoder layers (default: 1)")
+    init.add_argument("--mask-token-id", type=cli_args.nonnegative_int, default=None,
                       help="P-EAGLE mask token: an id the tokenizer never produces (default: an unused special "
                            "token or embedding row, picked from the tokenizer; 3 for SmolLM2)")
-    init.add_argument("--seed", type=int, default=0)
+    init.add_argument("--seed", type=cli_args.seed, default=0)
     parser.set_defaults(func=run)
 
 

@@ -286,16 +286,19 @@ class TargetModel(nn.Module):
         return self
 
 
-def quantize_state(state: dict[str, torch.Tensor], fmt: str, tied: bool) -> dict:
-    """A float state dict with every decoder matrix, the LM head and the embedding table as (fmt, GGUF blocks)."""
+def quantize_state(state: dict[str, torch.Tensor], fmt: str, tied: bool,
+                   embedding_fmt: str = quant.EMBEDDING_QUANTIZATION) -> dict:
+    """A float state dict with every decoder matrix in `fmt` blocks and the LM head and embedding table in
+    `embedding_fmt` blocks (GGUF blocks, as a file would hold them)."""
     if fmt not in quant.QUANTIZATIONS:
         raise ValueError(f"unknown quantization {fmt!r}; choose one of {', '.join(quant.QUANTIZATIONS)}")
     quant.require_kernels(f"--quantization {fmt}")
-    matrices = ("_proj.weight", "lm_head.weight", "embed_tokens.weight")
     out = {}
     for name, value in state.items():
-        if name.endswith(matrices) and not (tied and name == "lm_head.weight"):
+        if name.endswith("_proj.weight"):
             out[name] = (fmt, quant.quantize_blocks(value, fmt))
+        elif name in ("lm_head.weight", "embed_tokens.weight") and not (tied and name == "lm_head.weight"):
+            out[name] = (embedding_fmt, quant.quantize_blocks(value, embedding_fmt))
         else:
             out[name] = value
     return out

@@ -9,8 +9,11 @@ Routes
   GET  /metrics               Prometheus, vLLM's metric names
   GET  /                      the playground (a static page; it asks for the API key itself when one is set)
 
-With an API key, as in vLLM, only /v1/* needs it (and /metrics too with `protect_metrics`): health checks,
-SageMaker's /invocations (authenticated by SageMaker itself) and the static page stay open.
+With an API key, /v1/* and /invocations need it (and /metrics too with `protect_metrics`); under `sagemaker`,
+/invocations stays open, since SageMaker authenticates its callers itself; health checks and the static page stay
+open. JSON routes take only a JSON body (`Content-Type: application/json`, or none): a browser can send text/plain
+or a form cross-site without a CORS preflight, so those get 415. Cross-origin calls are refused unless
+`allowed_origins` names the origins (docs/serving.md, "Authentication and cross-site calls").
 
 Every request is bounded before it can cost the others anything: bodies over `max_body_bytes` get 413 while being
 read; parsing, validation and tokenisation run in a worker thread, never on the event loop that streams to other
@@ -85,7 +88,8 @@ class ServerState:
 
 def build_app(aengine: AsyncEngine, served_model_names: list[str] | None = None, api_key: str | None = None,
               model_path: str | None = None, drain_timeout: float = 30.0,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, protect_metrics: bool = False) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, protect_metrics: bool = False, sagemaker: bool = False,
+              allowed_origins: list[str] | None = None, body_timeout: float = 30.0) -> FastAPI:
     state = ServerState(aengine, served_model_names or [], api_key, model_path, drain_timeout)
 
     @asynccontextmanager
@@ -97,9 +101,15 @@ def build_app(aengine: AsyncEngine, served_model_names: list[str] | None = None,
     app = FastAPI(title="peagle", description="P-EAGLE speculative decoding, OpenAI-compatible", lifespan=lifespan,
                   docs_url="/docs", redoc_url=None)
     app.state.peagle = state
-    app.add_middleware(BodySizeLimit, limit=max_body_bytes)
+    app.add_middleware(BodySizeLimit, limit=max_body_bytes, timeout=body_timeout)
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key, protect_metrics=protect_metrics)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, protect_metrics=protect_metrics,
+                           protect_invocations=not sagemaker)
+    if allowed_origins:  # added last: it runs first, so a preflight is answered before the key is asked for
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
 
     # -- errors -----------------------------------------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -168,13 +178,16 @@ def build_app(aengine: AsyncEngine, served_model_names: list[str] | None = None,
 
 
 class APIKeyMiddleware:
-    """Bearer-token auth on /v1/* (vLLM's scope), and on /metrics when `protect_metrics`."""
+    """Bearer-token auth on /v1/* (vLLM's scope) and /invocations (unless SageMaker authenticates it), and on
+    /metrics when `protect_metrics`."""
 
-    def __init__(self, app, api_key: str, protect_metrics: bool = False):
-        self.app, self.key, self.protect_metrics = app, api_key.encode(), protect_metrics
+    def __init__(self, app, api_key: str, protect_metrics: bool = False, protect_invocations: bool = True):
+        self.app, self.key = app, api_key.encode()
+        self.protect_metrics, self.protect_invocations = protect_metrics, protect_invocations
 
     def guards(self, path: str) -> bool:
-        return path.startswith("/v1/") or path == "/v1" or (self.protect_metrics and path == "/metrics")
+        return (path.startswith("/v1/") or path == "/v1" or (self.protect_metrics and path == "/metrics")
+                or (self.protect_invocations and path == "/invocations"))
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] == "OPTIONS" or not self.guards(scope["path"]):
@@ -191,10 +204,12 @@ class APIKeyMiddleware:
 class BodySizeLimit:
     """413 for a request body over `limit` bytes, decided from Content-Length before anything is read or as soon as
     a streamed body passes the limit. The rest of the body is read and dropped (cheap: nothing is kept or parsed),
-    so the client gets the 413 instead of a broken connection."""
+    so the client gets the 413 instead of a broken connection. A body that has not fully arrived `timeout` seconds
+    after the request started (a client trickling it, or declaring more than it sends) gets 408 and the connection
+    is closed, so no client can hold a connection and a handler open forever."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, timeout: float = 30.0):
+        self.app, self.limit, self.timeout = app, limit, timeout
 
     def error(self) -> APIError:
         return APIError(f"the request body is larger than this server's limit of {self.limit} bytes; send a smaller "
@@ -209,12 +224,20 @@ class BodySizeLimit:
             await _drop_body(receive)
             err = self.error()
             return await JSONResponse(err.body(), status_code=413)(scope, receive, send)
-        seen = 0
+        seen, deadline, done = 0, time.monotonic() + self.timeout, False
 
         async def limited():
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, done
+            if done:  # the body is in: what follows is the disconnect a streaming handler waits for
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise APIError(f"the request body did not arrive within {self.timeout:g} s; send it at once (or "
+                               "start the server with a larger --body-timeout)", 408, code="request_timeout",
+                               headers={"Connection": "close"}) from None
             if message["type"] == "http.request":
+                done = not message.get("more_body")
                 seen += len(message.get("body", b""))
                 if seen > self.limit:
                     if message.get("more_body"):
@@ -312,8 +335,21 @@ def _request_error(e: RequestError, req: ChatCompletionRequest | CompletionReque
     return APIError(message, 400, param=param, code=e.code)
 
 
+def _check_content_type(request: Request) -> None:
+    """Only JSON (or an unlabelled body): text/plain and form bodies are what a web page can send cross-site
+    without a CORS preflight, so taking them would let any page drive this server through a user's browser."""
+    kind = request.headers.get("content-type")
+    if kind is None:
+        return
+    media = kind.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise APIError(f"Content-Type {media or kind!r} is not accepted: send the body as JSON with "
+                       "`Content-Type: application/json`", 415, code="unsupported_media_type")
+
+
 async def _serve(state: ServerState, request: Request, kind: str | None) -> Response:
     arrival = time.perf_counter()
+    _check_content_type(request)
     raw = await request.body()
     job = await asyncio.to_thread(_prepare, state, raw, kind, arrival)
     streams = state.aengine.submit(job.engine, job.requests, job.count_param)

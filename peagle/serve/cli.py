@@ -19,6 +19,9 @@ import shutil
 import sys
 from pathlib import Path
 
+from peagle import cli_args
+
+
 ENV_PREFIX = "SM_VLLM_"
 SAGEMAKER_PORT = 8080
 # Where SageMaker mounts the model and extra model data (heads); overridable for tests.
@@ -40,7 +43,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="model folder, cached Hugging Face id or preset name (default: the embedded SmolLM2)")
     parser.add_argument("--model", help="the same as MODEL (for SM_VLLM_MODEL)")
     parser.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 with --sagemaker)")
-    parser.add_argument("--port", type=int, help=f"port (default 8000; {SAGEMAKER_PORT} with --sagemaker)")
+    parser.add_argument("--port", type=cli_args.port, help=f"port (default 8000; {SAGEMAKER_PORT} with --sagemaker)")
     parser.add_argument("--speculative-config", metavar="JSON",
                         help='vLLM\'s speculative config, e.g. \'{"method": "eagle3", "model": HEAD, '
                              '"num_speculative_tokens": 7, "parallel_drafting": true}\'; "none" turns speculation off')
@@ -49,28 +52,40 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculation-policy", choices=POLICIES, default=DEFAULT_POLICY,
                         help="adaptive (default): num_speculative_tokens is the most a step verifies, and every step "
                              "picks K from 0 up to it for the most tokens/s; fixed: always K, as vLLM does")
-    parser.add_argument("--max-model-len", type=int, help="context length (prompt + output) per request")
-    parser.add_argument("--max-num-seqs", type=int, help="requests decoded together (default 8)")
+    parser.add_argument("--max-model-len", type=cli_args.positive_int,
+                        help="context length (prompt + output) per request")
+    parser.add_argument("--max-num-seqs", type=cli_args.positive_int, help="requests decoded together (default 8)")
     parser.add_argument("--served-model-name", nargs="+", help="name(s) clients use in \"model\"")
     parser.add_argument("--dtype", default="auto", help="auto (bfloat16), bfloat16, float16 or float32")
     from peagle.model.quant import QUANTIZATION_HELP, QUANTIZATIONS
 
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help=QUANTIZATION_HELP)
     parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1/* (as vLLM does; health checks, "
-                                          "/invocations and /metrics stay open)")
+    parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1/* (as vLLM does) and on "
+                                          "/invocations unless --sagemaker (SageMaker authenticates its callers); "
+                                          "health checks and /metrics stay open")
+    parser.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN",
+                        help="origins whose web pages may call this server (CORS, as vLLM's flag; `*` for any); "
+                             "by default none: browsers refuse cross-origin calls")
     parser.add_argument("--protect-metrics", action="store_true",
                         help="with --api-key: require the key on /metrics too")
-    parser.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024,
+    parser.add_argument("--max-request-bytes", type=cli_args.positive_int, default=4 * 1024 * 1024,
                         help="larger request bodies get 413 (default 4 MiB)")
-    parser.add_argument("--max-waiting", type=int, default=256,
+    parser.add_argument("--body-timeout", type=cli_args.positive_float, default=30.0,
+                        help="seconds a client has to send a request body once its headers are in; a slower one "
+                             "gets 408 and is disconnected (default 30)")
+    parser.add_argument("--timeout-keep-alive", type=cli_args.positive_float, default=30.0,
+                        help="seconds an idle keep-alive connection stays open (default 30)")
+    parser.add_argument("--max-connections", type=cli_args.positive_int, default=512,
+                        help="concurrent connections (and requests) served; more get 503 at once (default 512)")
+    parser.add_argument("--max-waiting", type=cli_args.nonnegative_int, default=256,
                         help="requests allowed to wait for a slot before new ones get 503 (default 256)")
-    parser.add_argument("--drain-timeout", type=float, default=30.0,
+    parser.add_argument("--drain-timeout", type=cli_args.nonnegative_float, default=30.0,
                         help="seconds in-flight requests get to finish after SIGTERM before they are aborted "
                              "(default 30)")
     parser.add_argument("--no-baseline", action="store_true",
                         help="do not keep a no-speculation engine for \"speculation\": false requests")
-    parser.add_argument("--baseline-max-num-seqs", type=int, default=2,
+    parser.add_argument("--baseline-max-num-seqs", type=cli_args.positive_int, default=2,
                         help="slots of the no-speculation engine (default 2)")
     parser.add_argument("--sagemaker", action="store_true",
                         help="SageMaker container contract: 0.0.0.0:8080, model from /opt/ml/model, heads from "
@@ -105,8 +120,9 @@ def apply_env_defaults(parser: argparse.ArgumentParser, environ=None) -> None:
         else:
             try:
                 value = action.type(raw) if action.type else raw
-            except (TypeError, ValueError):
-                parser.error(f"{env}={raw!r} is not a valid value for {action.option_strings[0]}")
+            except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
+                why = f" ({e})" if isinstance(e, argparse.ArgumentTypeError) else ""
+                parser.error(f"{env}={raw!r} is not a valid value for {action.option_strings[0]}{why}")
             if action.choices and value not in action.choices:
                 parser.error(f"{env}={raw!r}: choose one of {', '.join(map(str, action.choices))}")
         defaults[action.dest] = value
@@ -241,7 +257,8 @@ def build_server(args, plan):
     model_path = str(plan["model"]) if plan["model"] else engine.model_name
     app = build_app(aengine, plan["served"], api_key=args.api_key, model_path=model_path,
                     drain_timeout=args.drain_timeout, max_body_bytes=args.max_request_bytes,
-                    protect_metrics=args.protect_metrics)
+                    protect_metrics=args.protect_metrics, sagemaker=args.sagemaker,
+                    allowed_origins=args.allowed_origins, body_timeout=args.body_timeout)
     return app, aengine
 
 
@@ -282,7 +299,7 @@ def serve(args, plan) -> int:
     # Streams have ended by the time uvicorn shuts down; what is left is idle connections.
     config = uvicorn.Config(app, host=plan["host"], port=plan["port"], log_level=args.log_level,
                             access_log=not args.disable_uvicorn_access_log, timeout_graceful_shutdown=5,
-                            timeout_keep_alive=30)
+                            timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.max_connections)
     server = Server(config)
     server.run()
     return 0 if server.started else 1

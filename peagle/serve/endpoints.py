@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from peagle import cli_args
 from peagle.model.loading import peagle_home
 
 
@@ -34,7 +35,7 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
     if name == "deploy":
         parser.add_argument("target", metavar="NAME", help="a preset (`peagle models`), model folder or cached id")
         parser.add_argument("--name", dest="endpoint", help="endpoint name (default: derived from NAME)")
-        parser.add_argument("--port", type=int, help="port (default: the first free one from 8000)")
+        parser.add_argument("--port", type=cli_args.port, help="port (default: the first free one from 8000)")
         parser.add_argument("--host", default="127.0.0.1")
         parser.add_argument("serve_args", nargs=argparse.REMAINDER,
                             help="further `peagle serve` flags, e.g. --speculative-config JSON --max-num-seqs 16")
@@ -44,7 +45,8 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
         parser.set_defaults(func=list_endpoints)
     elif name == "delete":
         parser.add_argument("endpoint", metavar="ENDPOINT")
-        parser.add_argument("--timeout", type=float, default=30.0, help="seconds to wait after SIGTERM (default 30)")
+        parser.add_argument("--timeout", type=cli_args.positive_float, default=30.0,
+                            help="seconds to wait after SIGTERM (default 30)")
         parser.set_defaults(func=delete)
 
 
@@ -189,7 +191,7 @@ def _own_flags(args) -> None:
     """argparse's REMAINDER swallows deploy's own flags when they follow NAME: take them back."""
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--name", dest="endpoint")
-    own.add_argument("--port", type=int)
+    own.add_argument("--port", type=cli_args.port)
     own.add_argument("--host")
     known, rest = own.parse_known_args([a for a in (args.serve_args or []) if a != "--"])
     for key in ("endpoint", "port", "host"):

@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
 from peagle.engine.sampling import MAX_LOGPROBS
 
@@ -71,6 +71,8 @@ def validation_error(e: ValidationError) -> APIError:
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "missing":
             msg = "this field is required"
+        elif err["type"] == "model_type":  # pydantic names our class ("instance of ChatMessage"): say what to send
+            msg = f"expected a JSON object, got {type(err.get('input')).__name__}"
         if msg not in by_param.setdefault(param, []):
             by_param[param].append(msg)
     param, msgs = next(iter(by_param.items()))
@@ -82,7 +84,12 @@ def parse_json(raw: bytes) -> Any:
     if not raw.strip():
         raise APIError("the request body is empty; send a JSON object", 400)
     try:
-        data = json.loads(raw)
+        text = raw.decode("utf-8")  # JSON is UTF-8 on the wire (RFC 8259); no guessing at UTF-16 or UTF-32
+    except UnicodeDecodeError as e:
+        raise APIError(f"the request body is not UTF-8 text (byte {e.start} is {raw[e.start]:#04x}); send JSON "
+                       "encoded as UTF-8", 400) from None
+    try:
+        data = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         where = f" (line {e.lineno} column {e.colno})" if isinstance(e, json.JSONDecodeError) else ""
         raise APIError(f"the request body is not valid JSON: {getattr(e, 'msg', str(e))}{where}", 400) from None
@@ -98,15 +105,33 @@ def _too_deep(param: str | None) -> APIError:
 
 
 def _check_depth(data: Any) -> None:
-    """Refuse JSON nested deeper than MAX_JSON_DEPTH (iteratively: the check itself must not recurse)."""
+    """Refuse JSON nested deeper than MAX_JSON_DEPTH (iteratively: the check itself must not recurse), and strings
+    that are not Unicode text: JSON's \\ud800-style escapes can spell a lone UTF-16 surrogate, which no tokenizer
+    (and no UTF-8 encoder) accepts."""
     todo = [(v, 2, k) for k, v in data.items()] if isinstance(data, dict) else [(data, 1, None)]
+    todo += [(k, 2, k) for k in data] if isinstance(data, dict) else []
     while todo:
         value, depth, top = todo.pop()
-        if isinstance(value, (dict, list)):
+        if isinstance(value, str):
+            if not value.isascii():
+                _check_unicode(value, top)
+        elif isinstance(value, (dict, list)):
             if depth > MAX_JSON_DEPTH:
                 raise _too_deep(top)
             items = value.values() if isinstance(value, dict) else value
             todo.extend((v, depth + 1, top) for v in items)
+            if isinstance(value, dict):
+                todo.extend((k, depth + 1, top) for k in value)
+
+
+def _check_unicode(text: str, param: str | None) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        where = f"{param}: " if param else ""
+        raise APIError(f"{where}the text holds a lone UTF-16 surrogate ({text[e.start]!r} at character {e.start}), "
+                       "which is not Unicode; send valid UTF-8 text (pair or drop the \\uD800-\\uDFFF escape)",
+                       400, param) from None
 
 
 def parse(model: type[BaseModel], data: Any) -> BaseModel:
@@ -157,6 +182,12 @@ class ChatMessage(BaseModel):
             if isinstance(kind, str) and kind != "text":
                 raise ValueError(f"content parts of type {kind!r} are not supported by this model; send text")
         return v
+
+    @model_validator(mode="after")
+    def _content_needed(self):
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs \"content\" (a string or a list of text parts)")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -280,6 +311,24 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=1)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v):
+        """Say which of the four shapes was meant, instead of pydantic's four failed alternatives."""
+        shapes = "a string, a list of strings, a list of token ids or a list of token-id lists"
+        if isinstance(v, str) or not isinstance(v, list):
+            return v
+        if not v:
+            raise ValueError(f"must not be empty; send {shapes}")
+        kinds = {"id" if isinstance(x, int) and not isinstance(x, bool) else type(x).__name__ for x in v}
+        if len(kinds) > 1:
+            raise ValueError(f"mixes {' and '.join(sorted(kinds))} items; send {shapes}")
+        for i, item in enumerate(v):
+            if isinstance(item, list) and (not item or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                                for t in item)):
+                raise ValueError(f"item {i} must be a non-empty list of token ids (integers)")
+        return v
 
     @field_validator("suffix")
     @classmethod

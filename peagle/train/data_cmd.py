@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from peagle import cli_args
 from peagle.train.data import (DATA_META, HeldOutDataError, HeldOutGuard, build_rows, iter_conversations,
                                save_rows)
 
@@ -34,19 +35,21 @@ def register(name: str, parser) -> None:
     p.add_argument("--out", required=True, help="output folder (a Hugging Face datasets folder + peagle_data.json)")
     p.add_argument("--target", default=None, help="target model whose chat template renders the data "
                                                  "(default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--limit", type=int, default=None, help="use at most this many conversations")
-    p.add_argument("--max-seq-len", type=int, default=None, help="truncate rendered conversations to this many tokens")
+    p.add_argument("--limit", type=cli_args.positive_int, default=None, help="use at most this many conversations")
+    p.add_argument("--max-seq-len", type=cli_args.positive_int, default=None,
+                   help="truncate rendered conversations to this many tokens")
     p.add_argument("--regenerate", action="store_true", help="replace every assistant turn with the target's answer")
-    p.add_argument("--temperature", type=float, default=0.0, help="regeneration temperature (0: greedy)")
-    p.add_argument("--max-new-tokens", type=int, default=512, help="longest regenerated answer")
-    p.add_argument("--batch-size", type=int, default=16, help="conversations regenerated together")
+    p.add_argument("--temperature", type=cli_args.temperature, default=0.0, help="regeneration temperature (0: greedy)")
+    p.add_argument("--max-new-tokens", type=cli_args.positive_int, default=512, help="longest regenerated answer")
+    p.add_argument("--batch-size", type=cli_args.positive_int, default=16, help="conversations regenerated together")
     p.add_argument("--speculative-config", default=None,
                    help="regenerate with speculative decoding: vLLM-style JSON naming a head (engine families only)")
     p.add_argument("--backend", choices=("auto", "engine", "transformers"), default="auto",
                    help="regeneration backend (auto: peagle's engine when it supports the target)")
-    p.add_argument("--max-model-len", type=int, default=4096, help="regeneration context limit")
-    p.add_argument("--max-num-seqs", type=int, default=16, help="sequences the engine decodes at once")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-model-len", type=cli_args.positive_int, default=4096, help="regeneration context limit")
+    p.add_argument("--max-num-seqs", type=cli_args.positive_int, default=16,
+                   help="sequences the engine decodes at once")
+    p.add_argument("--seed", type=cli_args.seed, default=0)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.set_defaults(func=run)
 
@@ -61,6 +64,7 @@ def run(args) -> int:
         target_dir = resolve_model(args.target)
         tokenizer = AutoTokenizer.from_pretrained(config_dir(target_dir))
         out = Path(args.out)
+        created = not out.exists()
         out.mkdir(parents=True, exist_ok=True)
         guard = HeldOutGuard()
         report: dict = {"refused": 0, "refused_examples": [], "empty": 0}
@@ -79,6 +83,9 @@ def run(args) -> int:
                                      "skipped_without_supervised_tokens": report["empty"]})
     except (HeldOutDataError, FileNotFoundError, ValueError) as e:
         print(f"peagle data: {e}", file=sys.stderr)
+        out = Path(args.out)
+        if locals().get("created") and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()  # made for this run and still empty; a partial regeneration stays, to resume from
         return 2
     if report["refused"]:
         print(f"peagle data: refused {report['refused']} conversation(s) containing held-out evaluation prompts "
