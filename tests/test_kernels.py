@@ -222,7 +222,7 @@ def test_summary_names_the_kernels_and_whether_greedy_is_bit_exact(tiny_llama):
     assert s == {"kernels": kernels.matmul_path(), "greedy_bit_exact": True}
     assert kernels.summary("meta")["greedy_bit_exact"] is False
     engine = LLMEngine(TargetModel.from_pretrained(tiny_llama), max_num_seqs=1, max_model_len=32)
-    assert engine.kernels == s
+    assert engine.kernels == {**s, "weights": "bf16"}  # and the target's weight format
 
 
 def test_a_forced_path_the_cpu_lacks_is_a_clear_error():

@@ -251,7 +251,11 @@ class TargetModel(nn.Module):
             raise ValueError(f"the model's tensors do not match its config: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]}")
         model.rotary = RotaryEmbedding(*rope_inv_freq(config.rope_parameters, config.head_dim, hf_config)).to(device)
-        return model.eval().requires_grad_(False).pack_(blocks=blocks)
+        model = model.eval().requires_grad_(False).pack_(blocks=blocks)
+        if blocks:
+            del blocks, state
+            quant.release_freed_memory()
+        return model
 
     @torch.no_grad()
     def pack_(self, path: str | None = None, blocks: dict | None = None) -> "TargetModel":

@@ -77,7 +77,8 @@ def register(name: str, parser) -> None:
     p.add_argument("--eval-anchors", type=cli_args.positive_int, default=256,
                    help="drafting positions measured per sequence")
     p.add_argument("--eval-depths", type=cli_args.positive_int, default=None, help="positions measured [num-depths]")
-    p.add_argument("--save-every", type=cli_args.positive_int, default=500, help="checkpoint every N steps")
+    p.add_argument("--save-every", type=cli_args.nonnegative_int, default=500,
+                   help="checkpoint every N steps (0: only at the end)")
     p.add_argument("--save-total-limit", type=cli_args.positive_int, default=2, help="checkpoints kept")
     p.add_argument("--save-dtype", choices=("bf16", "fp32"), default="bf16", help="dtype of saved heads")
     p.add_argument("--layout", choices=("vllm", "speculators"), default="vllm", help="layout of the final head")
