@@ -77,6 +77,18 @@ def test_a_row_computes_the_same_bits_in_any_batch_and_thread_count(fmt):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_embedding_lookup_dequantizes_exactly_the_rows_asked_for(fmt):
+    torch.manual_seed(3)
+    qw = quant.QuantWeight.quantize(torch.randn(37, 96), fmt)
+    emb = quant.QuantEmbedding(qw)
+    ids = torch.tensor([[0, 36, 5], [8, 8, 17]])
+    assert torch.equal(emb(ids), qw.dequantize(ids.reshape(-1)).bfloat16().reshape(2, 3, 96))
+    assert torch.equal(emb.table(), qw.dequantize().bfloat16())
+    with pytest.raises(IndexError, match=r"\[0, 37\)"):
+        emb(torch.tensor([37]))
+
+
 def write_gguf(path, tensors: dict, arch: str = "llama") -> None:
     """A GGUF file from (numpy array, GGML type) pairs, written with the gguf package."""
     import gguf

@@ -16,8 +16,10 @@ from tests.serve_util import build_tiny, make_server
 CHAT = [{"role": "user", "content": "Say something."}]
 BIG = 2 ** 64
 
+# Strings include lone UTF-16 surrogates, which JSON can spell ("\ud800") but no tokenizer accepts.
+surrogates = st.text(st.characters(categories=["Cs"]), min_size=1, max_size=3)
 leaf = (st.none() | st.booleans() | st.integers(-BIG, BIG) | st.floats(allow_nan=True, allow_infinity=True)
-        | st.text(max_size=12))
+        | st.text(max_size=12) | surrogates)
 anything = st.recursive(leaf, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
                                                                                             max_size=3),
                         max_leaves=8)
@@ -35,7 +37,7 @@ token_ids = st.lists(st.integers(0, 49151), min_size=1, max_size=12)
 common = {
     "max_tokens": st.integers(1, 6), "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1),
     "top_k": st.integers(-1, 60), "seed": st.integers(-2 ** 63, BIG - 1),
-    "stop": st.text(max_size=4) | st.lists(st.text(max_size=4), max_size=4),
+    "stop": st.text(max_size=4) | st.lists(st.text(max_size=4) | surrogates, max_size=4),
     "stop_token_ids": st.lists(st.integers(0, 49151), max_size=3), "ignore_eos": st.booleans(),
     "n": st.integers(1, 3), "stream": st.booleans(), "model": st.just("tiny"), "speculation": st.booleans(),
     "presence_penalty": st.just(0), "user": st.text(max_size=5),

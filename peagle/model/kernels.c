@@ -868,6 +868,40 @@ int peagle_qgemm_q8_0(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t 
     return qgemm(Q8_0, x, ldx, (const uint8_t *)wp, y, ldy, M, N, K, nthreads);
 }
 
+/* Rows ids[0..n-1] of W [N, K] in qpanels, dequantized to bf16 (w = d q (+ m) in fp32, rounded once, as gguf's
+   own dequantizer computes it): the embedding lookup of a block-quantized table. Returns -2 for an id outside
+   [0, N), else 0. */
+int peagle_qrows_bf16(int format, const uint8_t *wp, int N, int K, const int64_t *ids, int n, uint16_t *out) {
+    int Kb = K / QBLOCK, rb = q_record_bytes[format], qbytes = format == Q8_0 ? 32 : 16;
+    for (int i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= N) return -2;
+        int g = (int)(ids[i] / QCOLS), c = (int)(ids[i] % QCOLS), lane = c % 2 ? 4 + c / 2 : c / 2;
+        for (int b = 0; b < Kb; b++) {
+            const uint8_t *rec = wp + ((size_t)g * Kb + b) * rb;
+            uint16_t h;
+            memcpy(&h, rec + QCOLS * qbytes + 2 * lane, 2);
+            float d = _cvtsh_ss(h), m = 0.0f;
+            if (format == Q4_1) {
+                memcpy(&h, rec + QCOLS * qbytes + 2 * QCOLS + 2 * lane, 2);
+                m = _cvtsh_ss(h);
+            }
+            uint16_t *o = out + (size_t)i * K + b * QBLOCK;
+            for (int j = 0; j < QBLOCK; j++) {
+                float q;
+                if (format == Q8_0)
+                    q = (float)(int8_t)rec[64 * (c / 2) + 32 * (j / 16) + 16 * (c % 2) + j % 16];
+                else {
+                    uint8_t byte = rec[16 * c + j % 16];
+                    q = (float)(j < 16 ? byte & 0x0f : byte >> 4) - (format == Q4_0 ? 8.0f : 0.0f);
+                }
+                float w = d * q;
+                o[j] = f2bf(format == Q4_1 ? w + m : w);
+            }
+        }
+    }
+    return 0;
+}
+
 /* The quantized activations of M rows as the kernels compute them (for the tests' float64 reference). */
 void peagle_quantize_rows_q8(const uint16_t *x, long ldx, int M, int K, int8_t *qx, float *dx, int32_t *sx) {
     quantize_rows_q8(x, ldx, M, K, qx, dx, sx);

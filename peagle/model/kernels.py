@@ -119,6 +119,7 @@ def _declare(lib) -> None:
         "peagle_qgemm_q4_1": gemm,
         "peagle_qgemm_q8_0": gemm,
         "peagle_quantize_rows_q8": ([p, l, i, i, p, p, p], None),
+        "peagle_qrows_bf16": ([i, p, i, i, p, i, p], i),
     }
     for name, (args, res) in signatures.items():
         if hasattr(lib, name):  # the AMX / AVX-512 sections may be compiled out

@@ -167,8 +167,16 @@ class QuantEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        flat = tokens.reshape(-1).to(torch.int64)
-        return self.quant.dequantize(flat).to(self.dtype).reshape(*tokens.shape, self.embedding_dim)
+        flat = tokens.reshape(-1).to(torch.int64).contiguous()
+        if self.dtype is not torch.bfloat16:
+            return self.quant.dequantize(flat).to(self.dtype).reshape(*tokens.shape, self.embedding_dim)
+        out = torch.empty(len(flat), self.embedding_dim, dtype=torch.bfloat16)
+        q = self.quant
+        # one native call: a decode step looks up one row, and the torch version above takes a dozen small ops
+        if kernels.library().peagle_qrows_bf16(FORMATS[q.format][0], q.data_ptr, q.out_features, q.in_features,
+                                               flat.data_ptr(), len(flat), out.data_ptr()):
+            raise IndexError(f"token ids must lie in [0, {q.out_features})")
+        return out.reshape(*tokens.shape, self.embedding_dim)
 
     def table(self) -> torch.Tensor:
         """The whole table in `dtype` (for a drafter that shares the target's embeddings)."""
