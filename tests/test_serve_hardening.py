@@ -76,6 +76,8 @@ BAD_BODIES = [
     ("/v1/completions", b'{"prompt": "a\\udfffb"}', "prompt"),
     ("/invocations", b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "stop": ["x\\ud800"]}', "stop"),
+    # a surrogate in a field name: the error quotes it, and its body must still render (ASCII-escaped)
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "\\ud800": 1}', "\ud800"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "stop_token_ids": [-1]}',
      "stop_token_ids"),
     ("/v1/completions", b'{"prompt": "hi", "stop_token_ids": [1000000000]}', "stop_token_ids"),

@@ -55,6 +55,14 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DONE = "data: [DONE]\n\n"
 
 
+class ErrorJSONResponse(JSONResponse):
+    """Errors may quote what the client sent, and that can hold a lone UTF-16 surrogate (in a field name, say),
+    which UTF-8 cannot encode: escape everything outside ASCII, so an error body always renders."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 class ServerState:
     def __init__(self, aengine: AsyncEngine, served_model_names: list[str], api_key: str | None = None,
                  model_path: str | None = None, drain_timeout: float = 30.0):
@@ -114,20 +122,20 @@ def build_app(aengine: AsyncEngine, served_model_names: list[str] | None = None,
     # -- errors -----------------------------------------------------------------------------------------------
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return ErrorJSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
         msg = f"{request.method} {request.url.path}: {exc.detail}"
-        return JSONResponse(APIError(msg, exc.status_code, type=kind).body(), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return ErrorJSONResponse(APIError(msg, exc.status_code, type=kind).body(), status_code=exc.status_code,
+                                 headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
         log.exception("internal error on %s", request.url.path)
-        return JSONResponse(APIError(f"internal server error: {type(exc).__name__}: {exc}", 500,
-                                     type="internal_server_error").body(), status_code=500)
+        return ErrorJSONResponse(APIError(f"internal server error: {type(exc).__name__}: {exc}", 500,
+                                          type="internal_server_error").body(), status_code=500)
 
     # -- routes -----------------------------------------------------------------------------------------------
     @app.get("/health")
@@ -198,7 +206,8 @@ class APIKeyMiddleware:
             return await self.app(scope, receive, send)
         err = APIError("invalid or missing API key: send the header `Authorization: Bearer <key>`", 401,
                        code="invalid_api_key")
-        await JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+        await ErrorJSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive,
+                                                                                                     send)
 
 
 class BodySizeLimit:
@@ -223,7 +232,7 @@ class BodySizeLimit:
         if declared.isdigit() and int(declared) > self.limit:
             await _drop_body(receive)
             err = self.error()
-            return await JSONResponse(err.body(), status_code=413)(scope, receive, send)
+            return await ErrorJSONResponse(err.body(), status_code=413)(scope, receive, send)
         seen, deadline, done = 0, time.monotonic() + self.timeout, False
 
         async def limited():
