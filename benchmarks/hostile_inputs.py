@@ -24,16 +24,12 @@ import time
 
 import httpx
 
+from peagle.bench.loadgen import free_port
+
 KEY = "hostile-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 JSON = {"Content-Type": "application/json"}
 MSG = [{"role": "user", "content": "hi"}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cases() -> list[tuple[str, str, dict, bytes]]:

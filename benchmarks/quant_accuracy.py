@@ -103,7 +103,7 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
         del target
-    print(f"\n| weights | format | MB read per token | perplexity | top-1 agreement with bf16 |\n|---|---|---:|---:|---:|")
+    print("\n| weights | format | MB read per token | perplexity | top-1 agreement with bf16 |\n|---|---|---:|---:|---:|")
     for r in rows:
         print(f"| {r['weights']} | {r['format']} | {r['weight_mb']} | {r['perplexity']:.3f} | "
               f"{r['top1_agreement_with_bf16']:.3f} |")

@@ -259,16 +259,15 @@ class HFRunner:
 
     def __init__(self, model_path: str | Path, dtype=None, device: str = "cpu"):
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
-        from peagle.model.loading import config_dir
+        from peagle.model.loading import load_tokenizer, transformers_source
 
         self.torch = torch
         model_path = Path(model_path)
-        self.tokenizer = AutoTokenizer.from_pretrained(config_dir(model_path))
-        where = dict(pretrained_model_name_or_path=model_path.parent, gguf_file=model_path.name) \
-            if model_path.suffix.lower() == ".gguf" else dict(pretrained_model_name_or_path=model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(**where, dtype=dtype or torch.bfloat16).to(device).eval()
+        self.tokenizer = load_tokenizer(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(**transformers_source(model_path),
+                                                          dtype=dtype or torch.bfloat16).to(device).eval()
         self.device = device
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])

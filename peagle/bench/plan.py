@@ -259,11 +259,9 @@ class TargetHolder:
 
     def tokenizer(self, model_path: Path):
         if self._tok is None:
-            from transformers import AutoTokenizer
+            from peagle.model.loading import load_tokenizer
 
-            from peagle.model.loading import config_dir
-
-            self._tok = AutoTokenizer.from_pretrained(config_dir(Path(model_path)))
+            self._tok = load_tokenizer(Path(model_path))
         return self._tok
 
     def target(self, model_path: Path):
@@ -273,7 +271,7 @@ class TargetHolder:
             from peagle.model.loading import torch_dtype
             from peagle.model.target import TargetModel
 
-            from peagle.model.gguf_model import is_gguf
+            from peagle.model.loading import is_gguf
 
             quantized = is_gguf(model_path) or self.quantization
             device = self.device or ("cuda" if torch.cuda.is_available() and not quantized else "cpu")

@@ -124,7 +124,7 @@ def _progress_bar(total: int, disable: bool):
 
 def _weights(args, plan) -> str | None:
     """The target's weight format: a .gguf file's own blocks, --quantization, or the float dtype."""
-    from peagle.model.gguf_model import is_gguf
+    from peagle.model.loading import is_gguf
 
     if args.url:
         return None  # the server's /v1/models says (its "kernels" card)

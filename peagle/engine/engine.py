@@ -112,12 +112,9 @@ class LLMEngine:
         """A target (None: the embedded SmolLM2; a .gguf file runs its block-quantized weights as they are) and
         optionally a head named by the speculative config. `quantization` (q4_0, q4_1, q8_0) quantizes a float
         target's matrices at load, as vLLM's --quantization does."""
-        from transformers import AutoTokenizer
-
         from peagle.model.heads import resolve_head
         from peagle.model.checkpoint import load_head
-        from peagle.model.gguf_model import is_gguf
-        from peagle.model.loading import config_dir, resolve_model, torch_dtype
+        from peagle.model.loading import config_dir, is_gguf, load_tokenizer, resolve_model, torch_dtype
         from peagle.model.quant import DRAFTER_QUANTIZATION
 
         path = resolve_model(model)
@@ -127,7 +124,7 @@ class LLMEngine:
         target = TargetModel.from_pretrained(path, dtype=dtype, device=device, quantization=quantization)
         meta = config_dir(path)
         has_tokenizer = any((meta / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-        tokenizer = AutoTokenizer.from_pretrained(meta) if has_tokenizer else None
+        tokenizer = load_tokenizer(path) if has_tokenizer else None
         spec = speculative_config
         if isinstance(spec, (str, dict)):
             spec = SpeculativeConfig.parse(spec)

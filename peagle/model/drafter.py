@@ -195,8 +195,9 @@ class Drafter(nn.Module):
     @property
     def weights(self) -> str:
         """The number format its projections run in ("bf16", "q8_0", ...)."""
-        return getattr(self.lm_head_packed, "format", None) or str(self.fc.weight.dtype).removeprefix(
-            "torch.").replace("bfloat16", "bf16")
+        from peagle.model.quant import format_of
+
+        return format_of(self.lm_head_packed, self.fc.weight)
 
     # -- building blocks ---------------------------------------------------------------------------------------
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:

@@ -33,10 +33,6 @@ _TOP_NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": 
 _SKIPPED = {"rope_freqs.weight"}  # llama3 RoPE factors: transformers derives them from the config
 
 
-def is_gguf(name: str | Path | None) -> bool:
-    return name is not None and str(name).lower().endswith(".gguf")
-
-
 def _reader(path: Path):
     from gguf import GGUFReader
 

@@ -29,6 +29,25 @@ def is_embedded(name: str | None) -> bool:
     return name is None or name.lower() in EMBEDDED_ALIASES
 
 
+def is_gguf(name: str | Path | None) -> bool:
+    """Whether a model name is a GGUF file (by its suffix, as llama.cpp names them)."""
+    return name is not None and str(name).lower().endswith(".gguf")
+
+
+def transformers_source(path: Path) -> dict:
+    """The arguments of transformers' `from_pretrained` for a resolved model: a folder, or a GGUF file (which
+    transformers reads by dequantizing it)."""
+    return dict(pretrained_model_name_or_path=path.parent, gguf_file=path.name) if is_gguf(path) else \
+        dict(pretrained_model_name_or_path=path)
+
+
+def load_tokenizer(path: Path):
+    """The tokenizer (and chat template) of a resolved model folder or GGUF file."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(config_dir(path))
+
+
 def has_embedded_weights(name: str | None) -> bool:
     """Whether `name` is the embedded model in any of its forms (bf16, or its own GGUF by alias or path): the
     bundled heads are trained for it."""
@@ -45,7 +64,7 @@ def resolve_model(name: str | None) -> Path:
     if name.lower() in EMBEDDED_GGUF_ALIASES:
         return embedded_gguf_path()
     path = Path(name).expanduser()
-    if path.suffix.lower() == ".gguf":
+    if is_gguf(path):
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no such GGUF file")
         return path
@@ -67,7 +86,7 @@ def resolve_model(name: str | None) -> Path:
 def config_dir(path: Path) -> Path:
     """The folder holding a resolved model's config.json and tokenizer (for a GGUF file: what its metadata says,
     kept under $PEAGLE_HOME)."""
-    if path.suffix.lower() == ".gguf":
+    if is_gguf(path):
         from peagle.model.gguf_model import metadata_dir
 
         return metadata_dir(path)

@@ -23,7 +23,6 @@ BLOCK = 32  # inputs per block
 QCOLS = 8  # output columns per group in the kernel's layout (kernels.c QCOLS)
 # name -> (kernels.c format id, bytes per GGUF block, bytes per kernel record of QCOLS blocks, code bytes per block)
 FORMATS = {"q4_0": (0, 18, 144, 16), "q4_1": (1, 20, 160, 16), "q8_0": (2, 34, 272, 32)}
-_GEMM_SYMBOL = {"q4_0": "peagle_qgemm_q4_0", "q4_1": "peagle_qgemm_q4_1", "q8_0": "peagle_qgemm_q8_0"}
 QUANTIZATIONS = tuple(FORMATS)  # what `--quantization` accepts
 # `--quantization` keeps the LM head and the embedding table in 8 bits, as the embedded model's own GGUF does (and
 # llama.cpp's quantizer, which keeps its output tensor at 6 bits): on the embedded model a 4-bit LM head takes the
@@ -78,7 +77,7 @@ class QuantWeight:
 
     def __post_init__(self) -> None:
         lib = kernels.library()
-        self.gemm = getattr(lib, _GEMM_SYMBOL[self.format])  # looked up once: packed_linear runs every step
+        self.gemm = getattr(lib, f"peagle_qgemm_{self.format}")  # looked up once: packed_linear runs every step
         self.gemm_ptr = ctypes.cast(self.gemm, ctypes.c_void_p).value
         self.data_ptr = self.data.data_ptr()
 
@@ -112,6 +111,14 @@ class QuantWeight:
         if self.format == "q4_1":
             w = w + scales.gather(-1, (lane + QCOLS).expand(-1, rec.shape[1], 1))
         return w.reshape(len(rows), self.in_features)
+
+
+def format_of(packed, weight: torch.Tensor) -> str:
+    """The number format a matrix runs in: its block format, or the float dtype of its weights ("bf16", ...)."""
+    fmt = getattr(packed, "format", None)
+    if fmt is not None and fmt != "bf16":
+        return fmt
+    return str(weight.dtype).removeprefix("torch.").replace("bfloat16", "bf16")
 
 
 def release_freed_memory() -> None:
@@ -161,15 +168,14 @@ class QuantEmbedding(nn.Module):
     """A token embedding table kept in its block format (a tied model's LM head reads the same bytes): a lookup
     dequantizes only the rows it needs, so no bf16 copy of the table exists."""
 
-    def __init__(self, weight: QuantWeight, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, weight: QuantWeight):
         super().__init__()
-        self.quant, self.dtype = weight, dtype
+        self.quant = weight
         self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """bf16 rows [..., H] of `tokens` (the kernels' activations are bf16)."""
         flat = tokens.reshape(-1).to(torch.int64).contiguous()
-        if self.dtype is not torch.bfloat16:
-            return self.quant.dequantize(flat).to(self.dtype).reshape(*tokens.shape, self.embedding_dim)
         out = torch.empty(len(flat), self.embedding_dim, dtype=torch.bfloat16)
         q = self.quant
         # one native call: a decode step looks up one row, and the torch version above takes a dozen small ops
@@ -179,5 +185,5 @@ class QuantEmbedding(nn.Module):
         return out.reshape(*tokens.shape, self.embedding_dim)
 
     def table(self) -> torch.Tensor:
-        """The whole table in `dtype` (for a drafter that shares the target's embeddings)."""
-        return self.quant.dequantize().to(self.dtype)
+        """The whole table in bf16 (for a drafter that shares the target's embeddings)."""
+        return self(torch.arange(self.num_embeddings))

@@ -125,11 +125,9 @@ class TargetModel(nn.Module):
     def weights(self) -> str:
         """The number format of the decoder layers' matrices ("bf16", "q4_1", ...), as stats and /v1/models name it;
         an LM head in another format is named after it ("q4_0, lm_head q8_0")."""
-        packed = self.layers[0].self_attn.qkv.packed
-        layers = getattr(packed, "format", None) or str(self.norm.weight.dtype).removeprefix("torch.").replace(
-            "bfloat16", "bf16")
-        head = getattr(self.lm_head_packed, "format", None)
-        return layers if head in (None, layers) else f"{layers}, lm_head {head}"
+        layers = quant.format_of(self.layers[0].self_attn.qkv.packed, self.norm.weight)
+        head = quant.format_of(self.lm_head_packed, self.norm.weight)
+        return layers if head == layers else f"{layers}, lm_head {head}"
 
     def weight_bytes(self) -> int:
         """Bytes of weights one forward reads: every matrix in the format it runs in (a packed bf16 copy counts
@@ -158,7 +156,7 @@ class TargetModel(nn.Module):
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         p = self.norm.weight
         return KVCache(self.config.num_layers, num_slots, max_len, self.config.num_kv_heads, self.config.head_dim,
-                       torch.bfloat16 if self.quantized else p.dtype, p.device)
+                       p.dtype, p.device)
 
     @property
     def quantized(self) -> bool:
@@ -206,22 +204,25 @@ class TargetModel(nn.Module):
         from safetensors.torch import load_file
 
         from peagle.model import gguf_model
+        from peagle.model.loading import is_gguf
 
         path = Path(path)
-        if gguf_model.is_gguf(path):
+        if is_gguf(path):
             if quantization:
                 raise ValueError(f"--quantization {quantization} applies to float models; {path.name} is already "
                                  "quantized (its own formats are used as they are)")
-            raw = json.loads((gguf_model.metadata_dir(path) / "config.json").read_text())
-            return cls._build(raw, gguf_model.read_tensors(path, raw), gguf_model.metadata_dir(path), "cpu")
+            meta = gguf_model.metadata_dir(path)
+            raw = json.loads((meta / "config.json").read_text())
+            return cls._build(raw, gguf_model.read_tensors(path, raw), meta, "cpu")
         raw = json.loads((path / "config.json").read_text())
         state = {}
         for f in sorted(path.glob("*.safetensors")):
             for name, tensor in load_file(f, device=str(device)).items():
                 state[name.removeprefix("model.")] = tensor.to(dtype)
         if quantization:
-            if torch.device(device).type != "cpu":
-                raise ValueError(f"--quantization {quantization} runs on peagle's CPU kernels; drop it on {device}")
+            if torch.device(device).type != "cpu" or dtype != torch.bfloat16:
+                raise ValueError(f"--quantization {quantization} runs on peagle's CPU kernels, in bf16; drop it for "
+                                 f"{dtype} on {device}")
             state = quantize_state(state, quantization, TargetConfig.from_hf(raw).tie_word_embeddings)
         return cls._build(raw, state, path, device)
 

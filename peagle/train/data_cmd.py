@@ -55,14 +55,12 @@ def register(name: str, parser) -> None:
 
 
 def run(args) -> int:
-    from transformers import AutoTokenizer
-
-    from peagle.model.loading import config_dir, resolve_model
+    from peagle.model.loading import load_tokenizer, resolve_model
 
     try:
         convs = iter_conversations(args.input)
         target_dir = resolve_model(args.target)
-        tokenizer = AutoTokenizer.from_pretrained(config_dir(target_dir))
+        tokenizer = load_tokenizer(target_dir)
         out = Path(args.out)
         created = not out.exists()
         out.mkdir(parents=True, exist_ok=True)

@@ -75,7 +75,7 @@ class Teacher:
         """`native=False` keeps transformers' forward even where the engine's would run."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from peagle.model.loading import config_dir
+        from peagle.model.loading import config_dir, transformers_source
 
         self.model_dir = Path(model_dir)  # a Hugging Face folder, or a .gguf file (its own blocks run natively)
         self.config_dir = config_dir(self.model_dir)
@@ -91,8 +91,7 @@ class Teacher:
             self.device = torch.device("cpu")
         else:
             # transformers reads a GGUF by dequantizing it: the teacher then computes on the same weights in float
-            where = dict(pretrained_model_name_or_path=self.model_dir.parent, gguf_file=self.model_dir.name) \
-                if self.model_dir.suffix.lower() == ".gguf" else dict(pretrained_model_name_or_path=self.model_dir)
+            where = transformers_source(self.model_dir)
             if device_map is not None:  # a target too big for one device: layers spread over several (accelerate)
                 self.model = AutoModelForCausalLM.from_pretrained(**where, dtype=dtype, device_map=device_map)
                 self.device = self.model.get_input_embeddings().weight.device

@@ -274,11 +274,9 @@ class Trainer:
 
     def _load_tokenizer(self):
         try:
-            from transformers import AutoTokenizer
+            from peagle.model.loading import load_tokenizer
 
-            from peagle.model.loading import config_dir
-
-            return AutoTokenizer.from_pretrained(config_dir(self.target_dir))
+            return load_tokenizer(self.target_dir)
         except Exception:  # noqa: BLE001 - a target without a tokenizer trains from prepared token ids
             return None
 
