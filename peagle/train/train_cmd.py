@@ -14,115 +14,144 @@ import sys
 from peagle import cli_args
 from peagle.train.trainer import DEFAULT_DEPTHS, DEFAULT_LAYERS, TrainConfig
 
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+# The command's own defaults for the two values TrainConfig leaves to its caller (it requires the data and names one
+# output folder for both methods): the built-in ShareGPT source, and an output folder named after the method.
+DEFAULT_DATA = "sharegpt"
+
+
+def default_out(method: str) -> str:
+    return f"peagle-{method}-head"
+
+
+def _option(p, field_name: str, flag: str | None = None, **kw) -> None:
+    """The flag of TrainConfig field `field_name` (--field-name unless `flag` names another), defaulting to the
+    field's default, so that TrainConfig states every training default once; help text shows it as %(default)s."""
+    p.add_argument(flag or "--" + field_name.replace("_", "-"), dest=field_name,
+                   default=_FIELDS[field_name].default, **kw)
+
 
 def register(name: str, parser) -> None:
-    p = parser
-    D = {f.name: f.default for f in dataclasses.fields(TrainConfig)}  # TrainConfig holds every default
-    p.add_argument("--target", default=None,
-                   help="target model: a Hugging Face folder or cached hub id, any causal LM "
-                        "(default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--data", default="sharegpt",
+    for add in (_add_input_args, _add_optimizer_args, _add_objective_args, _add_eval_args, _add_checkpoint_args,
+                _add_runtime_args, _add_head_args):
+        add(parser)
+    parser.set_defaults(func=run)
+
+
+def _add_input_args(p) -> None:
+    """The target, the data and the head's shape."""
+    _option(p, "target", help="target model: a Hugging Face folder or cached hub id, any causal LM "
+                              "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--data", default=DEFAULT_DATA,
                    help="a folder from `peagle data prepare`, a .jsonl of conversations, or `sharegpt` "
-                        "(rendered with the target's chat template on the fly) [default: sharegpt]")
+                        "(rendered with the target's chat template on the fly) [default: %(default)s]")
     p.add_argument("--out", default=None, help="output folder for the head and checkpoints "
-                                              "[default: ./peagle-<method>-head]")
-    p.add_argument("--method", choices=("peagle", "eagle3"), default="peagle")
-    p.add_argument("--num-layers", type=cli_args.positive_int, default=None,
-                   help="drafter decoder layers [P-EAGLE {}, EAGLE-3 {}]".format(*DEFAULT_LAYERS.values()))
-    p.add_argument("--num-depths", type=cli_args.positive_int, default=None,
-                   help="P-EAGLE: COD depths (train more than you serve) [{}]; EAGLE-3: TTT unroll steps [{}]".format(
-                       *DEFAULT_DEPTHS.values()))
-    p.add_argument("--draft-vocab-size", type=cli_args.positive_int, default=D["draft_vocab_size"],
-                   help=f"Vd, capped at the target's vocab [{D['draft_vocab_size']}]")
-    p.add_argument("--max-seq-len", type=cli_args.positive_int, default=2048,
-                   help="tokens per training sequence (longer are cut) [2048]")
-    p.add_argument("--partitions", type=cli_args.positive_int, default=1,
-                   help="sequence partitioning: S forward/backward passes per sequence; memory falls as S grows, "
-                        "gradients stay exact (P-EAGLE) [1]")
-    p.add_argument("--epochs", type=cli_args.positive_float, default=1.0)
-    p.add_argument("--max-steps", type=cli_args.positive_int, default=None, help="stop after this many optimizer steps")
-    p.add_argument("--batch-size", type=cli_args.positive_int, default=D["batch_size"],
-                   help=f"sequences per optimizer step, all ranks together [{D['batch_size']}]")
-    p.add_argument("--lr", type=cli_args.positive_float, default=D["lr"], help=f"peak learning rate [{D['lr']}]")
-    p.add_argument("--warmup-ratio", type=cli_args.fraction, default=D["warmup_ratio"],
-                   help=f"share of the steps spent warming up [{D['warmup_ratio']}]")
-    p.add_argument("--min-lr-ratio", type=cli_args.fraction, default=D["min_lr_ratio"],
-                   help=f"cosine floor as a fraction of --lr [{D['min_lr_ratio']}]")
-    p.add_argument("--weight-decay", type=cli_args.nonnegative_float, default=D["weight_decay"])
-    p.add_argument("--max-grad-norm", type=cli_args.positive_float, default=D["max_grad_norm"],
-                   help=f"gradient clipping (0: off) [{D['max_grad_norm']}]")
-    p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default=D["dtype"],
-                   help="the head's compute: bf16 autocast with fp32 master weights, fp32, or auto: bf16 on GPUs, on "
-                        "a CPU whichever multiplies faster there (measured at start) [auto]")
-    p.add_argument("--target-dtype", choices=("bf16", "fp32", "fp16"), default=None,
-                   help="dtype of the frozen target [bf16, or --dtype when that is given]")
-    p.add_argument("--target-device-map", default=None,
-                   help="load the frozen target with this transformers device_map (e.g. auto) to spread a target "
-                        "too large for one GPU over the GPUs this process sees")
-    p.add_argument("--cod-ratio", type=cli_args.fraction, default=D["cod_ratio"],
-                   help=f"COD retention r: depth d keeps ~N*max(r^d, r_min) [{D['cod_ratio']}]")
-    p.add_argument("--cod-min-ratio", type=cli_args.fraction, default=D["cod_min_ratio"],
-                   help=f"COD floor r_min [{D['cod_min_ratio']}]")
-    p.add_argument("--loss", choices=("kl", "ce"), default="kl",
-                   help="kl: forward KL to the target's draft-vocab distribution; ce: cross-entropy on its argmax")
-    p.add_argument("--ttt-decay", type=cli_args.fraction, default=0.8, help="EAGLE-3 TTT step weight base (0.8^k)")
-    p.add_argument("--mask-token-id", type=cli_args.nonnegative_int, default=None,
-                   help="P-EAGLE mask token (default: a special token the data never uses, e.g. 3 for SmolLM2)")
-    p.add_argument("--eval-fraction", type=cli_args.fraction, default=0.02,
-                   help="share of the data held out for evaluation")
-    p.add_argument("--eval-data", default=None, help="separate evaluation data (overrides --eval-fraction)")
-    p.add_argument("--eval-every", type=cli_args.nonnegative_int, default=0,
-                   help="evaluate every N steps (0: at the end only)")
-    p.add_argument("--eval-samples", type=cli_args.positive_int, default=64, help="held-out sequences per evaluation")
-    p.add_argument("--eval-anchors", type=cli_args.positive_int, default=256,
-                   help="drafting positions measured per sequence")
-    p.add_argument("--eval-depths", type=cli_args.positive_int, default=None, help="positions measured [num-depths]")
-    p.add_argument("--save-every", type=cli_args.nonnegative_int, default=500,
-                   help="checkpoint every N steps (0: only at the end)")
-    p.add_argument("--save-total-limit", type=cli_args.positive_int, default=2, help="checkpoints kept")
-    p.add_argument("--save-dtype", choices=("bf16", "fp32"), default="bf16", help="dtype of saved heads")
-    p.add_argument("--layout", choices=("vllm", "speculators"), default="vllm", help="layout of the final head")
-    p.add_argument("--resume", nargs="?", const="latest", default=None,
-                   help="resume from the latest checkpoint in --out, or from the given checkpoint folder")
-    p.add_argument("--init-head", default=None,
-                   help="start from this trained head's weights (a folder or bundled name; its layers, draft vocab "
-                        "and mask token are kept) instead of a new head: continue or fine-tune a head. The "
-                        "optimizer and schedule start fresh (--resume continues an interrupted run instead)")
-    p.add_argument("--teacher-cache", default=None,
-                   help="folder that keeps the target's outputs for every training row (about (3H + Vd) x 2 bytes "
-                        "per token), so epochs after the first, resumed runs and other heads on the same data skip "
-                        "the target's forward pass")
-    p.add_argument("--seed", type=cli_args.seed, default=0)
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--limit", type=cli_args.positive_int, default=None, help="use at most this many conversations")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--loss-chunk", type=cli_args.positive_int, default=D["loss_chunk"],
-                   help=f"rows per fused LM-head/loss chunk [{D['loss_chunk']}]")
-    p.add_argument("--attn-chunk", type=cli_args.positive_int, default=2048,
-                   help="anchors per attention chunk in the TTT unroll")
-    p.add_argument("--no-init-from-target", action="store_true",
-                   help="random lm_head/norm instead of the target's (restricted to the draft vocab)")
-    p.add_argument("--norm-before-residual", action="store_true",
-                   help="layer 0 adds attention to hidden_norm(h) instead of h (vLLM and speculators read the flag)")
-    p.add_argument("--freeze-lm-head", action="store_true",
-                   help="keep the LM head at the target's rows of the draft vocab (speculators does)")
-    p.add_argument("--train-embeddings", action="store_true",
-                   help="train the whole embedding table, not only the mask token's row (the head then ships the "
-                        "table: +H x V parameters)")
-    p.add_argument("--fresh-mask-hidden", action="store_true",
-                   help="with --init-head: start mask_hidden from N(0, 1) instead of the head's (a head trained "
-                        "from the old mean-feature start keeps its mask slots flat otherwise)")
-    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
-                   help="adamw, or muon: torch.optim.Muon for the layers' matrices, AdamW for the rest [adamw]")
-    p.set_defaults(func=run)
+                                              f"[default: ./{default_out('<method>')}]")
+    _option(p, "method", choices=("peagle", "eagle3"))
+    _option(p, "num_layers", type=cli_args.positive_int,
+            help=f"drafter decoder layers [P-EAGLE {DEFAULT_LAYERS['peagle']}, EAGLE-3 {DEFAULT_LAYERS['eagle3']}]")
+    _option(p, "num_depths", type=cli_args.positive_int,
+            help=f"P-EAGLE: COD depths (train more than you serve) [{DEFAULT_DEPTHS['peagle']}]; "
+                 f"EAGLE-3: TTT unroll steps [{DEFAULT_DEPTHS['eagle3']}]")
+    _option(p, "draft_vocab_size", type=cli_args.positive_int, help="Vd, capped at the target's vocab [%(default)s]")
+    _option(p, "max_seq_len", type=cli_args.positive_int,
+            help="tokens per training sequence (longer are cut) [%(default)s]")
+    _option(p, "partitions", type=cli_args.positive_int,
+            help="sequence partitioning: S forward/backward passes per sequence; memory falls as S grows, "
+                 "gradients stay exact (P-EAGLE) [%(default)s]")
+
+
+def _add_optimizer_args(p) -> None:
+    """How long, how fast and in which dtypes."""
+    _option(p, "epochs", type=cli_args.positive_float)
+    _option(p, "max_steps", type=cli_args.positive_int, help="stop after this many optimizer steps")
+    _option(p, "batch_size", type=cli_args.positive_int,
+            help="sequences per optimizer step, all ranks together [%(default)s]")
+    _option(p, "lr", type=cli_args.positive_float, help="peak learning rate [%(default)s]")
+    _option(p, "warmup_ratio", type=cli_args.fraction, help="share of the steps spent warming up [%(default)s]")
+    _option(p, "min_lr_ratio", type=cli_args.fraction, help="cosine floor as a fraction of --lr [%(default)s]")
+    _option(p, "weight_decay", type=cli_args.nonnegative_float)
+    _option(p, "max_grad_norm", type=cli_args.positive_float, help="gradient clipping (0: off) [%(default)s]")
+    _option(p, "dtype", choices=("auto", "bf16", "fp32"),
+            help="the head's compute: bf16 autocast with fp32 master weights, fp32, or auto: bf16 on GPUs, on a CPU "
+                 "whichever multiplies faster there (measured at start) [%(default)s]")
+    _option(p, "target_dtype", choices=("bf16", "fp32", "fp16"),
+            help="dtype of the frozen target [bf16, or --dtype when that is given]")
+    _option(p, "target_device_map",
+            help="load the frozen target with this transformers device_map (e.g. auto) to spread a target too large "
+                 "for one GPU over the GPUs this process sees")
+
+
+def _add_objective_args(p) -> None:
+    _option(p, "cod_ratio", type=cli_args.fraction,
+            help="COD retention r: depth d keeps ~N*max(r^d, r_min) [%(default)s]")
+    _option(p, "cod_min_ratio", type=cli_args.fraction, help="COD floor r_min [%(default)s]")
+    _option(p, "loss", choices=("kl", "ce"),
+            help="kl: forward KL to the target's draft-vocab distribution; ce: cross-entropy on its argmax")
+    _option(p, "ttt_decay", type=cli_args.fraction, help="EAGLE-3 TTT step weight base (%(default)s^k)")
+    _option(p, "mask_token_id", type=cli_args.nonnegative_int,
+            help="P-EAGLE mask token (default: a special token the data never uses, e.g. 3 for SmolLM2)")
+
+
+def _add_eval_args(p) -> None:
+    _option(p, "eval_fraction", type=cli_args.fraction, help="share of the data held out for evaluation")
+    _option(p, "eval_data", help="separate evaluation data (overrides --eval-fraction)")
+    _option(p, "eval_every", type=cli_args.nonnegative_int, help="evaluate every N steps (0: at the end only)")
+    _option(p, "eval_samples", type=cli_args.positive_int, help="held-out sequences per evaluation")
+    _option(p, "eval_anchors", type=cli_args.positive_int, help="drafting positions measured per sequence")
+    _option(p, "eval_depths", type=cli_args.positive_int, help="positions measured [num-depths]")
+
+
+def _add_checkpoint_args(p) -> None:
+    """What is saved, and what a run starts from."""
+    _option(p, "save_every", type=cli_args.nonnegative_int, help="checkpoint every N steps (0: only at the end)")
+    _option(p, "save_total_limit", type=cli_args.positive_int, help="checkpoints kept")
+    _option(p, "save_dtype", choices=("bf16", "fp32"), help="dtype of saved heads")
+    _option(p, "layout", choices=("vllm", "speculators"), help="layout of the final head")
+    _option(p, "resume", nargs="?", const="latest",
+            help="resume from the latest checkpoint in --out, or from the given checkpoint folder")
+    _option(p, "init_head",
+            help="start from this trained head's weights (a folder or bundled name; its layers, draft vocab and mask "
+                 "token are kept) instead of a new head: continue or fine-tune a head. The optimizer and schedule "
+                 "start fresh (--resume continues an interrupted run instead)")
+    _option(p, "teacher_cache",
+            help="folder that keeps the target's outputs for every training row (about (3H + Vd) x 2 bytes per "
+                 "token), so epochs after the first, resumed runs and other heads on the same data skip the "
+                 "target's forward pass")
+
+
+def _add_runtime_args(p) -> None:
+    _option(p, "seed", type=cli_args.seed)
+    _option(p, "device", help="auto, cpu or cuda")
+    _option(p, "limit", type=cli_args.positive_int, help="use at most this many conversations")
+    _option(p, "progress", "--no-progress", action="store_false", help="no progress bar")
+    _option(p, "loss_chunk", type=cli_args.positive_int, help="rows per fused LM-head/loss chunk [%(default)s]")
+    _option(p, "attn_chunk", type=cli_args.positive_int, help="anchors per attention chunk in the TTT unroll")
+
+
+def _add_head_args(p) -> None:
+    """Which parts of the head start from the target and which train, and the optimizer."""
+    _option(p, "init_from_target", "--no-init-from-target", action="store_false",
+            help="random lm_head/norm instead of the target's (restricted to the draft vocab)")
+    _option(p, "norm_before_residual", action="store_true",
+            help="layer 0 adds attention to hidden_norm(h) instead of h (vLLM and speculators read the flag)")
+    _option(p, "freeze_lm_head", action="store_true",
+            help="keep the LM head at the target's rows of the draft vocab (speculators does)")
+    _option(p, "train_embeddings", action="store_true",
+            help="train the whole embedding table, not only the mask token's row (the head then ships the table: "
+                 "+H x V parameters)")
+    _option(p, "fresh_mask_hidden", action="store_true",
+            help="with --init-head: start mask_hidden from N(0, 1) instead of the head's (a head trained from the "
+                 "old mean-feature start keeps its mask slots flat otherwise)")
+    _option(p, "optimizer", choices=("adamw", "muon"),
+            help="adamw, or muon: torch.optim.Muon for the layers' matrices, AdamW for the rest [%(default)s]")
 
 
 def config_from_args(args) -> TrainConfig:
-    """Every flag whose name is a TrainConfig field passes straight through; the three below are derived."""
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    kw = {k: v for k, v in vars(args).items() if k in names}
-    kw.update(out=args.out or f"peagle-{args.method}-head", progress=not args.no_progress,
-              init_from_target=not args.no_init_from_target)
+    """Every flag is a TrainConfig field and passes straight through; only the output folder is derived."""
+    kw = {k: v for k, v in vars(args).items() if k in _FIELDS}
+    kw["out"] = args.out or default_out(args.method)
     return TrainConfig(**kw)
 
 
