@@ -1,5 +1,6 @@
 """The teacher on the engine's forward (peagle's CPU kernels) gives what transformers' forward gives, up to bf16
 rounding: the same features, labels and argmax a head is trained on."""
+import pytest
 import torch
 
 from peagle.model import kernels
@@ -8,10 +9,11 @@ from peagle.train.teacher import Teacher
 
 def test_native_teacher_matches_transformers(tiny_llama, one_thread):
     native, hf = Teacher(tiny_llama), Teacher(tiny_llama, native=False)
-    if kernels.matmul_path() == "pytorch":
+    assert hf.target is None
+    if kernels.matmul_path() is None:  # e.g. PEAGLE_CPU_KERNELS=off, or a CPU without AVX2
         assert native.target is None  # no native kernels here: both are transformers' forward
-    else:
-        assert native.target is not None and hf.target is None
+        pytest.skip("peagle's CPU kernels do not run here: there is no engine forward to compare")
+    assert native.target is not None
     used = torch.arange(0, 512, 3)
     native.used = hf.used = used
     ids = torch.randint(3, 512, (300,), generator=torch.Generator().manual_seed(0))

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-from peagle.model import kernels
 from peagle.model.drafter import DrafterConfig
 from peagle.model.layers import BatchLayout
 from peagle.model.target import TargetConfig, TargetModel, default_feature_layer_ids, rope_parameters_of
@@ -107,9 +106,10 @@ class Teacher:
 
     def _native_target(self, device, device_map, num_layers: int) -> TargetModel | None:
         """The engine's forward for this target, where it runs on peagle's CPU kernels one whole layer per call;
-        None elsewhere (another architecture, a GPU, fp32, a device map, or a feature taken after the last layer)."""
+        None elsewhere (another architecture, a GPU, fp32, a device map, a feature taken after the last layer, or a
+        machine where the kernels do not run: the loaded target then has no native layers)."""
         if device_map is not None or torch.device(device).type != "cpu" or self.dtype != torch.bfloat16 \
-                or kernels.matmul_path() == "pytorch" or max(self.feature_layer_ids) >= num_layers:
+                or max(self.feature_layer_ids) >= num_layers:
             return None
         try:
             TargetConfig.from_hf(json.loads((self.config_dir / "config.json").read_text()))
