@@ -1,12 +1,11 @@
 """Prompt sets load offline from the installed packages and from user files; bad input names its line."""
 from __future__ import annotations
 
-import io
 import json
 
 import pytest
 
-from peagle.bench.datasets import DatasetError, iter_json_array, load_dataset
+from peagle.bench.datasets import DatasetError, load_dataset
 
 
 def test_humaneval_prompts():
@@ -30,13 +29,11 @@ def test_sharegpt_reads_records_one_by_one():
     assert prompts[0].id.startswith("sharegpt/")
 
 
-def test_json_array_with_truncated_tail():
-    records = [{"id": i, "conversations": [{"from": "human", "value": "x" * i}]} for i in range(50)]
-    text = json.dumps(records)
-    cut = text[: text.rindex('{"id": 49') + 20]  # the last record is cut in the middle
-    got = list(iter_json_array(io.StringIO(cut), chunk_chars=64))
-    assert [r["id"] for r in got] == list(range(49))
-    assert [r["id"] for r in iter_json_array(io.StringIO(text), chunk_chars=7)] == list(range(50))
+def test_sharegpt_file_that_is_not_a_json_array_is_a_dataset_error(tmp_path):
+    f = tmp_path / "lines.jsonl"
+    f.write_text(json.dumps({"conversations": []}) + "\n")
+    with pytest.raises(DatasetError, match="not a JSON array"):
+        load_dataset(f"sharegpt:{f}")
 
 
 def test_fewer_prompts_than_asked_are_cycled():

@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from peagle.jsonarray import NotAJSONArrayError, iter_json_array
+
 BUILTIN = ("humaneval", "mtbench", "sharegpt")
 
 HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n{prompt}```"
@@ -133,49 +135,22 @@ def iter_sharegpt(path: Path | None = None) -> Iterator[BenchPrompt]:
     """First human turns of conversations that have an answer (as `vllm bench serve` picks them)."""
     path = path or sharegpt_file()
     with open(path, encoding="utf-8") as f:
-        for rec in iter_json_array(f):
-            conv = rec.get("conversations") or []
-            for a, b in zip(conv, conv[1:]):  # the first human turn that got an answer
-                if a.get("from") == "human" and b.get("from") == "gpt":
-                    text = (a.get("value") or "").strip()
-                    if text and (b.get("value") or "").strip():
-                        yield BenchPrompt(f"sharegpt/{rec.get('id')}", text)
-                    break
-
-
-def iter_json_array(f, chunk_chars: int = 1 << 20) -> Iterator[dict]:
-    """The elements of a top-level JSON array, one at a time, from a text file. A truncated last element (the
-    file ends mid-record) is dropped silently: everything complete before it is yielded."""
-    dec = json.JSONDecoder()
-    buf = f.read(chunk_chars)
-    pos = _skip(buf, 0, " \t\r\n")
-    if pos >= len(buf) or buf[pos] != "[":
-        raise DatasetError(f"{getattr(f, 'name', 'file')}: not a JSON array")
-    pos += 1
-    eof = False
-    while True:
-        pos = _skip(buf, pos, " \t\r\n,")
-        if pos < len(buf) and buf[pos] == "]":
-            return
         try:
-            if pos >= len(buf):
-                raise json.JSONDecodeError("need more", buf, pos)
-            obj, end = dec.raw_decode(buf, pos)
-        except json.JSONDecodeError:
-            if eof:
-                return  # truncated tail
-            more = f.read(chunk_chars)
-            eof = not more
-            buf, pos = buf[pos:] + more, 0
-            continue
-        yield obj
-        pos = end
+            for rec in iter_json_array(f):
+                text = _first_answered_turn(rec.get("conversations") or [])
+                if text:
+                    yield BenchPrompt(f"sharegpt/{rec.get('id')}", text)
+        except NotAJSONArrayError as e:
+            raise DatasetError(str(e)) from None
 
 
-def _skip(buf: str, pos: int, chars: str) -> int:
-    while pos < len(buf) and buf[pos] in chars:
-        pos += 1
-    return pos
+def _first_answered_turn(conv: list[dict]) -> str | None:
+    """The first human turn that the assistant answered, when both are non-empty."""
+    for a, b in zip(conv, conv[1:]):
+        if a.get("from") == "human" and b.get("from") == "gpt":
+            text = (a.get("value") or "").strip()
+            return text if text and (b.get("value") or "").strip() else None
+    return None
 
 
 # -- user files ---------------------------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from peagle.jsonarray import iter_json_array, opens_json_array
+
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
             "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system"}
 HELD_OUT_SOURCES = {"humaneval", "human-eval", "human_eval", "mtbench", "mt-bench", "mt_bench"}
@@ -72,50 +74,16 @@ def normalize_messages(record: dict) -> list[dict] | None:
 def iter_json_records(path: Path) -> Iterator[dict]:
     """Records of a JSONL file, or of a (possibly truncated) JSON array, one at a time."""
     with open(path, encoding="utf-8") as f:
-        head = f.read(1)
-        while head and head.isspace():
-            head = f.read(1)
-        if head != "[":
-            text = head + f.readline()
-            lineno = 1
-            while text:
-                if text.strip():
-                    try:
-                        yield json.loads(text)
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); expected one record per "
-                                         "line with `messages` or `conversations`") from e
-                text = f.readline()
-                lineno += 1
+        if opens_json_array(f):
+            yield from iter_json_array(f)
             return
-        yield from _iter_json_array(f)
-
-
-def _iter_json_array(f, chunk: int = 1 << 20) -> Iterator[dict]:
-    """Stream the objects of a JSON array whose opening `[` was consumed; a truncated last object is dropped."""
-    decoder = json.JSONDecoder()
-    buf, pos, eof = "", 0, False
-    while True:
-        while pos < len(buf) and (buf[pos].isspace() or buf[pos] == ","):
-            pos += 1
-        if pos < len(buf) and buf[pos] == "]":
-            return
-        try:
-            if pos >= len(buf):
-                raise json.JSONDecodeError("need data", buf, pos)
-            obj, end = decoder.raw_decode(buf, pos)
-        except json.JSONDecodeError:
-            if eof:
-                return  # the truncated tail
-            more = f.read(chunk)
-            if not more:
-                eof = True
-            buf, pos = buf[pos:] + more, 0
-            continue
-        yield obj
-        pos = end
-        if pos > chunk:
-            buf, pos = buf[pos:], 0
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); expected one record per line "
+                                     "with `messages` or `conversations`") from e
 
 
 def iter_sharegpt() -> Iterator[dict]:
@@ -126,12 +94,7 @@ def iter_sharegpt() -> Iterator[dict]:
 
     with dataset_path() as path:
         with open(path, encoding="utf-8") as f:
-            head = f.read(1)
-            while head.isspace():
-                head = f.read(1)
-            if head != "[":
-                raise ValueError(f"{path} is not a JSON array")
-            yield from _iter_json_array(f)
+            yield from iter_json_array(f)
 
 
 def iter_conversations(source: str | Path) -> Iterator[tuple[str, list[dict]]]:
