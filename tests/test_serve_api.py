@@ -139,6 +139,29 @@ def test_speculation_false_gives_same_greedy_output(server):
     assert spec["speculative_decoding"]["num_drafts"] > 0
     assert spec["speculative_decoding"]["speculation_policy"] == server.aengine.engine.policy.name
     assert base["speculative_decoding"]["speculation_policy"] is None
+    assert base["speculative_decoding"].keys() == spec["speculative_decoding"].keys()
+
+
+def test_speculative_stats_have_one_shape_with_and_without_speculation():
+    from types import SimpleNamespace
+
+    from peagle.engine.stats import SpecDecodeStats
+    from peagle.serve.app import spec_stats
+    from peagle.serve.protocol import SpeculativeStats
+
+    stats = SpecDecodeStats(3)
+    stats.record(3, 2)
+    stats.record(0, 0)
+    speculating = SimpleNamespace(engine=SimpleNamespace(spec=object(), policy=SimpleNamespace(name="fixed")),
+                                  method="peagle", k=3)
+    plain_server = SimpleNamespace(engine=SimpleNamespace(spec=None, policy=None), method="none", k=0)
+    on = spec_stats(speculating, stats)
+    off = spec_stats(speculating, stats, speculation=False)
+    assert on.keys() == off.keys() == set(SpeculativeStats.model_fields)
+    assert spec_stats(plain_server, SpecDecodeStats()) == spec_stats(plain_server, None) == off
+    assert on["num_drafts"] == 1 and on["steps_per_k"] == [1, 0, 0, 1] and on["speculation_policy"] == "fixed"
+    assert off["method"] == "none" and off["num_speculative_tokens"] == 0 and off["num_drafts"] == 0
+    assert off["mean_acceptance_length"] == 1.0 and off["speculation_policy"] is None
 
 
 def test_invocations(server):

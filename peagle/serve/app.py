@@ -445,13 +445,13 @@ def _whole_logprobs(state: ServerState, job: Job, index: int, out: RequestOutput
 
 
 def spec_stats(state: ServerState, stats: SpecDecodeStats | None, speculation: bool = True) -> dict:
+    """A response's `speculative_decoding`, in one shape whether or not the request speculated: without speculation
+    (none on the server, or `speculation: false`) method "none", K 0 and the counters of a run that drafted nothing."""
     if stats is None or not speculation or state.engine.spec is None:
-        return {"method": "none", "num_speculative_tokens": 0, "num_drafts": 0, "num_draft_tokens": 0,
-                "num_accepted_tokens": 0, "accepted_per_position": [], "acceptance_per_position": [],
-                "acceptance_rate": 0.0, "mean_acceptance_length": 1.0}
-    d = stats.as_dict()
-    return {"method": state.method, "num_speculative_tokens": state.k, **d,
-            "acceptance_rate": round(stats.acceptance_rate, 4), "speculation_policy": state.engine.policy.name}
+        stats, method, k, policy = SpecDecodeStats(), "none", 0, None
+    else:
+        method, k, policy = state.method, state.k, state.engine.policy.name
+    return {"method": method, "num_speculative_tokens": k, **stats.as_dict(), "speculation_policy": policy}
 
 
 def request_metrics(outs: list[RequestOutput]) -> dict:
