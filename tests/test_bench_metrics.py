@@ -169,3 +169,17 @@ def test_adaptive_against_the_better_of_best_fixed_k_and_no_speculation():
     table = otps_table(report)
     assert "P-EAGLE adaptive K<=7" in table and "| 0.98x |" in table and "| 0.95x |" in table
     assert "Drafts verified per decode step" in markdown(report)
+
+
+def test_request_body_from_load_settings():
+    from peagle.bench.datasets import BenchPrompt
+    from peagle.bench.loadgen import LoadSettings, request_body
+
+    prompt = BenchPrompt("p", "hi")
+    assert request_body(prompt, LoadSettings(max_tokens=8), 3) == {
+        "max_tokens": 8, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+        "messages": [{"role": "user", "content": "hi"}]}
+    settings = LoadSettings(max_tokens=8, temperature=0.7, seed=10, chat=False, model="m", ignore_eos=True)
+    body = request_body(prompt, settings, 3)
+    assert body["seed"] == 13 and body["prompt"] == "hi" and "messages" not in body  # request i: seed + i
+    assert body["model"] == "m" and body["ignore_eos"] is True and body["temperature"] == 0.7

@@ -23,27 +23,41 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from peagle.bench.datasets import BenchPrompt
 from peagle.bench.metrics import RequestResult
+from peagle.config import ENV_VAR
 
 Progress = Callable[[RequestResult], None] | None
 
 
 # -- HTTP ---------------------------------------------------------------------------------------------------------
 
-def request_body(prompt: BenchPrompt, chat: bool, max_tokens: int, temperature: float, seed: int | None,
-                 model: str | None, ignore_eos: bool) -> dict:
-    body = {"max_tokens": max_tokens, "temperature": temperature, "stream": True,
+@dataclass(frozen=True)
+class LoadSettings:
+    """What every request of an HTTP run asks for, and the key it sends."""
+    max_tokens: int
+    temperature: float = 0.0
+    seed: int | None = None  # request i asks for seed + i; None: unseeded
+    chat: bool = True  # chat completions (the chat template) or text completions
+    model: str | None = None  # the served model's name; None: the server's only model
+    ignore_eos: bool = False
+    api_key: str | None = None
+
+
+def request_body(prompt: BenchPrompt, settings: LoadSettings, index: int) -> dict:
+    """The streaming request for the run's `index`-th prompt."""
+    body = {"max_tokens": settings.max_tokens, "temperature": settings.temperature, "stream": True,
             "stream_options": {"include_usage": True}}
-    if model:
-        body["model"] = model
-    if seed is not None:
-        body["seed"] = seed
-    if ignore_eos:
+    if settings.model:
+        body["model"] = settings.model
+    if settings.seed is not None:
+        body["seed"] = settings.seed + index
+    if settings.ignore_eos:
         body["ignore_eos"] = True  # vLLM's extension, which peagle's server also takes
-    if chat:
+    if settings.chat:
         body["messages"] = prompt.chat_messages()
     else:
         body["prompt"] = prompt.text
@@ -104,23 +118,20 @@ def _error_message(text: str) -> str:
         return text[:200]
 
 
-async def run_http_async(url: str, prompts: list[BenchPrompt], concurrency: int, max_tokens: int,
-                         temperature: float = 0.0, seed: int | None = None, chat: bool = True,
-                         model: str | None = None, ignore_eos: bool = False, api_key: str | None = None,
+async def run_http_async(url: str, prompts: list[BenchPrompt], concurrency: int, settings: LoadSettings, *,
                          progress: Progress = None, timeout: float = 3600.0) -> tuple[list[RequestResult], float]:
     import httpx
 
     url = url.rstrip("/")
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
     results: list[RequestResult | None] = [None] * len(prompts)
     next_index = iter(range(len(prompts)))
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0), limits=limits, trust_env=False) as client:
         async def client_loop():
             for i in next_index:  # a shared iterator: each client takes the next prompt when it is free
-                body = request_body(prompts[i], chat, max_tokens, temperature,
-                                    None if seed is None else seed + i, model, ignore_eos)
-                results[i] = await _one_http(client, url, prompts[i], body, chat, headers)
+                body = request_body(prompts[i], settings, i)
+                results[i] = await _one_http(client, url, prompts[i], body, settings.chat, headers)
                 if progress:
                     progress(results[i])
 
@@ -130,8 +141,10 @@ async def run_http_async(url: str, prompts: list[BenchPrompt], concurrency: int,
     return list(results), duration
 
 
-def run_http(*args, **kwargs) -> tuple[list[RequestResult], float]:
-    return asyncio.run(run_http_async(*args, **kwargs))
+def run_http(url: str, prompts: list[BenchPrompt], concurrency: int, settings: LoadSettings, *,
+             progress: Progress = None, timeout: float = 3600.0) -> tuple[list[RequestResult], float]:
+    """`concurrency` clients sending `prompts` to the server at `url`, each its next prompt once its last is done."""
+    return asyncio.run(run_http_async(url, prompts, concurrency, settings, progress=progress, timeout=timeout))
 
 
 def http_get(url: str, path: str, api_key: str | None = None, timeout: float = 10.0):
@@ -439,7 +452,7 @@ class ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "w")
         env = dict(os.environ)
-        env.pop("SM_VLLM_SPECULATIVE_CONFIG", None)  # the flag decides, not a stray environment variable
+        env.pop(ENV_VAR, None)  # the flag decides, not a stray environment variable
         if self.threads:
             env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(self.threads)
         t0 = time.perf_counter()

@@ -3,14 +3,20 @@ subprocess per configuration, a running server, or engines in this process), wit
 (its rate gives the time left); then the report."""
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import gc
 import json
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
-from peagle.bench.metrics import SPEC_METHODS, RunMetrics, config_label, summarize
+from peagle.bench import loadgen
+from peagle.bench.datasets import BenchPrompt
+from peagle.bench.metrics import SPEC_METHODS, RequestResult, RunMetrics, config_label, summarize
 from peagle.bench.plan import (BenchError, Config, Plan, TargetHolder, _loadavg, canonical_command, machine,
                                make_plan, parse_k)
 from peagle.model.heads import is_untrained
@@ -133,83 +139,94 @@ def _weights(args, plan) -> str | None:
     return args.quantization or ("bf16" if args.dtype == "auto" else args.dtype)
 
 
+@dataclass
+class _ConfigRuns:
+    """What measuring one configuration at each of its concurrencies needs, whichever way it runs."""
+    args: argparse.Namespace
+    plan: Plan
+    cfg: Config
+    concurrencies: list[int]
+    bar: Any  # the sweep's progress bar, one step per request
+
+    @property
+    def warm(self) -> list[BenchPrompt]:
+        return self.plan.prompts[: max(self.args.warmup, 0)]
+
+    @property
+    def seed(self) -> int | None:
+        """The requests' base seed: only sampling takes one."""
+        return self.args.seed if self.args.temperature > 0 else None
+
+    def progress(self, _result: RequestResult) -> None:
+        self.bar.update(1)
+
+    def starting(self, label: str, concurrency: int) -> None:
+        self.bar.set_description(f"{label} c={concurrency}")
+
+
 def _run_config(args, plan: Plan, cfg: Config, concurrencies: list[int], holder: TargetHolder, hf_holder: dict,
-                bar, out: Path):
-    """Yield one RunMetrics per concurrency for one configuration."""
-    from peagle.bench import loadgen
-
-    def progress(_res):
-        bar.update(1)
-
-    warm = plan.prompts[: max(args.warmup, 0)]
+                bar, out: Path) -> Iterator[RunMetrics]:
+    """Yield one RunMetrics per concurrency for one configuration: transformers' generate(), an engine in this
+    process, the running server at --url, or a `peagle serve` started for the configuration."""
+    runs = _ConfigRuns(args, plan, cfg, concurrencies, bar)
     if cfg.method.startswith("transformers"):
-        runner = _hf_runner(args, plan, hf_holder)
-        lookup = args.prompt_lookup_tokens if cfg.method == "transformers-pld" else None
-        if warm:
-            runner.run(warm, 1, min(8, args.max_tokens), args.temperature, args.seed, plan.chat, prompt_lookup=lookup)
-        for c in concurrencies:
-            bar.set_description(f"{cfg.label} c={c}")
-            cpu = time.process_time()
-            res, dur = runner.run(plan.prompts, c, args.max_tokens, args.temperature,
-                                  args.seed if args.temperature > 0 else None, plan.chat, args.ignore_eos,
-                                  prompt_lookup=lookup, progress=progress)
-            yield summarize(res, dur, cfg.method, cfg.k, c, cpu_s=time.process_time() - cpu)
-        return
+        yield from _transformers_runs(runs, _hf_runner(args, plan, hf_holder))
+    elif plan.mode == "offline":
+        yield from _offline_runs(runs, holder)
+    elif plan.mode == "url":
+        yield from _url_runs(runs)
+    else:
+        yield from _served_runs(runs, out)
 
-    if plan.mode == "offline":
-        engine = holder.engine(plan.model_path, cfg, max(plan.concurrencies), plan.max_model_len)
-        if warm:
-            engine.generate([p.chat_messages() if plan.chat else p.text for p in warm],
-                            _params(args, min(8, args.max_tokens)), chat=plan.chat)
-        for c in concurrencies:
-            bar.set_description(f"{cfg.label} c={c}")
-            seed = args.seed if args.temperature > 0 else None
-            cpu = time.process_time()  # the engine runs in this process
-            res, dur = loadgen.run_offline(engine, plan.prompts, c,
-                                           lambda i: _params(args, seed=None if seed is None else seed + i),
-                                           plan.chat, progress)
-            yield summarize(res, dur, cfg.method, cfg.k, c, policy=cfg.policy, cpu_s=time.process_time() - cpu)
-        del engine
-        gc.collect()
-        return
 
-    def http_runs(url: str, method: str, k: int, model_name: str | None, policy: str = "fixed",
-                  server: "loadgen.ServerProcess | None" = None):
-        if warm:
-            res, _ = loadgen.run_http(url, warm, 1, min(8, args.max_tokens), args.temperature, None, plan.chat,
-                                      model_name, False, args.api_key)
-            bad = [r.error for r in res if not r.ok]
-            if bad:
-                raise BenchError(f"the server at {url} failed the warm-up request: {bad[0]}")
-        for c in concurrencies:
-            bar.set_description(f"{config_label(method, k, policy)} c={c}")
-            before = loadgen.scrape_spec_metrics(url, args.api_key)
-            cpu = server.cpu_seconds() if server else None
-            res, dur = loadgen.run_http(url, plan.prompts, c, args.max_tokens, args.temperature,
-                                        args.seed if args.temperature > 0 else None, plan.chat, model_name,
-                                        args.ignore_eos, args.api_key, progress)
-            acceptance = None
-            if method in SPEC_METHODS and not any(r.spec for r in res) and before is not None:
-                after = loadgen.scrape_spec_metrics(url, args.api_key)
-                acceptance = loadgen.spec_metrics_delta(before, after) if after else None
-            # A running server's policy is in its responses' stats (peagle's extension); vLLM's is fixed.
-            policy = next((r.spec["speculation_policy"] for r in res if (r.spec or {}).get("speculation_policy")),
-                          policy)
-            cpu_s = server.cpu_seconds() - cpu if cpu is not None else None
-            yield summarize(res, dur, method, k, c, acceptance, policy, cpu_s)
+def _transformers_runs(runs: _ConfigRuns, runner) -> Iterator[RunMetrics]:
+    args, plan, cfg = runs.args, runs.plan, runs.cfg
+    lookup = args.prompt_lookup_tokens if cfg.method == "transformers-pld" else None
+    if runs.warm:
+        runner.run(runs.warm, 1, min(8, args.max_tokens), args.temperature, args.seed, plan.chat, prompt_lookup=lookup)
+    for c in runs.concurrencies:
+        runs.starting(cfg.label, c)
+        cpu = time.process_time()
+        res, dur = runner.run(plan.prompts, c, args.max_tokens, args.temperature, runs.seed, plan.chat,
+                              args.ignore_eos, prompt_lookup=lookup, progress=runs.progress)
+        yield summarize(res, dur, cfg.method, cfg.k, c, cpu_s=time.process_time() - cpu)
 
-    if plan.mode == "url":
-        try:
-            info = loadgen.server_info(args.url, args.api_key)
-        except Exception as e:  # noqa: BLE001
-            raise BenchError(f"cannot reach {args.url}/v1/models: {e}") from None
-        method, k = _server_method(info, args)
-        if method in SPEC_METHODS:
-            head = (info.get("speculative_config") or {}).get("model")
-            plan.heads.setdefault(method, {"path": head, "untrained": bool(head) and is_untrained(head)})
-        yield from http_runs(args.url, method, k, info.get("id"))
-        return
 
+def _offline_runs(runs: _ConfigRuns, holder: TargetHolder) -> Iterator[RunMetrics]:
+    args, plan, cfg = runs.args, runs.plan, runs.cfg
+    engine = holder.engine(plan.model_path, cfg, max(plan.concurrencies), plan.max_model_len)
+    if runs.warm:
+        engine.generate([p.chat_messages() if plan.chat else p.text for p in runs.warm],
+                        _params(args, min(8, args.max_tokens)), chat=plan.chat)
+    seed = runs.seed
+    for c in runs.concurrencies:
+        runs.starting(cfg.label, c)
+        cpu = time.process_time()  # the engine runs in this process
+        res, dur = loadgen.run_offline(engine, plan.prompts, c,
+                                       lambda i: _params(args, seed=None if seed is None else seed + i),
+                                       plan.chat, runs.progress)
+        yield summarize(res, dur, cfg.method, cfg.k, c, policy=cfg.policy, cpu_s=time.process_time() - cpu)
+    del engine
+    gc.collect()
+
+
+def _url_runs(runs: _ConfigRuns) -> Iterator[RunMetrics]:
+    """The server already running at --url, doing whatever it was started with."""
+    args = runs.args
+    try:
+        info = loadgen.server_info(args.url, args.api_key)
+    except Exception as e:  # noqa: BLE001
+        raise BenchError(f"cannot reach {args.url}/v1/models: {e}") from None
+    method, k = _server_method(info, args)
+    if method in SPEC_METHODS:
+        head = (info.get("speculative_config") or {}).get("model")
+        runs.plan.heads.setdefault(method, {"path": head, "untrained": bool(head) and is_untrained(head)})
+    yield from _http_runs(runs, args.url, method, k, info.get("id"))
+
+
+def _served_runs(runs: _ConfigRuns, out: Path) -> Iterator[RunMetrics]:
+    """A `peagle serve` subprocess started for this configuration, stopped after its runs."""
+    args, plan, cfg = runs.args, runs.plan, runs.cfg
     spec = cfg.speculative_config()
     log = out / "logs" / f"{cfg.method}-k{cfg.k}{'-adaptive' if cfg.policy == 'adaptive' else ''}.log"
     server = loadgen.ServerProcess(args.model, json.dumps(spec) if spec else None, max(plan.concurrencies), log,
@@ -217,7 +234,7 @@ def _run_config(args, plan: Plan, cfg: Config, concurrencies: list[int], holder:
                                    extra_args=(["--speculation-policy", cfg.policy] if spec else [])
                                    + (["--quantization", args.quantization] if args.quantization else []),
                                    threads=args.threads)
-    bar.set_description(f"{cfg.label}: starting server")
+    runs.bar.set_description(f"{cfg.label}: starting server")
     try:
         server.start()
     except loadgen.ServerError as e:
@@ -225,9 +242,37 @@ def _run_config(args, plan: Plan, cfg: Config, concurrencies: list[int], holder:
     plan.server_startup_s[cfg.label] = round(server.startup_s, 1)
     try:
         info = loadgen.server_info(server.url)
-        yield from http_runs(server.url, cfg.method, cfg.k, info.get("id"), cfg.policy, server)
+        yield from _http_runs(runs, server.url, cfg.method, cfg.k, info.get("id"), cfg.policy, server)
     finally:
         server.stop()
+
+
+def _http_runs(runs: _ConfigRuns, url: str, method: str, k: int, model_name: str | None, policy: str = "fixed",
+               server: loadgen.ServerProcess | None = None) -> Iterator[RunMetrics]:
+    args = runs.args
+    settings = loadgen.LoadSettings(max_tokens=args.max_tokens, temperature=args.temperature, seed=runs.seed,
+                                    chat=runs.plan.chat, model=model_name, ignore_eos=args.ignore_eos,
+                                    api_key=args.api_key)
+    if runs.warm:
+        warm = replace(settings, max_tokens=min(8, args.max_tokens), seed=None, ignore_eos=False)
+        res, _ = loadgen.run_http(url, runs.warm, 1, warm)
+        bad = [r.error for r in res if not r.ok]
+        if bad:
+            raise BenchError(f"the server at {url} failed the warm-up request: {bad[0]}")
+    for c in runs.concurrencies:
+        runs.starting(config_label(method, k, policy), c)
+        before = loadgen.scrape_spec_metrics(url, args.api_key)
+        cpu = server.cpu_seconds() if server else None
+        res, dur = loadgen.run_http(url, runs.plan.prompts, c, settings, progress=runs.progress)
+        acceptance = None
+        if method in SPEC_METHODS and not any(r.spec for r in res) and before is not None:
+            after = loadgen.scrape_spec_metrics(url, args.api_key)
+            acceptance = loadgen.spec_metrics_delta(before, after) if after else None
+        # A running server's policy is in its responses' stats (peagle's extension); vLLM's is fixed.
+        policy = next((r.spec["speculation_policy"] for r in res if (r.spec or {}).get("speculation_policy")),
+                      policy)
+        cpu_s = server.cpu_seconds() - cpu if cpu is not None else None
+        yield summarize(res, dur, method, k, c, acceptance, policy, cpu_s)
 
 
 def _server_method(info: dict, args) -> tuple[str, int]:
