@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -80,8 +79,20 @@ class SpeculativeConfig(BaseModel):
         """What benchmarks and stats call it: `peagle` or `eagle3`."""
         return "peagle" if self.parallel_drafting else "eagle3"
 
+    def to_dict(self) -> dict:
+        """vLLM's JSON form, as a dict: every field that is set (defaults included, so K and the drafting mode are
+        always spelled out). Every place that shows or passes on a config (export, `peagle models`, `/v1/models`, the
+        trainer's hint, benchmark servers) writes this form."""
+        return self.model_dump(exclude_none=True)
+
     def to_json(self) -> str:
-        return json.dumps(self.model_dump(exclude_none=True, exclude_defaults=False))
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def for_head(cls, head: str | None, num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
+                 parallel_drafting: bool = True) -> "SpeculativeConfig":
+        """The config that serves a head: P-EAGLE (parallel drafting) by default, EAGLE-3 with parallel=False."""
+        return cls(model=head, num_speculative_tokens=num_speculative_tokens, parallel_drafting=parallel_drafting)
 
     def check_head(self, head_parallel_capable: bool, head_name: str = "the head") -> None:
         """Refuse parallel drafting on a head that has no mask_hidden, as vLLM would."""
@@ -113,8 +124,3 @@ class SpeculativeConfig(BaseModel):
                     msg = f"unknown field; allowed fields: {', '.join(cls.model_fields)}"
                 parts.append(f"{loc}: {msg}")
             raise SpeculativeConfigError("invalid speculative config: " + "; ".join(parts)) from None
-
-    @classmethod
-    def from_env(cls) -> "SpeculativeConfig | None":
-        text = os.environ.get(ENV_VAR)
-        return cls.parse(text) if text else None

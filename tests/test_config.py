@@ -33,13 +33,16 @@ def test_defaults_and_dict_input():
 
 
 def test_environment_variable(monkeypatch):
+    from peagle.model.heads import resolve_speculation
+
     monkeypatch.delenv(ENV_VAR, raising=False)
-    assert SpeculativeConfig.from_env() is None
+    assert resolve_speculation(None, "some/other-model").config is None
     monkeypatch.setenv(ENV_VAR, SAGEMAKER)
-    assert SpeculativeConfig.from_env().parallel_drafting is True
+    assert resolve_speculation(None, "some/other-model").config.parallel_drafting is True
+    assert resolve_speculation("none", "some/other-model").config is None  # a flag wins over the environment
     monkeypatch.setenv(ENV_VAR, "{bad")
-    with pytest.raises(SpeculativeConfigError, match="not valid JSON"):
-        SpeculativeConfig.from_env()
+    with pytest.raises(SpeculativeConfigError, match=f"(?s)not valid JSON.*from {ENV_VAR}"):
+        resolve_speculation(None, "some/other-model")
 
 
 @pytest.mark.parametrize("value, field, words", [

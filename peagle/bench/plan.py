@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from peagle.bench.metrics import METHOD_NAMES, SPEC_METHODS, config_label
+from peagle.config import SpeculativeConfig
 from peagle.model.heads import is_untrained
 
 METHODS = ("baseline", "eagle3", "peagle", "transformers", "transformers-pld")
@@ -55,11 +56,10 @@ class Config:
     def label(self) -> str:
         return config_label(self.method, self.k, self.policy)
 
-    def speculative_config(self) -> dict | None:
+    def speculative_config(self) -> SpeculativeConfig | None:
         if self.method not in SPEC_METHODS:
             return None
-        return {"model": self.head, "method": "eagle3", "num_speculative_tokens": self.k,
-                "parallel_drafting": self.method == "peagle"}
+        return SpeculativeConfig.for_head(self.head, self.k, parallel_drafting=self.method == "peagle")
 
 
 @dataclass
@@ -280,7 +280,6 @@ class TargetHolder:
         return self._target
 
     def engine(self, model_path: Path, cfg: Config, max_num_seqs: int, max_model_len: int | None):
-        from peagle.config import SpeculativeConfig
         from peagle.engine.engine import LLMEngine
         from peagle.model.loading import torch_dtype
         from peagle.model.checkpoint import load_head
@@ -290,7 +289,7 @@ class TargetHolder:
         tok = self.tokenizer(model_path)
         spec = drafter = None
         if cfg.method in SPEC_METHODS:
-            spec = SpeculativeConfig.parse(cfg.speculative_config())
+            spec = cfg.speculative_config()
             drafter = load_head(cfg.head, target_embeddings=target.input_embeddings(), dtype=torch_dtype(self.dtype),
                                 device=target.device).pack_(DRAFTER_QUANTIZATION if target.quantized else None)
             # (as `peagle serve` loads it)

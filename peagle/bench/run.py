@@ -229,7 +229,7 @@ def _served_runs(runs: _ConfigRuns, out: Path) -> Iterator[RunMetrics]:
     args, plan, cfg = runs.args, runs.plan, runs.cfg
     spec = cfg.speculative_config()
     log = out / "logs" / f"{cfg.method}-k{cfg.k}{'-adaptive' if cfg.policy == 'adaptive' else ''}.log"
-    server = loadgen.ServerProcess(args.model, json.dumps(spec) if spec else None, max(plan.concurrencies), log,
+    server = loadgen.ServerProcess(args.model, spec.to_json() if spec else None, max(plan.concurrencies), log,
                                    plan.max_model_len, None if args.dtype == "auto" else args.dtype, args.device,
                                    extra_args=(["--speculation-policy", cfg.policy] if spec else [])
                                    + (["--quantization", args.quantization] if args.quantization else []),

@@ -17,7 +17,8 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="target model folder or cached hub id (default: embedded SmolLM2)")
     parser.add_argument("--speculative-config", default=None,
                         help='vLLM-style JSON, e.g. \'{"model": HEAD, "method": "eagle3", "num_speculative_tokens": 7, '
-                             '"parallel_drafting": true}\' (default: the bundled P-EAGLE head of the embedded model)')
+                             '"parallel_drafting": true}\' (default: SM_VLLM_SPECULATIVE_CONFIG, else the bundled P-EAGLE head of the embedded model); "none" '
+                             'decodes without speculation')
     parser.add_argument("--no-speculation", action="store_true", help="plain decoding, no drafter")
     parser.add_argument("--speculation-policy", choices=POLICIES, default=os.environ.get(ENV_VAR, DEFAULT_POLICY),
                         help=f"adaptive (default): K is picked every step from 0 up to num_speculative_tokens for the "
@@ -41,18 +42,17 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from peagle.config import SpeculativeConfig, SpeculativeConfigError
+    from peagle.config import SpeculativeConfigError
     from peagle.engine import LLMEngine, RequestError, SamplingParams
-    from peagle.model.heads import default_speculative_config
+    from peagle.model.heads import resolve_speculation
 
     try:
         spec = None
         if not args.no_speculation:
-            spec = (SpeculativeConfig.parse(args.speculative_config) if args.speculative_config
-                    else default_speculative_config(args.model))
-            if spec is None:
-                print("peagle: no drafter head for this model; decoding without speculation "
-                      "(name one with --speculative-config)", file=sys.stderr)
+            chosen = resolve_speculation(args.speculative_config, args.model)
+            spec = chosen.config
+            if chosen.note:
+                print(f"peagle generate: note: {chosen.note}", file=sys.stderr)
         engine = LLMEngine.from_pretrained(args.model, spec, max_num_seqs=1, max_model_len=args.max_model_len,
                                            device=args.device, dtype=args.dtype,
                                            speculation_policy=args.speculation_policy, quantization=args.quantization)
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         "tokens_per_second": round(final.num_output_tokens / final.elapsed, 2) if final.elapsed else 0.0,
         "method": engine.method,
         "num_speculative_tokens": engine.k,
-        "speculation_policy": engine.policy.name if engine.policy else None,
+        "speculation_policy": engine.policy.name if engine.spec else None,
         "head": engine.spec.model if engine.spec else None,
         **engine.kernels,
         **{k: v for k, v in final.spec.as_dict().items()},

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from peagle import cli_args
-from peagle.config import DEFAULT_NUM_SPECULATIVE_TOKENS
+from peagle.config import DEFAULT_NUM_SPECULATIVE_TOKENS, SpeculativeConfig
 from peagle.model.checkpoint import LAYOUTS, MASK_ROW
 from peagle.model.loading import EMBEDDED_HUB_ID
 
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
 def _check_k(k: int | None) -> None:
     if k is None:
         return
-    from peagle.config import SpeculativeConfig, SpeculativeConfigError
+    from peagle.config import SpeculativeConfigError
 
     try:
         SpeculativeConfig.parse({"num_speculative_tokens": k})
@@ -158,10 +158,8 @@ def create_random_head(args) -> tuple[Path, bool, str]:
 
 def vllm_serve_line(target: str | None, head_dir: Path, k: int, parallel: bool) -> str:
     """The `vllm serve` command that serves `target` with this head (vLLM's --speculative-config JSON)."""
-    spec = {"model": str(head_dir), "method": "eagle3", "num_speculative_tokens": k}
-    if parallel:
-        spec["parallel_drafting"] = True
-    return f"vllm serve {shlex.quote(target or 'TARGET_MODEL')} --speculative-config {shlex.quote(json.dumps(spec))}"
+    spec = SpeculativeConfig.for_head(str(head_dir), k, parallel_drafting=parallel)
+    return f"vllm serve {shlex.quote(target or 'TARGET_MODEL')} --speculative-config {shlex.quote(spec.to_json())}"
 
 
 def pick_mask_token_id(model_dir: Path, vocab_size: int) -> int:

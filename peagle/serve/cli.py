@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import logging
 import os
 import shlex
@@ -20,6 +19,7 @@ import sys
 from pathlib import Path
 
 from peagle import cli_args
+from peagle.config import ENV_VAR
 
 
 ENV_PREFIX = "SM_VLLM_"
@@ -55,6 +55,20 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=cli_args.positive_int,
                         help="context length (prompt + output) per request")
     parser.add_argument("--max-num-seqs", type=cli_args.positive_int, help="requests decoded together (default 8)")
+    from peagle.engine.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
+    from peagle.engine.prefix_cache import DEFAULT_MEMORY_GB
+
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the computed blocks of earlier requests (prompts and answers) for prompts that "
+                             "start the same way, bit-exactly (default: on)")
+    parser.add_argument("--prefix-cache-gb", type=cli_args.positive_float, default=DEFAULT_MEMORY_GB,
+                        help=f"memory for cached blocks, least recently used evicted first (default {DEFAULT_MEMORY_GB})")
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                        help="prefill long prompts in chunks between decode steps, so running streams keep flowing "
+                             "(default: on)")
+    parser.add_argument("--max-num-batched-tokens", type=cli_args.positive_int,
+                        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                        help=f"prompt tokens prefilled per engine step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
     parser.add_argument("--served-model-name", nargs="+", help="name(s) clients use in \"model\"")
     parser.add_argument("--dtype", default="auto", help="auto (bfloat16), bfloat16, float16 or float32")
     from peagle.model.quant import QUANTIZATION_HELP, QUANTIZATIONS
@@ -113,7 +127,7 @@ def apply_env_defaults(parser: argparse.ArgumentParser, environ=None) -> None:
         if env is None or env not in environ or action.dest == "help":
             continue
         raw = environ[env]
-        if isinstance(action, argparse._StoreTrueAction):
+        if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):
             value = raw.strip().lower() in ("1", "true", "yes", "on")
         elif action.nargs in ("+", "*"):
             value = shlex.split(raw)
@@ -142,10 +156,11 @@ def _fail(msg: str, code: int = 2) -> int:
 
 
 def resolve(args) -> dict:
-    """Turn arguments into what to serve: model, speculative config, names, address. Raises ServeError."""
-    from peagle.config import SpeculativeConfig, SpeculativeConfigError
-    from peagle.model.heads import bundled_heads, default_speculative_config, resolve_head
-    from peagle.model.loading import EMBEDDED_MODEL, has_embedded_weights, is_embedded
+    """Turn arguments into what to serve: model, speculative config (its head resolved to a folder here, once,
+    unless it is a hub id that vLLM fetches), names, address. Raises ServeError."""
+    from peagle.config import SpeculativeConfigError
+    from peagle.model.heads import resolve_head, resolve_speculation
+    from peagle.model.loading import EMBEDDED_MODEL, is_embedded
     from peagle.serve import catalog
 
     name = args.model_tag or args.model
@@ -153,32 +168,19 @@ def resolve(args) -> dict:
         name = str(ml_root() / "model")
     preset = catalog.find(name) if name is not None and not Path(name).expanduser().exists() else None
     model = preset.model if preset else name
-    notes = []
-
-    spec = None
-    text = args.speculative_config
-    if text is not None and text.strip().lower() not in ("", "none", "null"):
-        try:
-            spec = SpeculativeConfig.parse(text)
-        except SpeculativeConfigError as e:
-            source = "--speculative-config" if _from_cli("--speculative-config") else "SM_VLLM_SPECULATIVE_CONFIG"
-            raise ServeError(f"{e}\n  (from {source})")
-    elif text is None and preset is not None and preset.model is not None:
-        spec = SpeculativeConfig.parse(preset.speculative_config)
-        if not preset.verified:
-            notes.append(f"warning: preset {preset.name}'s head id {preset.head!r} is unverified ({preset.notes})")
-    elif text is None:
-        spec = default_speculative_config(model)
-        if spec is None and has_embedded_weights(model):
-            notes.append("note: the bundled P-EAGLE head for the embedded model is not installed "
-                         f"(bundled heads: {', '.join(bundled_heads()) or 'none'}); serving WITHOUT speculation. "
-                         "Pass --speculative-config to use a head.")
-        elif spec is None:
-            notes.append("note: no --speculative-config given; serving without speculation")
-
     if preset is not None and preset.engine == "vllm" and args.engine != "vllm":
         raise ServeError(f"preset {preset.name} ({preset.model}) is a large GPU model that peagle's engine does not "
                          f"run; serve it with vLLM: `peagle serve {preset.name} --engine vllm`")
+    try:
+        chosen = resolve_speculation(args.speculative_config, model,
+                                     source="--speculative-config" if _from_cli("--speculative-config") else ENV_VAR,
+                                     preset=preset.speculative_config if preset and preset.model is not None else None)
+    except SpeculativeConfigError as e:
+        raise ServeError(str(e)) from None
+    spec = chosen.config
+    notes = [f"note: {chosen.note}"] if chosen.note else []
+    if chosen.origin == "preset" and not preset.verified:
+        notes.append(f"warning: preset {preset.name}'s head id {preset.head!r} is unverified ({preset.notes})")
 
     if args.engine == "peagle" and not is_embedded(model):
         from peagle.model.loading import resolve_model
@@ -188,31 +190,47 @@ def resolve(args) -> dict:
         except FileNotFoundError as e:
             raise ServeError(str(e))
 
-    if spec is not None and args.engine == "peagle":
-        head = spec.model
-        if head is not None and not Path(head).expanduser().exists() and head not in bundled_heads():
-            channel = ml_root() / "additional-model-data-sources" / head.strip("/").split("/")[-1]
-            if (channel / "config.json").exists():
-                spec = spec.model_copy(update={"model": str(channel)})
-        elif head is None and args.sagemaker:
-            channels = sorted(p for p in (ml_root() / "additional-model-data-sources").glob("*")
-                              if (p / "config.json").exists())
-            if len(channels) == 1:
-                spec = spec.model_copy(update={"model": str(channels[0])})
-            elif len(channels) > 1:
-                raise ServeError("several heads under additional-model-data-sources ("
-                                 f"{', '.join(c.name for c in channels)}): name one in the speculative config's "
-                                 "\"model\"")
+    head_dir = None  # a local head's folder, found here once; what the engine (or vLLM) is given
+    if spec is not None and (preset is None or preset.engine == "peagle"):
+        spec = spec.model_copy(update={"model": _sagemaker_channel(spec.model, args.sagemaker)})
         try:
-            resolve_head(spec.model, model)
+            head_dir = resolve_head(spec.model, model, method=spec.method_name)
         except FileNotFoundError as e:
-            raise ServeError(f"speculative config: {e}")
+            if args.engine == "peagle":
+                raise ServeError(f"speculative config: {e}") from None
+            # not a local head: a hub id, which vLLM fetches itself
 
     host = args.host or ("0.0.0.0" if args.sagemaker else "127.0.0.1")
     port = args.port or (SAGEMAKER_PORT if args.sagemaker else 8000)
     served = args.served_model_name or [preset.name if preset else (name or EMBEDDED_MODEL)]
-    return {"model": model, "preset": preset, "spec": spec, "host": host, "port": port, "served": served,
-            "notes": notes}
+    return {"model": model, "preset": preset, "spec": spec, "head_dir": head_dir, "host": host, "port": port,
+            "served": served, "notes": notes}
+
+
+def _served_spec(plan: dict):
+    """The plan's speculative config naming its head by the folder `resolve` found (a hub id stays as it is)."""
+    spec = plan["spec"]
+    return spec.model_copy(update={"model": str(plan["head_dir"])}) if plan["head_dir"] is not None else spec
+
+
+def _sagemaker_channel(head: str | None, sagemaker: bool) -> str | None:
+    """A head named by its SageMaker channel (a folder under additional-model-data-sources), or, with --sagemaker and
+    no head named, the only channel there is."""
+    from peagle.model.heads import bundled_heads
+
+    channels_dir = ml_root() / "additional-model-data-sources"
+    if head is not None:
+        if Path(head).expanduser().exists() or head in bundled_heads():
+            return head
+        channel = channels_dir / head.strip("/").split("/")[-1]
+        return str(channel) if (channel / "config.json").exists() else head
+    if not sagemaker:
+        return None
+    channels = sorted(p for p in channels_dir.glob("*") if (p / "config.json").exists())
+    if len(channels) > 1:
+        raise ServeError(f"several heads under additional-model-data-sources ({', '.join(c.name for c in channels)})"
+                         ": name one in the speculative config's \"model\"")
+    return str(channels[0]) if channels else None
 
 
 def _from_cli(flag: str) -> bool:
@@ -232,6 +250,13 @@ def run(args) -> int:
     return serve(args, plan)
 
 
+def engine_options(args) -> dict:
+    """The engine's prefill options from serve's flags."""
+    return {"enable_prefix_caching": args.enable_prefix_caching, "prefix_cache_gb": args.prefix_cache_gb,
+            "enable_chunked_prefill": args.enable_chunked_prefill,
+            "max_num_batched_tokens": args.max_num_batched_tokens}
+
+
 def build_server(args, plan):
     """Load the engine(s) and build the app; returns (app, async engine)."""
     from peagle.config import SpeculativeConfigError
@@ -241,17 +266,18 @@ def build_server(args, plan):
     from peagle.serve.metrics import Metrics
 
     try:
-        engine = LLMEngine.from_pretrained(plan["model"], speculative_config=plan["spec"],
+        engine = LLMEngine.from_pretrained(plan["model"], speculative_config=_served_spec(plan),
                                            max_num_seqs=args.max_num_seqs or 8, max_model_len=args.max_model_len,
                                            device=args.device, dtype=args.dtype,
                                            speculation_policy=args.speculation_policy,
-                                           quantization=args.quantization)
+                                           quantization=args.quantization, **engine_options(args))
     except (SpeculativeConfigError, FileNotFoundError, ValueError) as e:
         raise ServeError(str(e)) from None
     baseline = None
     if engine.spec is not None and not args.no_baseline:
         baseline = LLMEngine(engine.target, engine.tokenizer, None, None, max_num_seqs=args.baseline_max_num_seqs,
-                             max_model_len=engine.max_model_len, model_name=engine.model_name)
+                             max_model_len=engine.max_model_len, model_name=engine.model_name,
+                             **{**engine_options(args), "prefix_cache_gb": args.prefix_cache_gb / 4})
     metrics = Metrics(plan["served"][0], engine.k)
     aengine = AsyncEngine(engine, baseline, max_waiting=args.max_waiting, metrics=metrics)
     model_path = str(plan["model"]) if plan["model"] else engine.model_name
@@ -310,22 +336,14 @@ def serve(args, plan) -> int:
 
 
 def vllm_command(args, plan) -> list[str]:
-    from peagle.model.heads import resolve_head
     from peagle.model.loading import is_embedded, resolve_model
 
     model = plan["model"]
     if is_embedded(model):
         model = str(resolve_model(None))
     cmd = ["vllm", "serve", str(model)]
-    spec = plan["spec"]
-    if spec is not None:
-        d = spec.model_dump(exclude_none=True)
-        if plan["preset"] is None or plan["preset"].engine == "peagle":
-            try:  # a bundled or local head: give vLLM its folder
-                d["model"] = str(resolve_head(spec.model, plan["model"]))
-            except FileNotFoundError:
-                pass
-        cmd += ["--speculative-config", json.dumps(d)]
+    if plan["spec"] is not None:
+        cmd += ["--speculative-config", _served_spec(plan).to_json()]
     cmd += ["--host", plan["host"], "--port", str(plan["port"])]
     preset_args = list(plan["preset"].vllm_args) if plan["preset"] is not None else []
     if args.max_model_len:

@@ -153,34 +153,23 @@ def _endpoint_name(target: str) -> str:
 
 
 def _spec_from_args(target: str, serve_args: list[str]) -> dict | None:
-    """The speculative config the server will use, for display (its own log is authoritative)."""
+    """The speculative config the server will run, for display, decided as `peagle serve` decides it (its own log
+    is authoritative). Raises SpeculativeConfigError for a config the server would refuse."""
+    from peagle.config import SpeculativeConfigError
+    from peagle.model.heads import resolve_speculation
     from peagle.serve import catalog
 
-    if "--speculative-config" in serve_args:
-        i = serve_args.index("--speculative-config")
-        try:
-            return json.loads(serve_args[i + 1])
-        except (IndexError, json.JSONDecodeError):
-            return None
-    for a in serve_args:
-        if a.startswith("--speculative-config="):
-            try:
-                return json.loads(a.split("=", 1)[1])
-            except json.JSONDecodeError:
-                return None
-    env = os.environ.get("SM_VLLM_SPECULATIVE_CONFIG")
-    if env:
-        try:
-            return json.loads(env)
-        except json.JSONDecodeError:
-            return None
+    text = None
+    for i, a in enumerate(serve_args):
+        if a == "--speculative-config":
+            if i + 1 == len(serve_args):
+                raise SpeculativeConfigError("--speculative-config needs a value: JSON, or none")
+            text = serve_args[i + 1]
+        elif a.startswith("--speculative-config="):
+            text = a.split("=", 1)[1]
     preset = catalog.find(target)
-    if preset is not None:
-        return preset.speculative_config
-    from peagle.model.heads import default_speculative_config
-
-    spec = default_speculative_config(target)
-    return spec.model_dump(exclude_none=True) if spec is not None else None
+    spec = resolve_speculation(text, target, preset=preset.speculative_config if preset else None).config
+    return spec.to_dict() if spec is not None else None
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -216,6 +205,13 @@ def deploy(args) -> int:
         print(f"peagle deploy: error: port {port} is in use", file=sys.stderr)
         return 2
     serve_args = args.serve_args
+    from peagle.config import SpeculativeConfigError
+
+    try:
+        spec = _spec_from_args(args.target, serve_args)
+    except SpeculativeConfigError as e:
+        print(f"peagle deploy: error: {e}", file=sys.stderr)
+        return 2
     target = None if args.target in ("default",) else args.target
     cmd = [sys.executable, "-m", "peagle.cli", "serve", *([target] if target else []),
            "--host", args.host, "--port", str(port), *serve_args]
@@ -226,7 +222,7 @@ def deploy(args) -> int:
     url = f"http://{args.host}:{port}"
     ep = {"name": name, "target": args.target, "model": args.target, "url": url, "host": args.host, "port": port,
           "pid": proc.pid, "start_time": _start_time(proc.pid), "command": cmd, "log": str(log),
-          "speculative_config": _spec_from_args(args.target, serve_args), "created": time.time()}
+          "speculative_config": spec, "created": time.time()}
     tmp = state_file.with_suffix(".tmp")
     tmp.write_text(json.dumps(ep, indent=2))
     tmp.replace(state_file)

@@ -16,15 +16,6 @@ from peagle.train.trainer import DEFAULT_DEPTHS, DEFAULT_LAYERS, TrainConfig
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
-# The command's own defaults for the two values TrainConfig leaves to its caller (it requires the data and names one
-# output folder for both methods): the built-in ShareGPT source, and an output folder named after the method.
-DEFAULT_DATA = "sharegpt"
-
-
-def default_out(method: str) -> str:
-    return f"peagle-{method}-head"
-
-
 def _option(p, field_name: str, flag: str | None = None, **kw) -> None:
     """The flag of TrainConfig field `field_name` (--field-name unless `flag` names another), defaulting to the
     field's default, so that TrainConfig states every training default once; help text shows it as %(default)s."""
@@ -43,11 +34,9 @@ def _add_input_args(p) -> None:
     """The target, the data and the head's shape."""
     _option(p, "target", help="target model: a Hugging Face folder or cached hub id, any causal LM "
                               "(default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--data", default=DEFAULT_DATA,
-                   help="a folder from `peagle data prepare`, a .jsonl of conversations, or `sharegpt` "
-                        "(rendered with the target's chat template on the fly) [default: %(default)s]")
-    p.add_argument("--out", default=None, help="output folder for the head and checkpoints "
-                                              f"[default: ./{default_out('<method>')}]")
+    _option(p, "data", help="a folder from `peagle data prepare`, a .jsonl of conversations, or `sharegpt` "
+                            "(rendered with the target's chat template on the fly) [default: %(default)s]")
+    _option(p, "out", help="output folder for the head and checkpoints [default: ./peagle-<method>-head]")
     _option(p, "method", choices=("peagle", "eagle3"))
     _option(p, "num_layers", type=cli_args.positive_int,
             help=f"drafter decoder layers [P-EAGLE {DEFAULT_LAYERS['peagle']}, EAGLE-3 {DEFAULT_LAYERS['eagle3']}]")
@@ -149,10 +138,8 @@ def _add_head_args(p) -> None:
 
 
 def config_from_args(args) -> TrainConfig:
-    """Every flag is a TrainConfig field and passes straight through; only the output folder is derived."""
-    kw = {k: v for k, v in vars(args).items() if k in _FIELDS}
-    kw["out"] = args.out or default_out(args.method)
-    return TrainConfig(**kw)
+    """Every flag is a TrainConfig field and passes straight through."""
+    return TrainConfig(**{k: v for k, v in vars(args).items() if k in _FIELDS})
 
 
 def run(args) -> int:

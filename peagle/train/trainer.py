@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from peagle.config import DEFAULT_NUM_SPECULATIVE_TOKENS
+from peagle.config import SpeculativeConfig
 from peagle.model.checkpoint import save_head
 from peagle.model.loading import EMBEDDED_HUB_ID, torch_dtype
 from peagle.train.cod import Elements, eval_elements, partition, sample_cod
@@ -41,8 +41,8 @@ DEFAULT_DEPTHS = {"peagle": 12, "eagle3": 7}
 
 @dataclass
 class TrainConfig:
-    data: str
-    out: str = "peagle-head"
+    data: str = "sharegpt"  # a `peagle data prepare` folder, a .jsonl of conversations, or the built-in ShareGPT
+    out: str | None = None  # None: ./peagle-<method>-head
     target: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     method: str = "peagle"
     num_layers: int | None = None  # drafter decoder layers (default: DEFAULT_LAYERS[method])
@@ -97,6 +97,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.method not in ("peagle", "eagle3"):
             raise ValueError(f"--method must be peagle or eagle3, not {self.method!r}")
+        if self.out is None:
+            self.out = f"peagle-{self.method}-head"
         if self.num_layers is None:
             self.num_layers = DEFAULT_LAYERS[self.method]
         if self.num_depths is None:
@@ -585,10 +587,8 @@ class Trainer:
             (out / "training_args.json").write_text(json.dumps(asdict(cfg), indent=2, default=str) + "\n")
             if last_eval is not None:
                 (out / "eval.json").write_text(json.dumps(last_eval, indent=2) + "\n")
-            spec = {"model": str(out), "method": "eagle3", "num_speculative_tokens": DEFAULT_NUM_SPECULATIVE_TOKENS}
-            if cfg.method == "peagle":
-                spec["parallel_drafting"] = True
-            self.log(f"head written to {out}; serve it with --speculative-config '{json.dumps(spec)}'")
+            spec = SpeculativeConfig.for_head(str(out), parallel_drafting=cfg.method == "peagle")
+            self.log(f"head written to {out}; serve it with --speculative-config '{spec.to_json()}'")
         self._barrier()
         return {"steps": self.step, "eval": last_eval, "history": self.history}
 
