@@ -104,7 +104,7 @@ def make_server(model_dir: Path, head_dir: Path | None, *, max_num_seqs: int = 8
 
     spec = spec_config(head_dir) if head_dir is not None else None
     engine = LLMEngine.from_pretrained(str(model_dir), spec, max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN,
-                                       device="cpu", dtype="float32")
+                                       device="cpu", dtype="float32", speculation_policy="fixed")
     base = (LLMEngine(engine.target, engine.tokenizer, max_num_seqs=2, max_model_len=engine.max_model_len,
                       model_name=engine.model_name) if baseline and spec else None)
     aengine = AsyncEngine(engine, base, max_waiting=max_waiting, metrics=Metrics(name, engine.k))

@@ -28,7 +28,7 @@ def make_engine(target: TargetModel, k: int = 0, parallel: bool = True, num_laye
                        num_layers=num_layers, mask_token_id=MASK_ID, seed=seed,
                        dtype=target.embed_tokens.weight.dtype)
     return LLMEngine(target, tokenizer, head, spec(k, parallel), max_num_seqs=max_num_seqs,
-                     max_model_len=max_model_len)
+                     max_model_len=max_model_len, speculation_policy="fixed")
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ def engine(target: TargetModel, k: int) -> LLMEngine:
     head = random_head(target.config, target.embed_tokens.weight, "peagle", mask_token_id=3, seed=0,
                        dtype=torch.float32)
     spec = SpeculativeConfig(model="random", num_speculative_tokens=k, parallel_drafting=True)
-    return LLMEngine(target, None, head, spec, max_num_seqs=2, max_model_len=128)
+    return LLMEngine(target, None, head, spec, max_num_seqs=2, max_model_len=128, speculation_policy="fixed")
 
 
 def teacher_forced_logits(target: TargetModel, ids: list[int]) -> torch.Tensor:

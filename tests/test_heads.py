@@ -42,7 +42,7 @@ def test_heads_are_bundled_and_default():
 def test_bundled_head_quality_and_lossless(method, k, plain_outputs):
     spec = {"model": DEFAULT_HEADS[method], "method": "eagle3", "num_speculative_tokens": k,
             "parallel_drafting": method == "peagle"}
-    engine = LLMEngine.from_pretrained(None, spec, max_num_seqs=len(PROMPTS), device="cpu")
+    engine = LLMEngine.from_pretrained(None, spec, max_num_seqs=len(PROMPTS), device="cpu", speculation_policy="fixed")
     assert engine.drafter.config.parallel_capable == (method == "peagle")
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS), chat=True)
     assert [o.token_ids for o in outs] == plain_outputs

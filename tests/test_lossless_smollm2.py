@@ -61,7 +61,8 @@ def test_greedy_speculation_equals_plain_greedy_on_smollm2(path, smollm2_dir, on
         spec = SpeculativeConfig.parse({"model": DEFAULT_HEADS[method], "method": "eagle3",
                                         "num_speculative_tokens": k if isinstance(k, int) else 3,
                                         "parallel_drafting": method == "peagle"})
-        engine = LLMEngine(target, tok, heads[method], spec, max_num_seqs=batch, max_model_len=256)
+        engine = LLMEngine(target, tok, heads[method], spec, max_num_seqs=batch, max_model_len=256,
+                           speculation_policy="fixed")
         if not isinstance(k, int):  # request i verifies (step + i) % 4 drafts: every step mixes window sizes
             engine.policy = Rotating(3)
         assert run_staggered(engine, params) == reference, f"{path}: {method} K={k} batch {batch}"

@@ -179,10 +179,11 @@ def tiny_target(tmp_path_factory) -> TargetModel:
 
 
 def engine(target: TargetModel, k: int, policy: str, parallel: bool = True, max_num_seqs: int = 4,
-           max_model_len: int = 256) -> LLMEngine:
+           max_model_len: int = 256, disable_by_batch_size: int | None = None) -> LLMEngine:
     head = random_head(target.config, target.embed_tokens.weight, "peagle" if parallel else "eagle3",
                        mask_token_id=3, seed=0, dtype=target.embed_tokens.weight.dtype)
-    spec = SpeculativeConfig(model="random", num_speculative_tokens=k, parallel_drafting=parallel)
+    spec = SpeculativeConfig(model="random", num_speculative_tokens=k, parallel_drafting=parallel,
+                             disable_by_batch_size=disable_by_batch_size)
     return LLMEngine(target, None, head, spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                      speculation_policy=policy)
 
@@ -297,7 +298,7 @@ def test_adaptive_with_a_useless_head_decodes_plainly(tiny_target):
     assert [o.token_ids for o in eng.generate(ps, params)] == ref
     steps = eng.stats.steps_per_k
     assert steps[0] > 0.6 * sum(steps), steps
-    assert all(not r.pending_features for r in eng.running)
+    assert all(not r.backlog for r in eng.running)
 
 
 def test_adaptive_sampling_keeps_the_target_distribution(small_vocab_target):  # noqa: F811
@@ -429,8 +430,7 @@ def test_disable_by_batch_size_turns_speculation_off_while_the_batch_is_large(ti
     ps = prompts(3, seed=13)
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (6, 20, 20)]
     ref = [o.token_ids for o in LLMEngine(tiny_target, None, max_num_seqs=3, max_model_len=256).generate(ps, params)]
-    eng = engine(tiny_target, 3, "fixed", max_num_seqs=3)
-    eng.spec = eng.spec.model_copy(update={"disable_by_batch_size": 3})
+    eng = engine(tiny_target, 3, "fixed", max_num_seqs=3, disable_by_batch_size=3)
     outs = eng.generate(ps, params)
     assert [o.token_ids for o in outs] == ref
     # Plain steps while all three run; drafts again once the short request has finished.

@@ -236,7 +236,8 @@ def _assert_lossless(target: TargetModel, tok, cases, drafter_quantization: str 
         spec = SpeculativeConfig.parse({"model": DEFAULT_HEADS[method], "method": "eagle3",
                                         "num_speculative_tokens": k if isinstance(k, int) else 3,
                                         "parallel_drafting": method == "peagle"})
-        engine = LLMEngine(target, tok, heads[method], spec, max_num_seqs=batch, max_model_len=256)
+        engine = LLMEngine(target, tok, heads[method], spec, max_num_seqs=batch, max_model_len=256,
+                           speculation_policy="fixed")
         if not isinstance(k, int):
             engine.policy = Rotating(3)
         assert run_staggered(engine, params) == reference, f"{target.weights}: {method} K={k} batch {batch}"

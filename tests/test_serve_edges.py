@@ -236,7 +236,8 @@ def test_first_token_is_reported_before_the_decode(server):
     from peagle.engine import LLMEngine, SamplingParams
 
     main = server.aengine.engine  # the same target and head, in an engine of its own that this test steps
-    engine = LLMEngine(main.target, main.tokenizer, main.drafter, main.spec, max_num_seqs=1, max_model_len=64)
+    engine = LLMEngine(main.target, main.tokenizer, main.drafter, main.spec, max_num_seqs=1, max_model_len=64,
+                       speculation_policy=main.policy.name)
     seen = []
     rid = engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=8))
     outs = engine.step(on_first_tokens=seen.extend)

@@ -2,8 +2,11 @@
 requests at once.
 
 Every step:
-  1. admit waiting requests into free cache slots: target prefill and first token (the prompt's rows wait for the
-     drafter like any other real rows: a request the policy never drafts for never runs the drafter);
+  1. admit waiting requests into free cache slots, and prefill: under a budget of max_num_batched_tokens prompt
+     tokens per step, each prompt in turn continues from what the prefix cache holds (prefix_cache.py) and runs its
+     next chunk through the target; a prompt's last chunk samples its first token (the prompt's rows wait for the
+     drafter like any other real rows: a request the policy never drafts for never runs the drafter). Chunks start
+     on block boundaries and compute each row as one pass would, so chunking and caching change no output;
   2. ask the speculation policy (policy.py) how many drafts K_b, from 0 to num_speculative_tokens, each request
      verifies;
   3. draft for the requests with K_b > 0 in one drafter forward (P-EAGLE) or one per draft (EAGLE-3), at the
@@ -37,7 +40,9 @@ import torch
 from peagle.config import SpeculativeConfig
 from peagle.engine.detokenize import IncrementalDetokenizer
 from peagle.engine.request import Request, RequestError, RequestOutput, TokenLogprob
-from peagle.engine.policy import Candidate, make_policy, step_clock, timed
+from peagle.engine import prefix_cache
+from peagle.engine.policy import DEFAULT_POLICY, Candidate, NoSpeculation, make_policy, step_clock, timed
+from peagle.engine.prefix_cache import BLOCK_SIZE, PrefixCache
 from peagle.engine.sampling import SamplingParams, target_logprobs, target_probs
 from peagle.engine.stats import SpecDecodeStats
 from peagle.engine.verify import verify_greedy, verify_sampled
@@ -56,15 +61,27 @@ MAX_PENDING_ROWS = 512
 JOINT_PENDING_ROWS = 16
 # Prompt rows turned into log-probabilities at once (each row is a vocabulary-sized float32 vector).
 PROMPT_LOGPROB_ROWS = 256
+# Prompt tokens prefilled per step (vLLM's --max-num-batched-tokens; decode rows come on top). With chunked prefill a
+# longer prompt takes several steps, so a running stream waits at most one chunk: on one CPU core 256 rows cost
+# about 0.3 s at 4K tokens of context (docs/engine.md, "Chunked prefill").
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 256
 
 
 class LLMEngine:
     def __init__(self, target: TargetModel, tokenizer=None, drafter: Drafter | None = None,
                  speculative_config: SpeculativeConfig | None = None, max_num_seqs: int = 8,
-                 max_model_len: int | None = None, model_name: str = "model", max_prefill_tokens: int = 2048,
-                 speculation_policy: str = "fixed"):
-        """`speculation_policy`: "fixed" verifies num_speculative_tokens drafts every step (vLLM's behaviour);
-        "adaptive" treats it as a maximum and picks K (0 included) every step for the most tokens per second."""
+                 max_model_len: int | None = None, model_name: str = "model",
+                 speculation_policy: str = DEFAULT_POLICY, enable_prefix_caching: bool = True,
+                 prefix_cache_gb: float = prefix_cache.DEFAULT_MEMORY_GB, enable_chunked_prefill: bool = True,
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS):
+        """`speculation_policy`: "adaptive" (the default, as in `peagle serve` and `generate`) treats
+        num_speculative_tokens as a maximum and picks K (0 included) every step for the most tokens per second;
+        "fixed" verifies num_speculative_tokens drafts every step, as vLLM does. Without a drafter nothing is
+        drafted whatever the policy (policy.NoSpeculation).
+        `enable_prefix_caching` keeps computed blocks of every request (up to `prefix_cache_gb` GiB) for later
+        requests that start with the same tokens; `enable_chunked_prefill` splits a prompt longer than
+        `max_num_batched_tokens` over several steps (off: whole prompts, that many tokens of them per step, at least
+        one). Neither changes any output."""
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         self.spec = speculative_config if drafter is not None else None
         if self.spec is not None:
@@ -72,7 +89,11 @@ class LLMEngine:
         self.k = self.spec.num_speculative_tokens if self.spec else 0
         self.model_name = model_name
         self.max_num_seqs = max_num_seqs
-        self.max_prefill_tokens = max_prefill_tokens
+        if max_num_batched_tokens < BLOCK_SIZE:
+            raise ValueError(f"max_num_batched_tokens must be at least {BLOCK_SIZE} (one block), got "
+                             f"{max_num_batched_tokens}")
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
         self.max_model_len = max_model_len or min(target.config.max_position_embeddings, 4096)
         if self.spec and self.spec.max_model_len:
             self.max_model_len = min(self.max_model_len, self.spec.max_model_len)
@@ -80,6 +101,8 @@ class LLMEngine:
         capacity = self.max_model_len + JOINT_PENDING_ROWS + 2 * self.k + 2
         self.target_cache = target.new_cache(max_num_seqs, capacity)
         self.drafter_cache = drafter.new_cache(max_num_seqs, capacity) if self.spec else None
+        self.prefix_cache = (PrefixCache(self.target_cache, self.drafter_cache, target.feature_dim, prefix_cache_gb,
+                                         target.norm.weight.dtype) if enable_prefix_caching else None)
         self.device = target.device
         # which kernels run the forward, in which weight format, and whether greedy is bit-exact
         self.kernels = {**kernels.summary(self.device), "weights": target.weights}
@@ -98,20 +121,20 @@ class LLMEngine:
         self._lock = threading.Lock()
         self.stats = SpecDecodeStats(self.k)  # engine-wide, since start
         self.num_finished = 0
-        self.policy = make_policy(speculation_policy, self.k, max_num_seqs) if self.spec else None
+        self.policy = (make_policy(speculation_policy, self.k, max_num_seqs, self.spec.disable_by_batch_size)
+                       if self.spec else NoSpeculation())
         self._step_clock = step_clock(self.device)
-        if self.policy is not None and self.policy.name == "adaptive":
-            self.policy.cost.calibrate(self._time_target, self._time_draft)
+        self.policy.calibrate(self._time_target, self._time_draft)
 
     # -- construction ------------------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, model: str | None = None, speculative_config: SpeculativeConfig | str | dict | None = None,
                         max_num_seqs: int = 8, max_model_len: int | None = None, device: str | None = None,
-                        dtype: str | torch.dtype | None = None, speculation_policy: str = "fixed",
-                        quantization: str | None = None) -> "LLMEngine":
+                        dtype: str | torch.dtype | None = None, speculation_policy: str = DEFAULT_POLICY,
+                        quantization: str | None = None, **options) -> "LLMEngine":
         """A target (None: the embedded SmolLM2; a .gguf file runs its block-quantized weights as they are) and
         optionally a head named by the speculative config. `quantization` (q4_0, q4_1, q8_0) quantizes a float
-        target's matrices at load, as vLLM's --quantization does."""
+        target's matrices at load, as vLLM's --quantization does. `options`: the constructor's prefill options."""
         from peagle.model.heads import resolve_head
         from peagle.model.checkpoint import load_head
         from peagle.model.loading import config_dir, is_gguf, load_tokenizer, resolve_model, torch_dtype
@@ -137,7 +160,7 @@ class LLMEngine:
             # beside a block-quantized target
             drafter.pack_(DRAFTER_QUANTIZATION if target.quantized else None)
         return cls(target, tokenizer, drafter, spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                   model_name=model or Path(path).name, speculation_policy=speculation_policy)
+                   model_name=model or Path(path).name, speculation_policy=speculation_policy, **options)
 
     @property
     def method(self) -> str:
@@ -248,12 +271,11 @@ class LLMEngine:
         with self._lock, torch.inference_mode():
             reports: dict[str, RequestOutput] = {}
             self._take_incoming(reports)
-            touched = self._admit()
-            if touched:
-                self._prefill(touched)
-                if on_first_tokens is not None:
-                    on_first_tokens([self._report(r) for r in touched if not r.finished])
-            decoding = [r for r in self.running if not r.finished]
+            self._admit()
+            touched = self._prefill_step()
+            if touched and on_first_tokens is not None:
+                on_first_tokens([self._report(r) for r in touched if not r.finished])
+            decoding = [r for r in self.running if not r.finished and not r.prefilling]
             if decoding:
                 self._decode(decoding)
             for req in dict.fromkeys(touched + decoding):
@@ -280,73 +302,153 @@ class LLMEngine:
 
     def _retire_if_finished(self, req: Request) -> None:
         if req.finished and req in self.running:
+            self._cache_drafter_entries(req)
             self.running.remove(req)
             self.free_slots.append(req.slot)
             self.free_slots.sort()  # lowest slots first keeps batches contiguous (no cache gather)
             req.finished_at = time.perf_counter()
-            req.pending_features = []
-            if self.policy is not None:
-                self.policy.forget(req.request_id)
+            req.backlog.clear()
+            self.policy.forget(req.request_id)
             self.num_finished += 1
 
-    def _admit(self) -> list[Request]:
-        """Waiting requests that fit into free slots and this step's prefill token budget (at least one)."""
-        admitted: list[Request] = []
-        longest = 0
+    def _admit(self) -> None:
+        """Waiting requests take the free slots (their prefill is budgeted step by step in _prefill_step)."""
         while self.waiting and self.free_slots:
-            longest_if = max(longest, len(self.waiting[0].prompt_ids))
-            if admitted and longest_if * (len(admitted) + 1) > self.max_prefill_tokens:
-                break
-            longest = longest_if
             req = self.waiting.popleft()
             req.slot = self.free_slots.pop(0)
             self.running.append(req)
-            admitted.append(req)
-        return admitted
 
-    def _prefill(self, reqs: list[Request]) -> None:
-        """Run new prompts through the target (one padded batch), sample each first token, and queue every prompt
-        row for the drafter (row t = token x_{t+1} with feature g_t), run before the request's first draft."""
-        dev = self.device
-        lens = torch.tensor([len(r.prompt_ids) for r in reqs], device=dev)
-        B, T = len(reqs), int(lens.max())
-        tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
-        for b, r in enumerate(reqs):
-            tokens[b, : len(r.prompt_ids)] = torch.tensor(r.prompt_ids, device=dev)
-        slots = torch.tensor([r.slot for r in reqs], device=dev)
-        positions = torch.arange(T, device=dev)[None].expand(B, T)
-        # Pad rows write past each prompt's end: stale entries that the first decode step overwrites.
-        # Prompt log-probabilities need the logits of every prompt row, the first token only those of the last.
-        every_row = any(r.params.prompt_logprobs is not None for r in reqs)
-        out = self.target(tokens, BatchLayout.build(slots, positions), self.target_cache,
-                          logit_index=positions if every_row else (lens - 1)[:, None])
-        now = time.perf_counter()
-        for b, req in enumerate(reqs):
-            m = len(req.prompt_ids)
-            logits = out.logits[b, m - 1 : m] if every_row else out.logits[b, :1]
-            first = self._sample_one(req, logits[0])
-            req.pending_features = [out.features[b, :m].clone()]  # not a view: the batch's features can go
-            req.pending_start = 0
-            req.first_token_at = now
-            if req.params.prompt_logprobs is not None:
-                # The prompt is not drawn from anything: its log-probabilities are the model's own softmax (taken a
-                # block of rows at a time, so a long prompt does not hold a second copy of its logits).
-                req.prompt_logprobs = [None]
-                for i in range(0, m - 1, PROMPT_LOGPROB_ROWS):
-                    lp = torch.log_softmax(out.logits[b, i : min(i + PROMPT_LOGPROB_ROWS, m - 1)], dim=-1)
-                    req.prompt_logprobs += _token_logprobs(lp, req.prompt_ids[1 + i : 1 + i + len(lp)],
-                                                           req.params.prompt_logprobs)
-            self._commit(req, [first], logits)
-            req.pending_tokens = req.prompt_ids[1:] + [first]
+    def _prefill_step(self) -> list[Request]:
+        """Prefill under this step's token budget, prompts in the order they came; returns the requests whose
+        prompt is now complete (and first token sampled)."""
+        budget, done = self.max_num_batched_tokens, []
+        for req in [r for r in self.running if r.prefilling and not r.finished]:
+            self._continue_from_prefix_cache(req)
+            left = len(req.prompt_ids) - req.num_computed
+            if left <= budget:
+                n = left
+            elif self.enable_chunked_prefill:  # whole blocks, so the next chunk starts where a cached block would
+                n = budget // BLOCK_SIZE * BLOCK_SIZE
+            else:  # whole prompts only: one that does not fit waits, unless it is the step's first
+                n = left if budget == self.max_num_batched_tokens else 0
+            if n == 0:
+                break
+            self._prefill_chunk(req, n)
+            budget -= n
+            if not req.prefilling:
+                done.append(req)
+        return done
+
+    def _continue_from_prefix_cache(self, req: Request) -> None:
+        """Take the prompt's next positions from the prefix cache, whole blocks while they match (never the last
+        prompt token: its logits give the first token). Where the drafter is caught up and a block has the
+        drafter's entries for the same next token, those are copied too; otherwise the block's features wait for
+        the drafter like computed rows. A request that wants prompt log-probabilities computes every position."""
+        pc, start = self.prefix_cache, req.num_computed
+        if pc is None or req.params.prompt_logprobs is not None or start != len(req.blocks) * BLOCK_SIZE:
+            return
+        m = len(req.prompt_ids)
+        if start == 0:
+            pc.queries += m
+        hit = pc.match(req.blocks[-1] if req.blocks else None, req.prompt_ids[start:], (m - 1 - start) // BLOCK_SIZE)
+        if not hit:
+            return
+        end = start + len(hit) * BLOCK_SIZE
+        features = pc.load(hit, req.slot, start, self.target_cache)
+        if self.spec is not None:
+            reused = 0
+            if not req.backlog.tokens and req.backlog.start == start:
+                for j, block in enumerate(hit):
+                    if block.next_token != req.prompt_ids[start + (j + 1) * BLOCK_SIZE]:
+                        break
+                    reused = j + 1
+            if reused:
+                pc.load_drafter(hit[:reused], req.slot, start, self.drafter_cache)
+                req.backlog.skip(reused * BLOCK_SIZE)
+            mid = start + reused * BLOCK_SIZE
+            if mid < end:
+                req.backlog.append(req.prompt_ids[mid + 1:end + 1], features[mid - start:])
+        req.blocks += hit
+        req.num_computed = req.num_cached_tokens = end
+        pc.hits += end - start
+
+    def _prefill_chunk(self, req: Request, n: int) -> None:
+        """Run prompt positions num_computed .. num_computed + n through the target; after the last one, sample the
+        first token. The rows wait for the drafter (row t: token x_{t+1}, feature g_t)."""
+        dev, start, m = self.device, req.num_computed, len(req.prompt_ids)
+        end = start + n
+        tokens = torch.tensor([req.prompt_ids[start:end]], device=dev)
+        layout = BatchLayout.build(torch.tensor([req.slot], device=dev), torch.arange(start, end, device=dev)[None])
+        want_prompt_logprobs = req.params.prompt_logprobs is not None
+        if want_prompt_logprobs or end == m:
+            out = self.target(tokens, layout, self.target_cache, num_logits=None if want_prompt_logprobs else 1)
+            logits, features = out.logits[0], out.features[0]
+        else:  # a chunk before the last needs no logits
+            logits, features = None, self.target.trunk(tokens, layout, self.target_cache)[1][0]
+        req.num_computed = end
+        if want_prompt_logprobs:
+            self._add_prompt_logprobs(req, start, logits)
+        if end < m:
+            if self.spec is not None:
+                req.backlog.append(req.prompt_ids[start + 1:end + 1], features)
+            self._cache_blocks(req, features)
+            return
+        first = self._sample_one(req, logits[-1])
+        req.first_token_at = time.perf_counter()
+        self._commit(req, [first], logits[-1:])
+        if self.spec is not None:  # the prompt's rows and the first token wait for the drafter
+            req.backlog.append(req.prompt_ids[start + 1:] + [first], features)
+        self._cache_blocks(req, features)
+
+    def _add_prompt_logprobs(self, req: Request, start: int, logits: torch.Tensor) -> None:
+        """The prompt is not drawn from anything: its log-probabilities are the model's own softmax (a block of rows
+        at a time, so a long prompt does not hold a second copy of its logits). logits[i] predict position
+        start + i + 1."""
+        if req.prompt_logprobs is None:
+            req.prompt_logprobs = [None]
+        m, num = len(req.prompt_ids), min(len(logits), len(req.prompt_ids) - 1 - start)
+        for i in range(0, num, PROMPT_LOGPROB_ROWS):
+            lp = torch.log_softmax(logits[i: min(i + PROMPT_LOGPROB_ROWS, num)], dim=-1)
+            first = start + 1 + i
+            req.prompt_logprobs += _token_logprobs(lp, req.prompt_ids[first: min(first + len(lp), m)],
+                                                   req.params.prompt_logprobs)
+
+    def _cache_blocks(self, req: Request, features: torch.Tensor) -> None:
+        """Positions that just got their final keys and values (features [n, F], right after those before): every
+        block they complete goes into the prefix cache."""
+        pc = self.prefix_cache
+        if pc is None:
+            return
+        req.unstored_features.append(features)
+        have = sum(len(f) for f in req.unstored_features)
+        if have < BLOCK_SIZE:
+            req.unstored_features = [torch.cat(req.unstored_features).clone()]  # not a view of the step's batch
+            return
+        feats, seq, start = torch.cat(req.unstored_features), req.prompt_ids + req.output_ids, len(req.blocks) * BLOCK_SIZE
+        full = have // BLOCK_SIZE
+        for j in range(full):
+            p = start + j * BLOCK_SIZE
+            req.blocks.append(pc.store(req.blocks[-1] if req.blocks else None, tuple(seq[p:p + BLOCK_SIZE]),
+                                       req.slot, p, self.target_cache, feats[j * BLOCK_SIZE:(j + 1) * BLOCK_SIZE]))
+        rest = feats[full * BLOCK_SIZE:]
+        req.unstored_features = [rest.clone()] if len(rest) else []
+
+    def _cache_drafter_entries(self, req: Request) -> None:
+        """Before a request's slot is freed: the drafter's entries of its cached blocks that it has run (and that
+        no request has given yet), with the token after each block that they were computed with."""
+        if self.prefix_cache is None or self.spec is None:
+            return
+        seq = req.prompt_ids + req.output_ids
+        for j, block in enumerate(req.blocks):
+            p = j * BLOCK_SIZE
+            if p + BLOCK_SIZE > req.backlog.start or p + BLOCK_SIZE >= len(seq):
+                break
+            if block.next_token is None and block.tokens == tuple(seq[p:p + BLOCK_SIZE]):
+                self.prefix_cache.store_drafter(block, req.slot, p, self.drafter_cache, seq[p + BLOCK_SIZE])
 
     def _decode(self, reqs: list[Request]) -> None:
         """One decode step: the policy gives each request its number of drafts."""
-        if self.policy is None:
-            ks = [0] * len(reqs)
-        else:
-            ks = self.policy.choose([Candidate(r.request_id, r.params.max_tokens - len(r.output_ids)) for r in reqs])
-            if self.spec.disable_by_batch_size and len(reqs) >= self.spec.disable_by_batch_size:
-                ks = [0] * len(reqs)  # vLLM's switch: no speculation while this many requests run
+        ks = self.policy.choose([Candidate(r.request_id, r.params.max_tokens - len(r.output_ids)) for r in reqs])
         self._decode_step(reqs, ks)
 
     def _decode_step(self, reqs: list[Request], ks: list[int]) -> None:
@@ -354,7 +456,7 @@ class LLMEngine:
         [x_n, d_1..d_K_b] in one target forward, accept, emit."""
         if self.spec is not None:  # before drafting: long backlogs alone; at K = 0 only one at the cap
             for req, k in zip(reqs, ks):
-                if len(req.pending_tokens) > (JOINT_PENDING_ROWS if k else MAX_PENDING_ROWS - 1):
+                if len(req.backlog) > (JOINT_PENDING_ROWS if k else MAX_PENDING_ROWS - 1):
                     self._run_backlog(req)
         started, dev = self._step_clock(), self.device
         kmax, drafting = max(ks), [b for b, k in enumerate(ks) if k]
@@ -381,10 +483,16 @@ class LLMEngine:
                 if k:
                     self.policy.observe(req.request_id, k, a)
                 # Positions n..n+a are now verified: they become the drafter's next real rows.
-                self._queue_drafter_rows(req, req.num_tokens - 1, features[: a + 1], new)
+                req.backlog.append(new, features[: a + 1])
+            before = len(req.output_ids)
             self._commit(req, new, logits)
-        if self.policy is not None:  # timed after the backlogs: work earlier plain steps skipped, not this step's
-            self.policy.observe_step(len(reqs) + sum(ks), len(drafting), kmax, self._step_clock() - started)
+            # Positions n..n+a now hold their final keys and values: those whose tokens were kept (a stop ends the
+            # request, so nothing after it needs the chain) can be reused.
+            kept = len(req.output_ids) - before
+            if kept > 0:
+                self._cache_blocks(req, features[: min(kept, len(new) - 1) + 1])
+        # timed after the backlogs: the work earlier plain steps skipped is not this step's
+        self.policy.observe_step(len(reqs) + sum(ks), len(drafting), kmax, self._step_clock() - started)
 
     def _verify(self, reqs: list[Request], ks: list[int], drafting: list[int], drafts: torch.Tensor | None):
         """The target's forward over every request's window [x_n, d_1..d_K_b] at positions n..n+K_b: per request,
@@ -410,48 +518,36 @@ class LLMEngine:
         out = self.target(tokens[keep][:, None], layout, self.target_cache, num_logits=None)
         return out.logits[:, 0].split(sizes), out.features[:, 0].split(sizes)
 
-    @staticmethod
-    def _queue_drafter_rows(req: Request, start: int, features: torch.Tensor, tokens: list[int]) -> None:
-        """Rows (token x_{t+1}, feature g_t) at positions start.. for the drafter, after any it has not run yet.
-        Features are kept as one chunk per step (a copy, so the step's batch can go), joined only when the drafter
-        runs: appending to one growing tensor would copy the whole backlog every plain step."""
-        if not req.pending_tokens:
-            req.pending_start, req.pending_features, req.pending_tokens = start, [], []
-        req.pending_features.append(features.clone())
-        req.pending_tokens += tokens
-
     def _pending_batch(self, reqs: list[Request]):
         """Every request's unseen real rows, left-aligned: tokens [B, R], features [B, R, 3Ht], counts, starts."""
         B, dev = len(reqs), self.device
-        R = max(len(r.pending_tokens) for r in reqs)
-        first = reqs[0].pending_features[0]
+        R = max(len(r.backlog) for r in reqs)
+        first = reqs[0].backlog.features()
         tokens = torch.zeros(B, R, dtype=torch.long, device=dev)
         feats = torch.zeros(B, R, first.shape[-1], dtype=first.dtype, device=dev)
         for b, r in enumerate(reqs):
-            tokens[b, : len(r.pending_tokens)] = torch.tensor(r.pending_tokens, device=dev)
-            torch.cat(r.pending_features, out=feats[b, : len(r.pending_tokens)])
-        num_real = torch.tensor([len(r.pending_tokens) for r in reqs], device=dev)
-        start = torch.tensor([r.pending_start for r in reqs], device=dev)
+            tokens[b, : len(r.backlog)] = torch.tensor(r.backlog.tokens, device=dev)
+            feats[b, : len(r.backlog)] = r.backlog.features()
+        num_real = torch.tensor([len(r.backlog) for r in reqs], device=dev)
+        start = torch.tensor([r.backlog.start for r in reqs], device=dev)
         return tokens, feats, num_real, start
 
     def _draft(self, reqs: list[Request], slots: torch.Tensor, k: int) -> torch.Tensor:
         """Drafts [B, k] as target ids; the drafter runs every request's pending real rows on the way."""
         tokens, feats, num_real, start = self._pending_batch(reqs)
         for r in reqs:
-            r.pending_tokens, r.pending_features = [], []
+            r.backlog.consume()
         return self._draft_fn(tokens, feats, num_real, start, slots, self.drafter_cache, k)
 
     def _run_backlog(self, req: Request) -> None:
         """Bring one request's drafter cache up to date without drafting (real rows only: no mask slots, no LM
         head), alone, so no pad rows. Its newest row stays pending: the next draft starts from that row's output."""
-        n, dev = len(req.pending_tokens) - 1, self.device
-        tokens = torch.tensor([req.pending_tokens[:n]], device=dev)
-        positions = req.pending_start + torch.arange(n, device=dev)[None, :]
+        backlog, n, dev = req.backlog, len(req.backlog) - 1, self.device
+        tokens = torch.tensor([backlog.tokens[:n]], device=dev)
+        positions = backlog.start + torch.arange(n, device=dev)[None, :]
         layout = BatchLayout.build(torch.tensor([req.slot], device=dev), positions)
-        features = torch.cat(req.pending_features)
-        self.drafter(tokens, features[None, :n], layout, self.drafter_cache)
-        req.pending_tokens, req.pending_features = req.pending_tokens[n:], [features[n:].clone()]
-        req.pending_start += n
+        self.drafter(tokens, backlog.features()[None, :n], layout, self.drafter_cache)
+        backlog.consume(n)
 
     @property
     def _draft_fn(self):
@@ -557,7 +653,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=req.request_id, text=text, delta_text=delta, token_ids=list(req.output_ids),
             delta_token_ids=delta_ids, finished=req.finished, finish_reason=req.finish_reason,
-            num_prompt_tokens=len(req.prompt_ids), spec=req.spec,
+            num_prompt_tokens=len(req.prompt_ids), spec=req.spec, num_cached_tokens=req.num_cached_tokens,
             time_to_first_token=(req.first_token_at - req.arrival) if req.first_token_at else None,
             elapsed=now - req.arrival, logprobs=list(req.logprobs) if want_logprobs else None,
             delta_logprobs=delta_logprobs, prompt_logprobs=req.prompt_logprobs)

@@ -1,5 +1,7 @@
 """How many drafts to verify each step (docs/engine.md, "Choosing K").
 
+Every policy has the shape of `SpeculationPolicy`, and `NoSpeculation` is the one that never drafts (an engine
+without a drafter runs it), so the engine never asks whether speculation is on before asking the policy.
 `FixedK` verifies the configured `num_speculative_tokens` every step, as vLLM does. `AdaptiveK` treats that number
 as a maximum and picks, before every step, how many drafts each request verifies, for the most expected output
 tokens per second:
@@ -26,9 +28,12 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 POLICIES = ("adaptive", "fixed")
-DEFAULT_POLICY = "adaptive"  # of `peagle serve` and `peagle generate`; the engine itself defaults to vLLM's fixed K
+# Of the engine (LLMEngine's speculation_policy) and of every command: on a CPU a fixed K loses to plain decoding
+# wherever the head is weak, and adaptive is never far below the best fixed K (docs/engine.md, "Choosing K").
+DEFAULT_POLICY = "adaptive"
 ENV_VAR = "SM_VLLM_SPECULATION_POLICY"  # read by `peagle serve` (every flag maps to SM_VLLM_<NAME>) and generate
 
 REQUEST_MEMORY = 0.7  # per-request counts keep this much weight per new observation (about 3 steps' memory)
@@ -193,16 +198,29 @@ class Candidate:
     remaining: int
 
 
-class FixedK:
-    """Always the configured K (vLLM's behaviour)."""
+class SpeculationPolicy(Protocol):
+    """What the engine asks of a policy, in the order it asks: `choose` before a step (the only call that decides
+    anything), then `observe` for each request that drafted and `observe_step` for the step's cost; `forget` when a
+    request leaves. `calibrate` once, at start-up, with functions that time the target and the drafter."""
+    name: str
+    max_k: int
 
-    name = "fixed"
+    def choose(self, requests: Sequence[Candidate]) -> list[int]: ...
+    def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None: ...
+    def observe_step(self, rows: int, drafted: int, k: int, seconds: float) -> None: ...
+    def forget(self, request_id: str) -> None: ...
+    def calibrate(self, time_target: Callable[[int], float], time_draft: Callable[[int, int], float]) -> None: ...
 
-    def __init__(self, k: int):
-        self.max_k = k
+
+class NoSpeculation:
+    """Never drafts: the policy of an engine without a drafter, and the base of the others (whatever a policy does
+    not need to hear about is a no-op here)."""
+
+    name = "none"
+    max_k = 0
 
     def choose(self, requests: Sequence[Candidate]) -> list[int]:
-        return [self.max_k] * len(requests)
+        return [0] * len(requests)
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
         pass
@@ -213,8 +231,23 @@ class FixedK:
     def forget(self, request_id: str) -> None:
         pass
 
+    def calibrate(self, time_target: Callable[[int], float], time_draft: Callable[[int, int], float]) -> None:
+        pass
 
-class AdaptiveK:
+
+class FixedK(NoSpeculation):
+    """Always the configured K (vLLM's behaviour)."""
+
+    name = "fixed"
+
+    def __init__(self, k: int):
+        self.max_k = k
+
+    def choose(self, requests: Sequence[Candidate]) -> list[int]:
+        return [self.max_k] * len(requests)
+
+
+class AdaptiveK(NoSpeculation):
     """The window that maximises expected tokens per second, from acceptance estimates and a step-cost model."""
 
     name = "adaptive"
@@ -292,17 +325,46 @@ class AdaptiveK:
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
 
+    def calibrate(self, time_target: Callable[[int], float], time_draft: Callable[[int, int], float]) -> None:
+        self.cost.calibrate(time_target, time_draft)
 
-SpeculationPolicy = FixedK | AdaptiveK
+
+class OffAtBatchSize:
+    """vLLM's `disable_by_batch_size`: no drafts while at least `batch_size` requests run, decided before the
+    policy it wraps is asked, so that policy learns nothing from steps it did not choose."""
+
+    def __init__(self, policy: SpeculationPolicy, batch_size: int):
+        self.policy, self.batch_size = policy, batch_size
+        self.name, self.max_k = policy.name, policy.max_k
+
+    def choose(self, requests: Sequence[Candidate]) -> list[int]:
+        return [0] * len(requests) if len(requests) >= self.batch_size else self.policy.choose(requests)
+
+    def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
+        self.policy.observe(request_id, num_drafted, num_accepted)
+
+    def observe_step(self, rows: int, drafted: int, k: int, seconds: float) -> None:
+        self.policy.observe_step(rows, drafted, k, seconds)
+
+    def forget(self, request_id: str) -> None:
+        self.policy.forget(request_id)
+
+    def calibrate(self, time_target: Callable[[int], float], time_draft: Callable[[int, int], float]) -> None:
+        self.policy.calibrate(time_target, time_draft)
 
 
-def make_policy(name: str, max_k: int, max_batch: int) -> SpeculationPolicy:
+def make_policy(name: str, max_k: int, max_batch: int, disable_by_batch_size: int | None = None
+                ) -> SpeculationPolicy:
+    """The policy called `name` for drafts up to max_k, off while disable_by_batch_size requests run."""
+    policy: SpeculationPolicy
     if name == "fixed":
-        return FixedK(max_k)
-    if name == "adaptive":
-        return AdaptiveK(max_k, max_batch)
-    raise ValueError(f"unknown speculation policy {name!r}: choose one of {', '.join(POLICIES)} "
+        policy = FixedK(max_k)
+    elif name == "adaptive":
+        policy = AdaptiveK(max_k, max_batch)
+    else:
+        raise ValueError(f"unknown speculation policy {name!r}: choose one of {', '.join(POLICIES)} "
                      f"(--speculation-policy or {ENV_VAR})")
+    return OffAtBatchSize(policy, disable_by_batch_size) if disable_by_batch_size else policy
 
 
 def step_clock(device) -> Callable[[], float]:

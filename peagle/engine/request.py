@@ -51,6 +51,7 @@ class RequestOutput:
     delta_logprobs: list[TokenLogprob] | None = None
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing predicts it).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
 
     @property
     def num_output_tokens(self) -> int:
@@ -60,6 +61,49 @@ class RequestOutput:
     def tokens_per_second(self) -> float:
         decode_time = self.elapsed - (self.time_to_first_token or 0.0)
         return (len(self.token_ids) - 1) / decode_time if decode_time > 0 and len(self.token_ids) > 1 else 0.0
+
+
+class DrafterBacklog:
+    """A request's real rows that the drafter has not run yet: row t is token x_{t+1} with the target's feature g_t,
+    and the rows are contiguous from position `start` (everything before it is in the drafter's cache). Features are
+    kept as one chunk per step (copies, so a step's batch can go) and joined only when the drafter runs: appending to
+    one growing tensor would copy the whole backlog every plain step."""
+
+    def __init__(self) -> None:
+        self.start = 0
+        self.tokens: list[int] = []
+        self._chunks: list[torch.Tensor] = []  # [rows, 3H] each
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def append(self, tokens: list[int], features: torch.Tensor) -> None:
+        """Rows that follow the ones already waiting (a prefill's prompt rows, or a step's verified positions)."""
+        self.tokens += tokens
+        self._chunks.append(features.clone())
+
+    def features(self) -> torch.Tensor:
+        """All waiting rows' features, [rows, 3H] (one chunk after this)."""
+        if len(self._chunks) > 1:
+            self._chunks = [torch.cat(self._chunks)]
+        return self._chunks[0]
+
+    def consume(self, n: int | None = None) -> None:
+        """The drafter has run the first n rows (all of them by default): they leave the backlog."""
+        n = len(self.tokens) if n is None else n
+        rest = self.features()[n:].clone() if n < len(self.tokens) else None
+        self.start += n
+        self.tokens = self.tokens[n:]
+        self._chunks = [rest] if rest is not None else []
+
+    def skip(self, n: int) -> None:
+        """The drafter's cache already holds the next n rows (copied from the prefix cache): nothing to run."""
+        assert not self.tokens, "rows can be skipped only where the drafter is caught up"
+        self.start += n
+
+    def clear(self) -> None:
+        """The request is gone: let its features go."""
+        self.tokens, self._chunks = [], []
 
 
 @dataclass(eq=False)  # identity semantics: requests live in sets and lists by reference
@@ -75,10 +119,14 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     slot: int = -1
     finish_reason: str | None = None
-    # Drafter rows not yet run: tokens x_{t+1} with target features g_t, starting at position `pending_start`.
-    pending_tokens: list[int] = field(default_factory=list)
-    pending_features: list[torch.Tensor] = field(default_factory=list)  # [rows, 3H] chunks, one per step
-    pending_start: int = 0
+    backlog: DrafterBacklog = field(default_factory=DrafterBacklog)  # real rows the drafter has not run
+    # Prefill progress: prompt positions whose keys and values are in the slot (computed or from the prefix cache).
+    num_computed: int = 0
+    num_cached_tokens: int = 0  # of them, those the prefix cache supplied
+    # The request's chain in the prefix cache (prefix_cache.Block, one per BLOCK_SIZE positions), and the features
+    # of the positions after it that do not yet fill a block.
+    blocks: list = field(default_factory=list)
+    unstored_features: list[torch.Tensor] = field(default_factory=list)
     # Text bookkeeping for streaming and stop strings.
     detokenizer: IncrementalDetokenizer | None = None
     text: str = ""
@@ -92,6 +140,10 @@ class Request:
     def num_tokens(self) -> int:
         """Committed tokens: prompt + output."""
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_computed < len(self.prompt_ids)
 
     @property
     def last_token(self) -> int:

@@ -159,6 +159,11 @@ class TargetModel(nn.Module):
                        p.dtype, p.device)
 
     @property
+    def feature_dim(self) -> int:
+        """Width of the features the drafter reads: the hidden states of the feature layers, side by side."""
+        return len(self.feature_layer_ids) * self.config.hidden_size
+
+    @property
     def quantized(self) -> bool:
         return isinstance(self.embed_tokens, QuantEmbedding)
 

@@ -74,7 +74,7 @@ class ServerState:
         self.drain_timeout = drain_timeout
         self.created = now()
         spec = self.engine.spec
-        self.speculative_config = spec.model_dump(exclude_none=True) if spec is not None else None
+        self.speculative_config = spec.to_dict() if spec is not None else None
         self.method = self.engine.method
         self.k = self.engine.k
         self.token_strings = TokenStrings(self.engine.tokenizer)
@@ -376,7 +376,7 @@ async def _serve(state: ServerState, request: Request, kind: str | None) -> Resp
                    for i, o in enumerate(outs)]
         cls = CompletionResponse
     body = cls(id=job.id, created=job.created, model=job.model, choices=choices,
-               usage=_usage(job.prompt_tokens, sum(o.num_output_tokens for o in outs)),
+               usage=_usage(job, outs),
                speculative_decoding=spec_stats(state, _merged_stats(outs), job.req.speculation),
                metrics=request_metrics(outs))
     return JSONResponse(body.body())
@@ -471,9 +471,13 @@ def _merged_stats(outs: list[RequestOutput]) -> SpecDecodeStats:
     return total
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def _usage(job: Job, outs: list[RequestOutput]) -> dict:
+    """OpenAI's usage of a job's outputs (in choice order): a prompt's cached tokens are its first choice's, the
+    ones that came from earlier requests."""
+    completion_tokens = sum(o.num_output_tokens for o in outs)
+    return {"prompt_tokens": job.prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": job.prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs[:: job.req.n])}}
 
 
 def _failure(e: BaseException) -> APIError:
@@ -558,8 +562,7 @@ async def _events(state: ServerState, job: Job, streams: list[RequestStream]):
 
     def chunk(choices: list, outs: list[RequestOutput] | None = None, **extra) -> str:
         if include_usage and "usage" not in extra:
-            done = sum(o.num_output_tokens for o in latest.values())
-            extra["usage"] = _usage(job.prompt_tokens, done) if continuous and latest else None
+            extra["usage"] = _usage(job, [latest[i] for i in sorted(latest)]) if continuous and latest else None
         if outs:
             extra["speculative_decoding"] = spec_stats(state, _merged_stats(outs), job.req.speculation)
             extra["metrics"] = request_metrics(outs)
@@ -582,8 +585,8 @@ async def _events(state: ServerState, job: Job, streams: list[RequestStream]):
         yield DONE
         return
     if include_usage and latest:
-        outs = list(latest.values())
-        yield chunk([], outs, usage=_usage(job.prompt_tokens, sum(o.num_output_tokens for o in outs)))
+        outs = [latest[i] for i in sorted(latest)]
+        yield chunk([], outs, usage=_usage(job, outs))
     yield DONE
 
 

@@ -61,18 +61,25 @@ class Metrics:
         self.k_chosen = Histogram("peagle:spec_decode_num_speculative_tokens",
                                   "Drafts verified per request per decode step, as the speculation policy chose.",
                                   labels, buckets=tuple(range(num_speculative_tokens + 1)), registry=r)
+        # as vLLM counts them: prompt tokens looked up in the prefix cache, and those found there
+        self.prefix_cache_queries = Counter("vllm:prefix_cache_queries",
+                                            "Prefix cache queries, in terms of number of queried tokens.", labels,
+                                            registry=r)
+        self.prefix_cache_hits = Counter("vllm:prefix_cache_hits",
+                                         "Prefix cache hits, in terms of number of cached tokens.", labels, registry=r)
         self.rejected = Counter("peagle:requests_rejected", "Requests refused before reaching the engine.",
                                 labels + ["reason"], registry=r)
         m = model_name
         # Create every labelled series up front so a scrape shows zeros rather than nothing.
         for c in (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.prompt_tokens,
-                  self.generation_tokens):
+                  self.generation_tokens, self.prefix_cache_queries, self.prefix_cache_hits):
             c.labels(model_name=m)
         for pos in range(num_speculative_tokens):
             self.accepted_per_pos.labels(model_name=m, position=str(pos))
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name=m, finished_reason=reason)
         self._seen = SpecDecodeStats(num_speculative_tokens)
+        self._seen_prefix = (0, 0)
         self._last_token_at: dict[str, float] = {}
 
     # -- called from the engine thread after each step -------------------------------------------------------
@@ -90,6 +97,13 @@ class Metrics:
             for _ in range(n - (seen.steps_per_k[k] if k < len(seen.steps_per_k) else 0)):
                 self.k_chosen.labels(model_name=m).observe(k)
         self._seen = stats.copy()
+
+    def record_prefix_cache(self, queries: int, hits: int) -> None:
+        """Advance the prefix-cache counters to the engine's running totals."""
+        m, (q0, h0) = self.model_name, self._seen_prefix
+        self.prefix_cache_queries.labels(model_name=m).inc(queries - q0)
+        self.prefix_cache_hits.labels(model_name=m).inc(hits - h0)
+        self._seen_prefix = (queries, hits)
 
     def record_output(self, out) -> None:
         """One engine report (a RequestOutput) for one request."""

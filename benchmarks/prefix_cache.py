@@ -1,0 +1,174 @@
+"""Prefix caching and chunked prefill on the embedded model, measured in one process, side by side:
+
+  1. multi-turn: a conversation's second turn resends the first turn's prompt and answer; its time to first token
+     with the prefix cache against without it, at --history tokens of history, with P-EAGLE and without speculation
+     (and the hit rate of each: speculation must not lose hits);
+  2. shared system prompt: requests that share a --system-tokens-long system prompt, hit rate and TTFT;
+  3. head-of-line blocking: the longest gap between two tokens of a running stream while a --long-prompt-token
+     prompt is admitted beside it, with chunked prefill (--max-num-batched-tokens per step) and without.
+
+Every pair of runs produces the same tokens (checked). Times are CPU seconds of this thread where one thread runs
+(a shared machine's wall clock measures the scheduler), stated as such.
+
+    OMP_NUM_THREADS=1 python benchmarks/prefix_cache.py --out docs/prefix_cache.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+from peagle.engine import LLMEngine, SamplingParams
+from peagle.engine.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from peagle.model.heads import embedded_speculative_config
+
+WORDS = ("the a model token cache prefix stream prompt answer context system request block chunk engine head draft "
+         "verify accept python function value list string number table file line word").split()
+
+
+def text(n_words: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+def clock():
+    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+
+
+def ttft(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> tuple[float, list[int], int]:
+    """Seconds to the first token of one request run alone, its tokens, and its cached prompt tokens."""
+    tick = clock()
+    t0 = tick()
+    rid = engine.add_request(prompt, params)
+    first, out = None, None
+    while engine.has_work():
+        for o in engine.step():
+            if o.request_id == rid:
+                if first is None and o.token_ids:
+                    first = tick() - t0
+                out = o
+    return first, out.token_ids, out.num_cached_tokens
+
+
+def make_engine(spec: bool, caching: bool, chunked: bool = True, budget: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                max_num_seqs: int = 2) -> LLMEngine:
+    return LLMEngine.from_pretrained(None, embedded_speculative_config() if spec else None, max_num_seqs=max_num_seqs,
+                                     max_model_len=8192, device="cpu", enable_prefix_caching=caching,
+                                     enable_chunked_prefill=chunked, max_num_batched_tokens=budget)
+
+
+def multi_turn(history: int, answer_tokens: int) -> list[dict]:
+    rows = []
+    for spec in (False, True):
+        engines = {caching: make_engine(spec, caching) for caching in (False, True)}
+        tok = engines[False].tokenizer
+        first_user = text(int(history * 0.7), seed=1)
+        params = SamplingParams(max_tokens=answer_tokens, ignore_eos=True)
+        result = {}
+        for caching, eng in engines.items():
+            messages = [{"role": "user", "content": first_user}]
+            p1 = eng.encode_prompt(messages)
+            _, answer, _ = ttft(eng, p1, params)
+            messages += [{"role": "assistant", "content": tok.decode(answer, skip_special_tokens=True)},
+                         {"role": "user", "content": "And what comes next? " + text(20, seed=2)}]
+            p2 = eng.encode_prompt(messages)
+            seconds, out, cached = ttft(eng, p2, SamplingParams(max_tokens=8))
+            result[caching] = (seconds, out, cached, len(p2), eng.prefix_cache)
+        assert result[True][1] == result[False][1], "the cache changed the second turn's tokens"
+        pc = result[True][4]
+        rows.append({"workload": "multi-turn", "speculation": "peagle" if spec else "none",
+                     "history_tokens": result[True][3], "ttft_no_cache_s": round(result[False][0], 3),
+                     "ttft_cache_s": round(result[True][0], 3),
+                     "ttft_ratio": round(result[True][0] / result[False][0], 3),
+                     "cached_tokens": result[True][2], "hit_rate": round(pc.hits / pc.queries, 3)})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def shared_system(system_tokens: int, n: int) -> list[dict]:
+    rows = []
+    system = text(int(system_tokens * 0.75), seed=3)
+    for spec in (False, True):
+        outs, times = {}, {}
+        for caching in (False, True):
+            eng = make_engine(spec, caching)
+            got = [ttft(eng, eng.encode_prompt([{"role": "system", "content": system},
+                                                {"role": "user", "content": text(12, seed=10 + i)}]),
+                        SamplingParams(max_tokens=8)) for i in range(n)]
+            outs[caching], times[caching] = [g[1] for g in got], [g[0] for g in got]
+            if caching:
+                pc = eng.prefix_cache
+        assert outs[True] == outs[False], "the cache changed an answer"
+        rows.append({"workload": "shared-system-prompt", "speculation": "peagle" if spec else "none",
+                     "requests": n, "ttft_no_cache_mean_s": round(sum(times[False]) / n, 3),
+                     "ttft_cache_mean_s": round(sum(times[True]) / n, 3),
+                     "ttft_cache_after_first_mean_s": round(sum(times[True][1:]) / (n - 1), 3),
+                     "hit_rate": round(pc.hits / pc.queries, 3)})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def head_of_line(long_prompt: int, budget: int) -> list[dict]:
+    """Wall-clock gaps between a stream's tokens (what its client sees) while a long prompt is admitted."""
+    rows, tokens = [], {}
+    for chunked in (False, True):
+        eng = make_engine(True, False, chunked=chunked, budget=budget if chunked else 1 << 20)
+        stream = eng.add_request(eng.encode_prompt("Count from one to one hundred."),
+                                 SamplingParams(max_tokens=4096, ignore_eos=True))
+        eng.step()
+        long = eng.encode_prompt(text(int(long_prompt * 0.75), seed=4), chat=False)[:long_prompt]
+        lid = eng.add_request(long, SamplingParams(max_tokens=1))
+        last, gaps, long_first = time.perf_counter(), [], None
+        t0 = last
+        while long_first is None:
+            for o in eng.step():
+                now = time.perf_counter()
+                if o.request_id == stream and o.delta_token_ids:
+                    gaps.append(now - last)
+                    last = now
+                if o.request_id == lid and o.token_ids:
+                    long_first = now - t0
+        eng.abort(stream)
+        while eng.has_work():
+            eng.step()
+        tokens[chunked] = eng.generate([long], SamplingParams(max_tokens=8))[0].token_ids
+        rows.append({"workload": "long-prompt-admitted", "chunked_prefill": chunked,
+                     "max_num_batched_tokens": budget if chunked else None, "long_prompt_tokens": len(long),
+                     "max_gap_s": round(max(gaps), 3), "stream_tokens_meanwhile": len(gaps),
+                     "long_ttft_s": round(long_first, 3)})
+        print(rows[-1], flush=True)
+    assert tokens[True] == tokens[False], "chunking changed the long prompt's answer"
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--history", type=int, default=2048, help="tokens of history at the second turn")
+    ap.add_argument("--answer-tokens", type=int, default=128)
+    ap.add_argument("--system-tokens", type=int, default=1500)
+    ap.add_argument("--requests", type=int, default=4)
+    ap.add_argument("--long-prompt", type=int, default=4096)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    ap.add_argument("--only", choices=("multi-turn", "shared", "head-of-line"))
+    ap.add_argument("--out", help="write the rows as JSON here")
+    args = ap.parse_args()
+    rows = []
+    if args.only in (None, "multi-turn"):
+        rows += multi_turn(args.history, args.answer_tokens)
+    if args.only in (None, "shared"):
+        rows += shared_system(args.system_tokens, args.requests)
+    if args.only in (None, "head-of-line"):
+        rows += head_of_line(args.long_prompt, args.max_num_batched_tokens)
+    if args.out:
+        meta = {"command": "OMP_NUM_THREADS=%s python benchmarks/prefix_cache.py" % torch.get_num_threads(),
+                "threads": torch.get_num_threads(), "ttft_clock": "thread CPU time" if torch.get_num_threads() == 1
+                else "wall", "args": vars(args)}
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
