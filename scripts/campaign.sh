@@ -12,7 +12,9 @@
 #             (docs/heads.md, "Recipe search": 8 COD depths at r 0.7, frozen LM head), checkpoint every 20 steps,
 #             held-out evaluation every 100
 #   3. eagle3 the same for the bundled EAGLE-3 head
-#   4. regen  SmolLM2's answers to data/heads/prompts-3.jsonl (new ShareGPT prompts; made once, resumable)
+#   4. regen  SmolLM2's answers to data/heads/prompts-3.jsonl (new ShareGPT prompts; made once, resumable; the
+#             answers so far are committed as data/heads/smollm2-regenerated-3.jsonl.gz with
+#             `gzip -c runs/campaign/regen3/regenerated.jsonl > data/heads/smollm2-regenerated-3.jsonl.gz`)
 #   5. accept benchmarks/acceptance.py on both continued heads into WORK/acceptance; re-bundling stays a decision
 #             (scripts/bundle_head.py refuses a head that is not better)
 set -euo pipefail
@@ -60,6 +62,12 @@ if [ ! -f data/heads/prompts-3.jsonl ]; then
     --exclude data/heads/prompts-2.jsonl --out data/heads/prompts-3.jsonl
 fi
 log "stage 4: regenerate data/heads/prompts-3.jsonl"
+# The answers made so far travel in the repository (REGEN3, gzip): a fresh machine resumes after them.
+REGEN3=data/heads/smollm2-regenerated-3.jsonl.gz
+mkdir -p "$WORK/regen3"
+if [ -f "$REGEN3" ] && [ "$(gzip -dc "$REGEN3" | wc -l)" -gt "$(cat "$WORK/regen3/regenerated.jsonl" 2>/dev/null | wc -l)" ]; then
+  gzip -dc "$REGEN3" > "$WORK/regen3/regenerated.jsonl"
+fi
 peagle data prepare --input data/heads/prompts-3.jsonl --out "$WORK/regen3" --regenerate --max-new-tokens 256 \
   --max-model-len 1024 --batch-size 32 --max-num-seqs 16   # skips the answers already there
 
