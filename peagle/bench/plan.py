@@ -145,74 +145,104 @@ def make_plan(args, target_holder: "TargetHolder") -> Plan:
         raise BenchError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     concurrencies = _int_list(args.concurrency, "--concurrency")
     ks, adaptive_k = parse_k(args.k)
-    methods = [m.strip().lower() for m in args.methods.split(",") if m.strip()]
-    methods = ["peagle" if m == "p-eagle" else "eagle3" if m in ("eagle-3", "eagle") else
-               "baseline" if m in ("none", "no-spec") else m for m in methods]
-    bad = [m for m in methods if m not in METHODS]
-    if bad or not methods:
-        raise BenchError(f"unknown method(s) {', '.join(bad) or '(none given)'}; choose from {', '.join(METHODS)}")
-    methods = [m for m in METHODS if m in methods]
+    methods = _parse_methods(args.methods)
     try:
         prompts = load_dataset(args.dataset, args.num_prompts)
     except DatasetError as e:
         raise BenchError(str(e)) from None
     notes = list(args.note)
     mode = "url" if args.url else "offline" if args.offline else "server"
-
-    model_path = None
-    if mode != "url" or args.model:  # with --url, a local copy of the model is optional (tokenizer, transformers)
-        try:
-            from peagle.model.loading import resolve_model
-
-            model_path = resolve_model(args.model)
-        except FileNotFoundError as e:
-            if mode != "url":
-                raise BenchError(str(e)) from None
+    model_path = _model_path(args, mode)
     tokenizer = target_holder.tokenizer(model_path) if model_path else None
-
-    chat = args.chat
-    if chat is None:
-        chat = bool(tokenizer is not None and getattr(tokenizer, "chat_template", None)) if tokenizer else True
-    if chat and tokenizer is not None and not getattr(tokenizer, "chat_template", None):
-        raise BenchError("--chat: this model's tokenizer has no chat template; use --no-chat")
-
+    chat = _use_chat(args.chat, tokenizer)
     max_model_len = args.max_model_len
     if tokenizer is not None:
-        lengths = [len(_encode(tokenizer, p, chat)) for p in prompts]
-        if max_model_len is None:
-            need = max(lengths) + args.max_tokens + 8
-            max_model_len = -(-need // 64) * 64
-        else:
-            keep = [p for p, n in zip(prompts, lengths) if n + args.max_tokens <= max_model_len]
-            if len(keep) < len(prompts):
-                notes.append(f"{len(prompts) - len(keep)} prompt(s) longer than --max-model-len {max_model_len} "
-                             f"minus --max-tokens were left out")
-            if not keep:
-                raise BenchError(f"no prompt fits --max-model-len {max_model_len} with --max-tokens {args.max_tokens}")
-            prompts = keep
-
-    configs: list[Config] = []
-    heads: dict = {}
+        prompts, max_model_len = _fit_prompts(prompts, tokenizer, chat, args.max_tokens, max_model_len, notes)
     if mode == "url":
-        configs = [Config("server")]  # resolved from the server at run time
-        local = [m for m in methods if m.startswith("transformers") and args.methods != DEFAULT_METHODS]
-        if local and model_path is not None:
-            configs += [Config(m) for m in local]
+        configs, heads = _url_configs(args, methods, model_path), {}
     else:
-        for m in methods:
-            if m in SPEC_METHODS:
-                path, untrained = _resolve_head(args, m, model_path, target_holder, Path(args.out))
-                heads[m] = {"path": str(path), "untrained": untrained}
-                configs += [Config(m, k, str(path)) for k in ks]
-                if adaptive_k is not None:
-                    configs.append(Config(m, adaptive_k, str(path), ADAPTIVE))
-            else:
-                configs.append(Config(m))
+        configs, heads = _local_configs(args, methods, ks, adaptive_k, model_path, target_holder)
     if any(h["untrained"] for h in heads.values()):
         notes.append("heads marked UNTRAINED have random weights: their drafts are almost never accepted "
                      "(acceptance length about 1), so these numbers show only what drafting and verifying cost, "
                      "not what speculation gains")
     return Plan(mode, prompts, concurrencies, configs, chat, max_model_len, model_path, heads, notes)
+
+
+def _parse_methods(text: str) -> list[str]:
+    """--methods: the names and their aliases, in METHODS' order."""
+    methods = [m.strip().lower() for m in text.split(",") if m.strip()]
+    methods = ["peagle" if m == "p-eagle" else "eagle3" if m in ("eagle-3", "eagle") else
+               "baseline" if m in ("none", "no-spec") else m for m in methods]
+    bad = [m for m in methods if m not in METHODS]
+    if bad or not methods:
+        raise BenchError(f"unknown method(s) {', '.join(bad) or '(none given)'}; choose from {', '.join(METHODS)}")
+    return [m for m in METHODS if m in methods]
+
+
+def _model_path(args, mode: str) -> Path | None:
+    if mode == "url" and not args.model:  # with --url, a local copy of the model is optional (tokenizer, transformers)
+        return None
+    from peagle.model.loading import resolve_model
+
+    try:
+        return resolve_model(args.model)
+    except FileNotFoundError as e:
+        if mode != "url":
+            raise BenchError(str(e)) from None
+        return None
+
+
+def _use_chat(flag: bool | None, tokenizer) -> bool:
+    """--chat / --no-chat, else the chat template when the tokenizer has one (and when there is no tokenizer)."""
+    chat = flag
+    if chat is None:
+        chat = bool(tokenizer is not None and getattr(tokenizer, "chat_template", None)) if tokenizer else True
+    if chat and tokenizer is not None and not getattr(tokenizer, "chat_template", None):
+        raise BenchError("--chat: this model's tokenizer has no chat template; use --no-chat")
+    return chat
+
+
+def _fit_prompts(prompts: list, tokenizer, chat: bool, max_tokens: int, max_model_len: int | None,
+                 notes: list[str]) -> tuple[list, int]:
+    """Without --max-model-len, a context that fits the longest prompt (rounded up to 64); with it, the prompts
+    that fit, the others left out with a note."""
+    lengths = [len(_encode(tokenizer, p, chat)) for p in prompts]
+    if max_model_len is None:
+        need = max(lengths) + max_tokens + 8
+        return prompts, -(-need // 64) * 64
+    keep = [p for p, n in zip(prompts, lengths) if n + max_tokens <= max_model_len]
+    if len(keep) < len(prompts):
+        notes.append(f"{len(prompts) - len(keep)} prompt(s) longer than --max-model-len {max_model_len} "
+                     f"minus --max-tokens were left out")
+    if not keep:
+        raise BenchError(f"no prompt fits --max-model-len {max_model_len} with --max-tokens {max_tokens}")
+    return keep, max_model_len
+
+
+def _url_configs(args, methods: list[str], model_path: Path | None) -> list[Config]:
+    configs = [Config("server")]  # resolved from the server at run time
+    local = [m for m in methods if m.startswith("transformers") and args.methods != DEFAULT_METHODS]
+    if local and model_path is not None:
+        configs += [Config(m) for m in local]
+    return configs
+
+
+def _local_configs(args, methods: list[str], ks: list[int], adaptive_k: int | None, model_path: Path | None,
+                   target_holder: "TargetHolder") -> tuple[list[Config], dict]:
+    """Each method at each fixed K and the adaptive policy, with the head each speculative method resolved to."""
+    configs: list[Config] = []
+    heads: dict = {}
+    for m in methods:
+        if m in SPEC_METHODS:
+            path, untrained = _resolve_head(args, m, model_path, target_holder, Path(args.out))
+            heads[m] = {"path": str(path), "untrained": untrained}
+            configs += [Config(m, k, str(path)) for k in ks]
+            if adaptive_k is not None:
+                configs.append(Config(m, adaptive_k, str(path), ADAPTIVE))
+        else:
+            configs.append(Config(m))
+    return configs, heads
 
 
 def _encode(tokenizer, prompt, chat: bool) -> list[int]:

@@ -54,45 +54,19 @@ def sweep(args) -> int:
     started = _dt.datetime.now().astimezone()
     t_start = time.perf_counter()
     holder = TargetHolder(args.dtype, args.device, args.quantization)
-    hf_holder: dict = {}
     plan = make_plan(args, holder)
     runs_planned = [(cfg, c) for cfg in plan.configs for c in plan.concurrencies_for(cfg)]
-    n = len(plan.prompts)
-    total_requests = n * len(runs_planned)
-    log = sys.stderr
     print(f"peagle bench: {len(plan.configs)} configuration(s) x concurrency {plan.concurrencies} = "
-          f"{len(runs_planned)} runs of {n} {args.dataset} prompts, up to {args.max_tokens} tokens each "
-          f"({plan.mode} mode{', chat template' if plan.chat else ''})", file=log, flush=True)
+          f"{len(runs_planned)} runs of {len(plan.prompts)} {args.dataset} prompts, up to {args.max_tokens} tokens "
+          f"each ({plan.mode} mode{', chat template' if plan.chat else ''})", file=sys.stderr, flush=True)
     for note in plan.notes:
-        print(f"peagle bench: note: {note}", file=log, flush=True)
+        print(f"peagle bench: note: {note}", file=sys.stderr, flush=True)
 
     t_sweep = time.perf_counter()
-    bar = _progress_bar(total_requests, args.no_progress)
-    meta = {"command": canonical_command(args), "dataset": args.dataset, "num_prompts": n,
-            "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "temperature": args.temperature,
-            "seed": args.seed, "chat": plan.chat, "mode": plan.mode, "concurrency": plan.concurrencies,
-            "model": str(args.model or (f"served at {args.url}" if args.url else
-                                        f"embedded SmolLM2-135M-Instruct ({plan.model_path})")),
-            "weights": _weights(args, plan), "max_model_len": plan.max_model_len, "heads": plan.heads,
-            "notes": plan.notes,
-            "started": started.isoformat(timespec="seconds"), "machine": machine()}
-    results: list[RunMetrics] = []
+    bar = _progress_bar(len(plan.prompts) * len(runs_planned), args.no_progress)
+    meta = _meta(args, plan, started)
     try:
-        for cfg in plan.configs:
-            cs = plan.concurrencies_for(cfg)
-            try:
-                for r in _run_config(args, plan, cfg, cs, holder, hf_holder, bar, out):
-                    results.append(r)
-                    bar.set_postfix_str(f"{r.label} c={r.concurrency}: {r.otps:.1f} tok/s")
-                    _save_partial(results, meta, out)
-            except BenchError as e:
-                if plan.mode == "url":
-                    raise
-                # One broken configuration must not cost the rest of a long sweep: note it and go on.
-                plan.notes.append(f"{cfg.label} was not measured: {str(e).splitlines()[0]}")
-                print(f"\npeagle bench: {cfg.label} failed, skipping it: {e}", file=log, flush=True)
-                bar.update(len(plan.prompts) * len(cs) - sum(1 for r in results if r.label == cfg.label) *
-                           len(plan.prompts))
+        results = _measure_all(args, plan, holder, bar, meta, out)
     finally:
         bar.close()
     if not results:
@@ -113,8 +87,42 @@ def sweep(args) -> int:
     print()
     print(targets_table(report))
     print(f"\npeagle bench: done in {_fmt_s(wall)}; the sweep itself took {_fmt_s(sweep)}; table "
-          f"{paths['markdown']}, JSON {paths['json']}, plots in {out}", file=log, flush=True)
+          f"{paths['markdown']}, JSON {paths['json']}, plots in {out}", file=sys.stderr, flush=True)
     return 0
+
+
+def _meta(args, plan: Plan, started: _dt.datetime) -> dict:
+    """What the report says about the run: its command, prompts, sampling, model, heads and machine."""
+    return {"command": canonical_command(args), "dataset": args.dataset, "num_prompts": len(plan.prompts),
+            "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "temperature": args.temperature,
+            "seed": args.seed, "chat": plan.chat, "mode": plan.mode, "concurrency": plan.concurrencies,
+            "model": str(args.model or (f"served at {args.url}" if args.url else
+                                        f"embedded SmolLM2-135M-Instruct ({plan.model_path})")),
+            "weights": _weights(args, plan), "max_model_len": plan.max_model_len, "heads": plan.heads,
+            "notes": plan.notes,
+            "started": started.isoformat(timespec="seconds"), "machine": machine()}
+
+
+def _measure_all(args, plan: Plan, holder: TargetHolder, bar, meta: dict, out: Path) -> list[RunMetrics]:
+    """Every configuration at each of its concurrencies, saving partial results after each run."""
+    hf_holder: dict = {}
+    results: list[RunMetrics] = []
+    for cfg in plan.configs:
+        cs = plan.concurrencies_for(cfg)
+        try:
+            for r in _run_config(args, plan, cfg, cs, holder, hf_holder, bar, out):
+                results.append(r)
+                bar.set_postfix_str(f"{r.label} c={r.concurrency}: {r.otps:.1f} tok/s")
+                _save_partial(results, meta, out)
+        except BenchError as e:
+            if plan.mode == "url":
+                raise
+            # One broken configuration must not cost the rest of a long sweep: note it and go on.
+            plan.notes.append(f"{cfg.label} was not measured: {str(e).splitlines()[0]}")
+            print(f"\npeagle bench: {cfg.label} failed, skipping it: {e}", file=sys.stderr, flush=True)
+            bar.update(len(plan.prompts) * len(cs) - sum(1 for r in results if r.label == cfg.label) *
+                       len(plan.prompts))
+    return results
 
 
 def _save_partial(results: list[RunMetrics], meta: dict, out: Path) -> None:

@@ -109,6 +109,16 @@ def build_app(aengine: AsyncEngine, served_model_names: list[str] | None = None,
     app = FastAPI(title="peagle", description="P-EAGLE speculative decoding, OpenAI-compatible", lifespan=lifespan,
                   docs_url="/docs", redoc_url=None)
     app.state.peagle = state
+    _add_middleware(app, max_body_bytes, body_timeout, api_key, protect_metrics, sagemaker, allowed_origins)
+    _add_error_handlers(app)
+    _add_operational_routes(app, state)
+    _add_inference_routes(app, state)
+    _add_page_routes(app)
+    return app
+
+
+def _add_middleware(app: FastAPI, max_body_bytes: int, body_timeout: float, api_key: str | None,
+                    protect_metrics: bool, sagemaker: bool, allowed_origins: list[str] | None) -> None:
     app.add_middleware(BodySizeLimit, limit=max_body_bytes, timeout=body_timeout)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key, protect_metrics=protect_metrics,
@@ -119,7 +129,10 @@ def build_app(aengine: AsyncEngine, served_model_names: list[str] | None = None,
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
 
-    # -- errors -----------------------------------------------------------------------------------------------
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error, ours or the framework's (unknown route, wrong method) or a crash, in OpenAI's shape."""
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
         return ErrorJSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
@@ -137,11 +150,26 @@ def build_app(aengine: AsyncEngine, served_model_names: list[str] | None = None,
         return ErrorJSONResponse(APIError(f"internal server error: {type(exc).__name__}: {exc}", 500,
                                           type="internal_server_error").body(), status_code=500)
 
-    # -- routes -----------------------------------------------------------------------------------------------
+
+def _add_operational_routes(app: FastAPI, state: ServerState) -> None:
+    """Health checks and Prometheus metrics (what a load balancer and a scraper ask)."""
+    aengine = state.aengine
+
     @app.get("/health")
     @app.get("/ping")
     async def health():
         return Response(status_code=200 if aengine.healthy and not aengine.draining else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        m = aengine.metrics
+        if m is None:
+            raise APIError("metrics are disabled on this server", 404)
+        return Response(m.render(aengine.num_running, aengine.num_waiting), media_type=CONTENT_TYPE_LATEST)
+
+
+def _add_inference_routes(app: FastAPI, state: ServerState) -> None:
+    """The OpenAI routes and SageMaker's /invocations."""
 
     @app.get("/v1/models")
     async def models():
@@ -163,13 +191,8 @@ def build_app(aengine: AsyncEngine, served_model_names: list[str] | None = None,
     async def invocations(request: Request):
         return await _serve(state, request, None)
 
-    @app.get("/metrics")
-    async def metrics():
-        m = aengine.metrics
-        if m is None:
-            raise APIError("metrics are disabled on this server", 404)
-        return Response(m.render(aengine.num_running, aengine.num_waiting), media_type=CONTENT_TYPE_LATEST)
 
+def _add_page_routes(app: FastAPI) -> None:
     @app.get("/", response_class=HTMLResponse)
     async def playground():
         return HTMLResponse((STATIC / "index.html").read_text())
@@ -177,8 +200,6 @@ def build_app(aengine: AsyncEngine, served_model_names: list[str] | None = None,
     @app.get("/favicon.ico")
     async def favicon():
         return Response(status_code=204)
-
-    return app
 
 
 # ------------------------------------------------------------------------------------------------------------
