@@ -65,7 +65,7 @@ def multi_turn(history: int, answer_tokens: int) -> list[dict]:
     for spec in (False, True):
         engines = {caching: make_engine(spec, caching) for caching in (False, True)}
         tok = engines[False].tokenizer
-        first_user = text(int(history * 0.7), seed=1)
+        first_user = text(int(history * 0.85), seed=1)
         params = SamplingParams(max_tokens=answer_tokens, ignore_eos=True)
         result = {}
         for caching, eng in engines.items():

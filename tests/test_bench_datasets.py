@@ -92,3 +92,23 @@ def test_unknown_or_missing_sets_fail_clearly(tmp_path):
         load_dataset(f"custom:{tmp_path / 'missing.jsonl'}")
     with pytest.raises(DatasetError, match="not available offline"):
         load_dataset("speed-bench")
+
+
+def test_shared_system_prompts_share_one_long_system_turn():
+    ps = load_dataset("shared-system", 3)
+    systems = {p.messages[0]["content"] for p in ps}
+    assert len(systems) == 1 and len(next(iter(systems))) > 5000  # one handbook, long enough to cache
+    assert len({p.messages[1]["content"] for p in ps}) == 3 and all(p.text.endswith(p.messages[1]["content"])
+                                                                    for p in ps)
+
+
+def test_sharegpt_multiturn_resends_the_history(tmp_path):
+    conv = [{"from": f, "value": v} for f, v in
+            [("human", "q1"), ("gpt", "a1"), ("human", "q2"), ("gpt", "a2"), ("human", "q3"), ("gpt", "a3")]]
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps([{"id": "c", "conversations": conv},
+                                {"id": "single", "conversations": conv[:2]}]))
+    ps = load_dataset(f"sharegpt-multiturn:{path}")
+    assert [p.id for p in ps] == ["sharegpt-multiturn/c/1", "sharegpt-multiturn/c/2"]
+    assert [m["content"] for m in ps[1].messages] == ["q1", "a1", "q2", "a2", "q3"]
+    assert ps[1].messages[:3] == ps[0].messages  # each turn starts with the one before: what the cache reuses

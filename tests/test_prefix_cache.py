@@ -82,6 +82,11 @@ def test_cached_and_chunked_outputs_equal_one_pass(target, method, k, budget):
     cached = [o.num_cached_tokens for o in got]
     assert cached[0] == 0 and all(c >= 64 for c in cached[1:]), cached  # the shared 70 tokens: 4 whole blocks
     assert eng.prefix_cache.hits == sum(cached) and eng.prefix_cache.queries >= sum(len(p) for p in ps)
+    # Arriving together at an empty cache: the first prompt's blocks serve the others in the same step (as the
+    # choices of n > 1 share their prompt).
+    together = engine(target, method, k, max_num_batched_tokens=budget).generate(ps, PARAMS)
+    same(together, want[len(ps):])
+    assert all(o.num_cached_tokens >= 64 for o in together[1:]), [o.num_cached_tokens for o in together]
 
 
 @pytest.mark.parametrize("method", ["peagle", "eagle3"])

@@ -65,6 +65,9 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
     from peagle.model.quant import QUANTIZATION_HELP, QUANTIZATIONS
 
     g.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help=QUANTIZATION_HELP)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="the engine's prefix cache (default: on, as in `peagle serve`); compare both on the "
+                        "shared-system and sharegpt-multiturn sets")
     g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     g.add_argument("--threads", type=cli_args.positive_int,
                    help="torch CPU threads, here and in the servers (default: torch's; on a shared machine 1 avoids "

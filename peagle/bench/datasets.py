@@ -49,7 +49,7 @@ class BenchPrompt:
 
 
 def dataset_names() -> str:
-    return "humaneval, mtbench, sharegpt, custom:FILE.jsonl, speed-bench:DIR"
+    return ("humaneval, mtbench, sharegpt, shared-system, sharegpt-multiturn, custom:FILE.jsonl, speed-bench:DIR")
 
 
 def load_dataset(spec: str, num_prompts: int | None = None) -> list[BenchPrompt]:
@@ -63,6 +63,10 @@ def load_dataset(spec: str, num_prompts: int | None = None) -> list[BenchPrompt]
         it = iter_mtbench()
     elif name == "sharegpt":
         it = iter_sharegpt(Path(arg) if arg else None)
+    elif name == "shared-system":
+        it = iter_shared_system()
+    elif name == "sharegpt-multiturn":
+        it = iter_sharegpt_multiturn(Path(arg) if arg else None)
     elif name == "custom":
         if not arg:
             raise DatasetError("custom dataset needs a file: --dataset custom:FILE.jsonl")
@@ -142,6 +146,69 @@ def iter_sharegpt(path: Path | None = None) -> Iterator[BenchPrompt]:
                     yield BenchPrompt(f"sharegpt/{rec.get('id')}", text)
         except NotAJSONArrayError as e:
             raise DatasetError(str(e)) from None
+
+
+# -- workloads for the prefix cache ---------------------------------------------------------------------------------
+
+_HANDBOOK_TOPICS = ("returns", "shipping", "warranty claims", "billing", "account security", "privacy requests",
+                    "repairs", "gift cards", "subscriptions", "business orders", "accessibility", "complaints")
+_HANDBOOK_RULES = (
+    "When a customer asks about {topic}, confirm the order number and the date of purchase before anything else.",
+    "Explain the {days}-day policy for {topic} in plain words, without quoting internal codes or rule numbers.",
+    "If the case about {topic} involves more than {amount} dollars, offer to hand it to a senior agent by email.",
+    "Never promise a refund or a replacement for {topic} until the checks above are done and written down.",
+    "Close every conversation about {topic} by summarising what was agreed and what happens next, in two lines.",
+)
+
+
+def shared_system_prompt() -> str:
+    """A support team's handbook (1,676 tokens in SmolLM2's tokenizer), written for this workload: the long system
+    prompt that every request of an application shares."""
+    lines = ["You are the support assistant of a small online shop. Follow this handbook exactly."]
+    for t, topic in enumerate(_HANDBOOK_TOPICS):
+        lines.append(f"\nSection {t + 1}: {topic}.")
+        lines += [f"{t + 1}.{r + 1} " + rule.format(topic=topic, days=14 + 7 * (t % 3), amount=100 * (t + 2))
+                  for r, rule in enumerate(_HANDBOOK_RULES)]
+    return "\n".join(lines)
+
+
+def iter_shared_system() -> Iterator[BenchPrompt]:
+    """MT-Bench's first turns, each behind the same long system prompt."""
+    system = shared_system_prompt()
+    for p in iter_mtbench():
+        yield BenchPrompt(f"shared-system/{p.id.split('/')[-1]}", f"{system}\n\n{p.text}",
+                          [{"role": "system", "content": system}, {"role": "user", "content": p.text}], p.category)
+
+
+MULTITURN_MAX_CHARS = 6000  # history kept per conversation (about 1,500 tokens), so every turn fits a 2K context
+
+
+def iter_sharegpt_multiturn(path: Path | None = None) -> Iterator[BenchPrompt]:
+    """Every later human turn of multi-turn ShareGPT conversations, sent with the conversation before it (its
+    recorded answers) as history, in order: a chat client resending its history each turn, so successive prompts of
+    one conversation share everything but their last turn."""
+    path = path or sharegpt_file()
+    with open(path, encoding="utf-8") as f:
+        try:
+            for rec in iter_json_array(f):
+                yield from _later_turns(rec)
+        except NotAJSONArrayError as e:
+            raise DatasetError(str(e)) from None
+
+
+def _later_turns(rec: dict) -> Iterator[BenchPrompt]:
+    conv, history, size = rec.get("conversations") or [], [], 0
+    for turn, (a, b) in enumerate(zip(conv[::2], conv[1::2])):
+        user, answer = (a.get("value") or "").strip(), (b.get("value") or "").strip()
+        if a.get("from") != "human" or b.get("from") != "gpt" or not user or not answer:
+            return
+        size += len(user) + len(answer)
+        if size > MULTITURN_MAX_CHARS:
+            return
+        if history:
+            yield BenchPrompt(f"sharegpt-multiturn/{rec.get('id')}/{turn}", user,
+                              history + [{"role": "user", "content": user}])
+        history = history + [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
 
 
 def _first_answered_turn(conv: list[dict]) -> str | None:

@@ -93,6 +93,8 @@ def canonical_command(args) -> str:
             parts += [flag, str(value)]
     if args.dtype != "auto":
         parts += ["--dtype", args.dtype]
+    if not args.enable_prefix_caching:
+        parts += ["--no-enable-prefix-caching"]
     for flag, on in (("--ignore-eos", args.ignore_eos), ("--random-heads", args.random_heads),
                      ("--offline", args.offline)):
         if on:
@@ -283,8 +285,10 @@ def create_random_head(method: str, model_path: Path, holder: "TargetHolder", de
 class TargetHolder:
     """Loads the target and tokenizer once for everything done in this process (heads, offline engines)."""
 
-    def __init__(self, dtype: str = "auto", device: str | None = None, quantization: str | None = None):
+    def __init__(self, dtype: str = "auto", device: str | None = None, quantization: str | None = None,
+                 enable_prefix_caching: bool = True):
         self.dtype, self.device, self.quantization = dtype, device, quantization
+        self.enable_prefix_caching = enable_prefix_caching
         self._target = self._tok = None
 
     def tokenizer(self, model_path: Path):
@@ -324,6 +328,7 @@ class TargetHolder:
                                 device=target.device).pack_(DRAFTER_QUANTIZATION if target.quantized else None)
             # (as `peagle serve` loads it)
         return LLMEngine(target, tok, drafter, spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                         model_name=Path(model_path).name, speculation_policy=cfg.policy)
+                         model_name=Path(model_path).name, speculation_policy=cfg.policy,
+                         enable_prefix_caching=self.enable_prefix_caching)
 
 

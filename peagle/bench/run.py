@@ -53,7 +53,7 @@ def sweep(args) -> int:
         torch.set_num_threads(args.threads)
     started = _dt.datetime.now().astimezone()
     t_start = time.perf_counter()
-    holder = TargetHolder(args.dtype, args.device, args.quantization)
+    holder = TargetHolder(args.dtype, args.device, args.quantization, args.enable_prefix_caching)
     plan = make_plan(args, holder)
     runs_planned = [(cfg, c) for cfg in plan.configs for c in plan.concurrencies_for(cfg)]
     print(f"peagle bench: {len(plan.configs)} configuration(s) x concurrency {plan.concurrencies} = "
@@ -240,7 +240,8 @@ def _served_runs(runs: _ConfigRuns, out: Path) -> Iterator[RunMetrics]:
     server = loadgen.ServerProcess(args.model, spec.to_json() if spec else None, max(plan.concurrencies), log,
                                    plan.max_model_len, None if args.dtype == "auto" else args.dtype, args.device,
                                    extra_args=(["--speculation-policy", cfg.policy] if spec else [])
-                                   + (["--quantization", args.quantization] if args.quantization else []),
+                                   + (["--quantization", args.quantization] if args.quantization else [])
+                                   + ([] if args.enable_prefix_caching else ["--no-enable-prefix-caching"]),
                                    threads=args.threads)
     runs.bar.set_description(f"{cfg.label}: starting server")
     try:

@@ -62,8 +62,8 @@ JOINT_PENDING_ROWS = 16
 # Prompt rows turned into log-probabilities at once (each row is a vocabulary-sized float32 vector).
 PROMPT_LOGPROB_ROWS = 256
 # Prompt tokens prefilled per step (vLLM's --max-num-batched-tokens; decode rows come on top). With chunked prefill a
-# longer prompt takes several steps, so a running stream waits at most one chunk: on one CPU core 256 rows cost
-# about 0.3 s at 4K tokens of context (docs/engine.md, "Chunked prefill").
+# longer prompt takes several steps, so a running stream waits at most one chunk (docs/engine.md, "Chunked prefill",
+# measures the longest gap on one CPU core).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 256
 
 
