@@ -243,7 +243,7 @@ class AsyncEngine:
                 if self.metrics is not None and engine.spec is not None:
                     self.metrics.record_spec(engine.stats)
                 if self.metrics is not None and engine.prefix_cache is not None:
-                    self.metrics.record_prefix_cache(engine.prefix_cache.queries, engine.prefix_cache.hits)
+                    self.metrics.record_prefix_cache(engine.prefix_cache)
             if not busy:
                 self._wake.wait(self.idle_wait)
                 self._wake.clear()

@@ -79,7 +79,7 @@ class Metrics:
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name=m, finished_reason=reason)
         self._seen = SpecDecodeStats(num_speculative_tokens)
-        self._seen_prefix = (0, 0)
+        self._seen_prefix: dict[int, tuple[int, int]] = {}  # per prefix cache (the baseline engine has its own)
         self._last_token_at: dict[str, float] = {}
 
     # -- called from the engine thread after each step -------------------------------------------------------
@@ -98,12 +98,12 @@ class Metrics:
                 self.k_chosen.labels(model_name=m).observe(k)
         self._seen = stats.copy()
 
-    def record_prefix_cache(self, queries: int, hits: int) -> None:
-        """Advance the prefix-cache counters to the engine's running totals."""
-        m, (q0, h0) = self.model_name, self._seen_prefix
-        self.prefix_cache_queries.labels(model_name=m).inc(queries - q0)
-        self.prefix_cache_hits.labels(model_name=m).inc(hits - h0)
-        self._seen_prefix = (queries, hits)
+    def record_prefix_cache(self, cache) -> None:
+        """Advance the prefix-cache counters by what one engine's cache (engine.prefix_cache) has seen since."""
+        m, (q0, h0) = self.model_name, self._seen_prefix.get(id(cache), (0, 0))
+        self.prefix_cache_queries.labels(model_name=m).inc(cache.queries - q0)
+        self.prefix_cache_hits.labels(model_name=m).inc(cache.hits - h0)
+        self._seen_prefix[id(cache)] = (cache.queries, cache.hits)
 
     def record_output(self, out) -> None:
         """One engine report (a RequestOutput) for one request."""
