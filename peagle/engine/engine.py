@@ -98,7 +98,8 @@ class LLMEngine:
         if self.spec and self.spec.max_model_len:
             self.max_model_len = min(self.max_model_len, self.spec.max_model_len)
         # Room past max_model_len for the verify window and the drafter's padded rows, whose writes are stale.
-        capacity = self.max_model_len + JOINT_PENDING_ROWS + 2 * self.k + 2
+        # ... and for a padded prefill's rows past a short chunk's end.
+        capacity = self.max_model_len + max(JOINT_PENDING_ROWS + 2 * self.k + 2, max_num_batched_tokens)
         self.target_cache = target.new_cache(max_num_seqs, capacity)
         self.drafter_cache = drafter.new_cache(max_num_seqs, capacity) if self.spec else None
         self.prefix_cache = (PrefixCache(self.target_cache, self.drafter_cache, target.feature_dim, prefix_cache_gb,
@@ -317,27 +318,37 @@ class LLMEngine:
             req = self.waiting.popleft()
             req.slot = self.free_slots.pop(0)
             self.running.append(req)
+            if self.prefix_cache is not None and req.params.prompt_logprobs is None:
+                self.prefix_cache.queries += len(req.prompt_ids)  # looked up once its prefill begins
 
     def _prefill_step(self) -> list[Request]:
-        """Prefill under this step's token budget, prompts in the order they came; returns the requests whose
+        """Prefill one chunk for as many prompts as this step's token budget holds, in the order they came, in one
+        padded forward (its rows cost max chunk x prompts, kept within the budget); returns the requests whose
         prompt is now complete (and first token sampled)."""
-        budget, done = self.max_num_batched_tokens, []
+        budget, batch, widest = self.max_num_batched_tokens, [], 0
         for req in [r for r in self.running if r.prefilling and not r.finished]:
             self._continue_from_prefix_cache(req)
+            if any(self._will_compute_its_next_block(other, n, req) for other, n in batch):
+                continue  # the next step finds that block in the cache instead of computing it twice
             left = len(req.prompt_ids) - req.num_computed
-            if left <= budget:
+            if left <= budget or not self.enable_chunked_prefill:
                 n = left
-            elif self.enable_chunked_prefill:  # whole blocks, so the next chunk starts where a cached block would
+            else:  # whole blocks, so that the next chunk starts where a cached block would
                 n = budget // BLOCK_SIZE * BLOCK_SIZE
-            else:  # whole prompts only: one that does not fit waits, unless it is the step's first
-                n = left if budget == self.max_num_batched_tokens else 0
-            if n == 0:
+            if batch and max(widest, n) * (len(batch) + 1) > budget:
                 break
-            self._prefill_chunk(req, n)
-            budget -= n
-            if not req.prefilling:
-                done.append(req)
-        return done
+            batch.append((req, n))
+            widest = max(widest, n)
+        if batch:
+            self._prefill_chunks(batch)
+        return [req for req, _ in batch if not req.prefilling]
+
+    @staticmethod
+    def _will_compute_its_next_block(other: Request, n: int, req: Request) -> bool:
+        """Whether `other`'s chunk of n rows computes the block `req` needs next (same tokens up to its end)."""
+        start, end = req.num_computed, req.num_computed + BLOCK_SIZE
+        return (other.num_computed <= start and other.num_computed + n >= end
+                and len(req.prompt_ids) > end and other.prompt_ids[:end] == req.prompt_ids[:end])
 
     def _continue_from_prefix_cache(self, req: Request) -> None:
         """Take the prompt's next positions from the prefix cache, whole blocks while they match (never the last
@@ -348,8 +359,6 @@ class LLMEngine:
         if pc is None or req.params.prompt_logprobs is not None or start != len(req.blocks) * BLOCK_SIZE:
             return
         m = len(req.prompt_ids)
-        if start == 0:
-            pc.queries += m
         hit = pc.match(req.blocks[-1] if req.blocks else None, req.prompt_ids[start:], (m - 1 - start) // BLOCK_SIZE)
         if not hit:
             return
@@ -372,21 +381,36 @@ class LLMEngine:
         req.num_computed = req.num_cached_tokens = end
         pc.hits += end - start
 
-    def _prefill_chunk(self, req: Request, n: int) -> None:
-        """Run prompt positions num_computed .. num_computed + n through the target; after the last one, sample the
-        first token. The rows wait for the drafter (row t: token x_{t+1}, feature g_t)."""
-        dev, start, m = self.device, req.num_computed, len(req.prompt_ids)
-        end = start + n
-        tokens = torch.tensor([req.prompt_ids[start:end]], device=dev)
-        layout = BatchLayout.build(torch.tensor([req.slot], device=dev), torch.arange(start, end, device=dev)[None])
-        want_prompt_logprobs = req.params.prompt_logprobs is not None
-        if want_prompt_logprobs or end == m:
-            out = self.target(tokens, layout, self.target_cache, num_logits=None if want_prompt_logprobs else 1)
-            logits, features = out.logits[0], out.features[0]
-        else:  # a chunk before the last needs no logits
-            logits, features = None, self.target.trunk(tokens, layout, self.target_cache)[1][0]
-        req.num_computed = end
-        if want_prompt_logprobs:
+    def _prefill_chunks(self, batch: list[tuple[Request, int]]) -> None:
+        """Run each request's next n prompt positions through the target in one padded batch (pad rows write past
+        a chunk's end: stale entries that later rows overwrite); a request whose prompt is then complete samples
+        its first token. The rows wait for the drafter (row t: token x_{t+1}, feature g_t)."""
+        dev, B = self.device, len(batch)
+        T = max(n for _, n in batch)
+        tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
+        for b, (req, n) in enumerate(batch):
+            tokens[b, :n] = torch.tensor(req.prompt_ids[req.num_computed:req.num_computed + n], device=dev)
+        starts = torch.tensor([req.num_computed for req, _ in batch], device=dev)
+        layout = BatchLayout.build(torch.tensor([req.slot for req, _ in batch], device=dev),
+                                   starts[:, None] + torch.arange(T, device=dev)[None])
+        every_row = any(req.params.prompt_logprobs is not None for req, _ in batch)
+        finishing = any(req.num_computed + n == len(req.prompt_ids) for req, n in batch)
+        if every_row or finishing:
+            last = torch.tensor([n - 1 for _, n in batch], device=dev)[:, None]
+            out = self.target(tokens, layout, self.target_cache, logit_index=None if every_row else last,
+                              num_logits=None)
+            logits, features = out.logits, out.features
+        else:  # no chunk here is a prompt's last: no logits needed
+            logits, features = None, self.target.trunk(tokens, layout, self.target_cache)[1]
+        for b, (req, n) in enumerate(batch):
+            rows = logits[b, :n] if every_row else logits[b] if logits is not None else None
+            self._after_chunk(req, n, rows, features[b, :n])
+
+    def _after_chunk(self, req: Request, n: int, logits: torch.Tensor | None, features: torch.Tensor) -> None:
+        """A chunk of n prompt rows is in the cache: logits (every row's, or only the last's) and features [n, F]."""
+        start, m = req.num_computed, len(req.prompt_ids)
+        end = req.num_computed = start + n
+        if req.params.prompt_logprobs is not None:
             self._add_prompt_logprobs(req, start, logits)
         if end < m:
             if self.spec is not None:

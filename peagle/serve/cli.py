@@ -55,20 +55,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=cli_args.positive_int,
                         help="context length (prompt + output) per request")
     parser.add_argument("--max-num-seqs", type=cli_args.positive_int, help="requests decoded together (default 8)")
-    from peagle.engine.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
-    from peagle.engine.prefix_cache import DEFAULT_MEMORY_GB
-
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                        help="reuse the computed blocks of earlier requests (prompts and answers) for prompts that "
-                             "start the same way, bit-exactly (default: on)")
-    parser.add_argument("--prefix-cache-gb", type=cli_args.positive_float, default=DEFAULT_MEMORY_GB,
-                        help=f"memory for cached blocks, least recently used evicted first (default {DEFAULT_MEMORY_GB})")
-    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
-                        help="prefill long prompts in chunks between decode steps, so running streams keep flowing "
-                             "(default: on)")
-    parser.add_argument("--max-num-batched-tokens", type=cli_args.positive_int,
-                        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                        help=f"prompt tokens prefilled per engine step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
+    add_prefill_args(parser)
     parser.add_argument("--served-model-name", nargs="+", help="name(s) clients use in \"model\"")
     parser.add_argument("--dtype", default="auto", help="auto (bfloat16), bfloat16, float16 or float32")
     from peagle.model.quant import QUANTIZATION_HELP, QUANTIZATIONS
@@ -109,6 +96,24 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true", help="with --engine vllm: print the command only")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
+
+
+def add_prefill_args(parser: argparse.ArgumentParser) -> None:
+    """The engine's prefix cache and chunked prefill, as vLLM names them (engine_options turns them into kwargs)."""
+    from peagle.engine.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
+    from peagle.engine.prefix_cache import DEFAULT_MEMORY_GB
+
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the computed blocks of earlier requests (prompts and answers) for prompts that "
+                             "start the same way, bit-exactly (default: on)")
+    parser.add_argument("--prefix-cache-gb", type=cli_args.positive_float, default=DEFAULT_MEMORY_GB,
+                        help=f"memory for cached blocks, least recently used evicted first (default {DEFAULT_MEMORY_GB})")
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                        help="prefill long prompts in chunks between decode steps, so running streams keep flowing "
+                             "(default: on)")
+    parser.add_argument("--max-num-batched-tokens", type=cli_args.positive_int,
+                        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                        help=f"prompt tokens prefilled per engine step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
 
 
 def _env_name(action: argparse.Action) -> str | None:
