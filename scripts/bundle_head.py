@@ -3,7 +3,11 @@ learned mask-token row of the embedding table (loading takes every other row fro
 `peagle export` writes the full table vLLM wants), unless training changed other rows too (--train-embeddings). Keeps a 2-layer P-EAGLE and a 1-layer EAGLE-3 head at draft
 vocab 8192 under 60 MB together.
 
-    python scripts/bundle_head.py runs/peagle-head smollm2-135m-peagle
+    python scripts/bundle_head.py runs/peagle-head smollm2-135m-peagle --acceptance runs/campaign/acceptance/acceptance.json
+
+A new bundle must earn its place: its benchmark acceptance (benchmarks/acceptance.py's acceptance.json for the new
+head) must beat the bundled head's (docs/heads/acceptance.json) by MIN_GAIN on every set at the deepest K both
+measured; otherwise nothing is copied (--force copies anyway, e.g. for a new target).
 """
 from __future__ import annotations
 
@@ -19,13 +23,54 @@ from peagle.model.heads import HEADS_DIR
 from peagle.model.loading import embedded_model_dir
 from peagle.model.export import target_embeddings
 
+BUNDLED_ACCEPTANCE = Path("docs/heads/acceptance.json")
+MIN_GAIN = 0.02  # mean acceptance length must rise by 2% on every set: less is within one run's noise
+
+
+def deepest_mal(rows: list[dict], method: str) -> dict[str, tuple[int, float]]:
+    """Per dataset: (deepest K, mean acceptance length there) of `method`'s rows."""
+    out: dict[str, tuple[int, float]] = {}
+    for r in rows:
+        if r["method"] == method and r["k"] >= out.get(r["dataset"], (0, 0.0))[0]:
+            out[r["dataset"]] = (r["k"], r["mean_acceptance_length"])
+    return out
+
+
+def not_better(new_rows: list[dict], old_rows: list[dict], method: str, min_gain: float = MIN_GAIN) -> list[str]:
+    """Why the new head does not clearly beat the bundled one (empty: it does), set by set."""
+    new, old = deepest_mal(new_rows, method), deepest_mal(old_rows, method)
+    if not new:
+        return [f"the new acceptance file has no {method} rows"]
+    reasons = []
+    for dataset, (k, before) in sorted(old.items()):
+        if dataset not in new:
+            reasons.append(f"{dataset}: not measured for the new head")
+            continue
+        k_new, after = new[dataset]
+        if after < before * (1 + min_gain):
+            reasons.append(f"{dataset}: mean acceptance length {after:.3f} at K={k_new} against the bundle's "
+                           f"{before:.3f} at K={k} (needs +{min_gain:.0%})")
+    return reasons
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("head", help="a trained head folder (the output of `peagle train`)")
     ap.add_argument("name", help="the bundled name, e.g. smollm2-135m-peagle")
+    ap.add_argument("--acceptance", help="benchmarks/acceptance.py's acceptance.json measured for the new head")
+    ap.add_argument("--force", action="store_true", help="bundle without comparing with the bundled head")
     args = ap.parse_args()
     src, out = Path(args.head), HEADS_DIR / args.name
+    if not args.force:
+        if not args.acceptance:
+            raise SystemExit("give --acceptance (benchmarks/acceptance.py's output for the new head), or --force")
+        method = "peagle" if json.loads((src / "config.json").read_text()).get("mask_token_id") is not None \
+            else "eagle3"
+        reasons = not_better(json.loads(Path(args.acceptance).read_text()),
+                             json.loads(BUNDLED_ACCEPTANCE.read_text()), method)
+        if reasons:
+            raise SystemExit("not bundled: the new head is not clearly better than the bundled one:\n  "
+                             + "\n  ".join(reasons))
     table = target_embeddings(embedded_model_dir())
     head = load_head(src, target_embeddings=table, dtype=torch.bfloat16)
     # A head trained with --train-embeddings changed rows besides the mask token's: it must ship its whole table.

@@ -16,7 +16,8 @@
 #             answers so far are committed as data/heads/smollm2-regenerated-3.jsonl.gz with
 #             `gzip -c runs/campaign/regen3/regenerated.jsonl > data/heads/smollm2-regenerated-3.jsonl.gz`)
 #   5. accept benchmarks/acceptance.py on both continued heads into WORK/acceptance; re-bundling stays a decision
-#             (scripts/bundle_head.py refuses a head that is not better)
+#             (scripts/bundle_head.py HEAD NAME --acceptance WORK/acceptance/acceptance.json refuses a head whose
+#             benchmark acceptance is not 2% above the bundle's on every set)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK="${WORK:-runs/campaign}"

@@ -1,0 +1,79 @@
+"""The heads' campaign keeps its promises: the held-out split does not move as data grows, and a head is re-bundled
+only when its benchmark acceptance clearly beats the bundled head's."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def rows(method: str, mal: dict[str, float], k: int = 7) -> list[dict]:
+    return [{"method": method, "k": kk, "dataset": d, "mean_acceptance_length": v - 0.01 * (k - kk)}
+            for d, v in mal.items() for kk in (3, k)]
+
+
+def test_rebundling_refuses_a_head_that_is_not_clearly_better():
+    bundle = script("bundle_head")
+    old = rows("peagle", {"humaneval": 1.50, "mtbench": 1.40})
+    assert bundle.not_better(rows("peagle", {"humaneval": 1.60, "mtbench": 1.45}), old, "peagle") == []
+    why = bundle.not_better(rows("peagle", {"humaneval": 1.60, "mtbench": 1.41}), old, "peagle")
+    assert len(why) == 1 and why[0].startswith("mtbench: mean acceptance length 1.410 at K=7")
+    assert bundle.not_better(rows("peagle", {"humaneval": 1.60}), old, "peagle") == [
+        "mtbench: not measured for the new head"]
+    assert bundle.not_better(rows("eagle3", {"humaneval": 9.0, "mtbench": 9.0}), old, "peagle") == [
+        "the new acceptance file has no peagle rows"]
+
+
+def test_bundle_head_refuses_without_a_measurement(tmp_path):
+    head = ROOT / "peagle" / "heads" / "smollm2-135m-peagle"
+    worse = tmp_path / "acceptance.json"
+    worse.write_text(json.dumps(rows("peagle", {"humaneval": 1.0, "mtbench": 1.0})))
+    for extra in ([], ["--acceptance", str(worse)]):
+        run = subprocess.run([sys.executable, str(ROOT / "scripts" / "bundle_head.py"), str(head), "x-should-not-exist",
+                              *extra], cwd=ROOT, capture_output=True, text=True)
+        assert run.returncode != 0 and ("--acceptance" in run.stderr or "not clearly better" in run.stderr)
+        assert not (head.parent / "x-should-not-exist").exists()
+
+
+def test_heldout_split_is_stable_as_data_grows(tmp_path):
+    split = script("split_head_data")
+    heldout = split.bundled_heldout_ids(str(ROOT / split.BUNDLED_DATA))
+    assert len(heldout) == 32
+    bundled = ROOT / split.BUNDLED_DATA
+    more = tmp_path / "more.jsonl"
+    more.write_text("".join(json.dumps({"id": f"new-{i}", "messages": []}) + "\n" for i in range(50)))
+    outs = []
+    for inputs in ([bundled], [bundled, more]):
+        train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "split_head_data.py"), "--inputs", *map(str, inputs),
+                        "--train", str(train), "--heldout", str(held)], cwd=ROOT, check=True, capture_output=True)
+        outs.append({json.loads(line)["id"] for line in held.read_text().splitlines()})
+    assert outs[0] == outs[1] == heldout  # new conversations all train; the held-out rows stay the same
+
+
+@pytest.mark.parametrize("prompt_set", ["humaneval", "mtbench"])
+def test_benchmark_prompts_never_enter_the_regenerated_data(prompt_set):
+    """The committed answers come from ShareGPT prompts only: no HumanEval or MT-Bench prompt among them."""
+    import gzip
+
+    from peagle.bench.datasets import load_dataset
+
+    prompts = {p.text.strip()[:200] for p in load_dataset(prompt_set)}
+    files = [ROOT / "data" / "heads" / "smollm2-regenerated-3.jsonl.gz"]
+    for path in files:
+        for line in gzip.open(path, "rt", encoding="utf-8"):
+            first = json.loads(line)["messages"][0]["content"].strip()[:200]
+            assert first not in prompts
