@@ -98,8 +98,9 @@ class LLMEngine:
         if self.spec and self.spec.max_model_len:
             self.max_model_len = min(self.max_model_len, self.spec.max_model_len)
         # Room past max_model_len for the verify window and the drafter's padded rows, whose writes are stale.
-        # ... and for a padded prefill's rows past a short chunk's end.
-        capacity = self.max_model_len + max(JOINT_PENDING_ROWS + 2 * self.k + 2, max_num_batched_tokens)
+        # ... and for a padded prefill's rows past a short chunk's end (a chunk is at most the budget or a prompt).
+        capacity = self.max_model_len + max(JOINT_PENDING_ROWS + 2 * self.k + 2,
+                                            min(max_num_batched_tokens, self.max_model_len))
         self.target_cache = target.new_cache(max_num_seqs, capacity)
         self.drafter_cache = drafter.new_cache(max_num_seqs, capacity) if self.spec else None
         self.prefix_cache = (PrefixCache(self.target_cache, self.drafter_cache, target.feature_dim, prefix_cache_gb,
