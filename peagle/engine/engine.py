@@ -64,7 +64,7 @@ PROMPT_LOGPROB_ROWS = 256
 # Prompt tokens prefilled per step (vLLM's --max-num-batched-tokens; decode rows come on top). With chunked prefill a
 # longer prompt takes several steps, so a running stream waits at most one chunk (docs/engine.md, "Chunked prefill",
 # measures the longest gap on one CPU core).
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 256
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 128
 
 
 class LLMEngine:
