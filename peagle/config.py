@@ -82,8 +82,12 @@ class SpeculativeConfig(BaseModel):
     def to_dict(self) -> dict:
         """vLLM's JSON form, as a dict: every field that is set (defaults included, so K and the drafting mode are
         always spelled out). Every place that shows or passes on a config (export, `peagle models`, `/v1/models`, the
-        trainer's hint, benchmark servers) writes this form."""
-        return self.model_dump(exclude_none=True)
+        trainer's hint, benchmark servers) writes this form. parallel_drafting appears only when true: vLLM releases
+        before parallel drafting refuse the field, and false is their behaviour anyway."""
+        d = self.model_dump(exclude_none=True)
+        if not d["parallel_drafting"]:
+            del d["parallel_drafting"]
+        return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
