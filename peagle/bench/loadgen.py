@@ -57,6 +57,8 @@ def request_body(prompt: BenchPrompt, settings: LoadSettings, index: int) -> dic
         body["seed"] = settings.seed + index
     if settings.ignore_eos:
         body["ignore_eos"] = True  # vLLM's extension, which peagle's server also takes
+    if prompt.response_format is not None:
+        body["response_format"] = prompt.response_format
     if settings.chat:
         body["messages"] = prompt.chat_messages()
     else:
@@ -211,7 +213,10 @@ def server_info(url: str, api_key: str | None = None) -> dict:
 
 def run_offline(engine, prompts: list[BenchPrompt], concurrency: int, params_for: Callable[[int], object],
                 chat: bool = True, progress: Progress = None) -> tuple[list[RequestResult], float]:
-    """N clients on the engine directly. `params_for(i)` gives request i's SamplingParams."""
+    """N clients on the engine directly. `params_for(i)` gives request i's SamplingParams (with the constraint of
+    the prompt's response_format, if it has one)."""
+    from peagle.bench.structured import constraint_of
+
     results: list[RequestResult | None] = [None] * len(prompts)
     active: dict[str, tuple[int, RequestResult, list[float]]] = {}  # request id -> (index, result, [last time])
     next_i = 0
@@ -223,7 +228,9 @@ def run_offline(engine, prompts: list[BenchPrompt], concurrency: int, params_for
         res.start = time.perf_counter()
         prompt = p.chat_messages() if chat else p.text
         try:
-            rid = engine.add_request(prompt, params_for(i), request_id=f"bench-{i}-{time.monotonic_ns()}", chat=chat)
+            params = params_for(i)
+            params.constraint = constraint_of(p.response_format)
+            rid = engine.add_request(prompt, params, request_id=f"bench-{i}-{time.monotonic_ns()}", chat=chat)
         except ValueError as e:
             res.ok, res.error = False, f"{type(e).__name__}: {e}"[:300]
             results[i] = res

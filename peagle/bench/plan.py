@@ -152,6 +152,12 @@ def make_plan(args, target_holder: "TargetHolder") -> Plan:
         prompts = load_dataset(args.dataset, args.num_prompts)
     except DatasetError as e:
         raise BenchError(str(e)) from None
+    if any(p.response_format for p in prompts):  # transformers' generate() here takes no output constraint
+        dropped = [m for m in methods if m.startswith("transformers")]
+        methods = [m for m in methods if not m.startswith("transformers")]
+        if not methods:
+            raise BenchError(f"--dataset {args.dataset}: its prompts carry output constraints, which "
+                             f"{', '.join(dropped)} cannot apply; choose baseline, eagle3 or peagle")
     notes = list(args.note)
     mode = "url" if args.url else "offline" if args.offline else "server"
     model_path = _model_path(args, mode)

@@ -39,6 +39,7 @@ import torch
 
 from peagle.config import SpeculativeConfig
 from peagle.engine.detokenize import IncrementalDetokenizer
+from peagle.engine.grammar import GrammarCompiler, count_forced, stack_bias
 from peagle.engine.request import Request, RequestError, RequestOutput, TokenLogprob
 from peagle.engine import prefix_cache
 from peagle.engine.policy import DEFAULT_POLICY, Candidate, NoSpeculation, make_policy, step_clock, timed
@@ -65,6 +66,9 @@ PROMPT_LOGPROB_ROWS = 256
 # longer prompt takes several steps, so a running stream waits at most one chunk (docs/engine.md, "Chunked prefill",
 # measures the longest gap on one CPU core).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 128
+# Forced tokens (the only ones a grammar allows) a step may append to a verify window past its drafts; the cache's
+# spare room past max_model_len (JOINT_PENDING_ROWS) holds them.
+MAX_FORCED_RUN = JOINT_PENDING_ROWS
 
 
 class LLMEngine:
@@ -127,6 +131,8 @@ class LLMEngine:
                        if self.spec else NoSpeculation())
         self._step_clock = step_clock(self.device)
         self.policy.calibrate(self._time_target, self._time_draft)
+        self.max_forced_run = MAX_FORCED_RUN  # 0: verify no forced tokens past the drafts (token-by-token reference)
+        self._grammar_compiler: GrammarCompiler | None = None
 
     # -- construction ------------------------------------------------------------------------------------------
     @classmethod
@@ -231,6 +237,7 @@ class LLMEngine:
                                f"{len(prompt_ids) + params.max_tokens} were requested ({len(prompt_ids)} in the "
                                f"prompt, {params.max_tokens} for the output); reduce max_tokens or the prompt",
                                "max_tokens", "context_length_exceeded")
+        matcher = self.grammar_compiler.matcher(params.constraint) if params.constraint is not None else None
         request_id = request_id or f"req-{next(self._ids)}"
         gen = None
         if not params.greedy:
@@ -238,7 +245,22 @@ class LLMEngine:
             gen.manual_seed(params.seed % 2**64 if params.seed is not None else torch.seed())
         return Request(request_id, prompt_ids, params, SpecDecodeStats(self.k), gen,
                        arrival=arrival if arrival is not None else time.perf_counter(),
-                       detokenizer=IncrementalDetokenizer(self.tokenizer))
+                       detokenizer=IncrementalDetokenizer(self.tokenizer), matcher=matcher)
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Compiles structured-output constraints for this engine's tokenizer (built on first use: about a second)."""
+        with self._lock_grammar:
+            if self._grammar_compiler is None:
+                if self.tokenizer is None:
+                    raise RequestError("structured output needs a tokenizer, and this engine has none", "constraint")
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.target.config.vocab_size,
+                                                         sorted(self.eos_token_ids))
+            return self._grammar_compiler
+
+    @cached_property
+    def _lock_grammar(self) -> threading.Lock:
+        return threading.Lock()
 
     def submit(self, req: Request) -> str:
         """Queue a request from `make_request`. Safe from any thread."""
@@ -418,9 +440,10 @@ class LLMEngine:
                 req.backlog.append(req.prompt_ids[start + 1:end + 1], features)
             self._cache_blocks(req, features)
             return
-        first = self._sample_one(req, logits[-1])
+        last = logits[-1] if req.matcher is None else req.matcher.mask_logits(logits[-1])
+        first = self._sample_one(req, last)
         req.first_token_at = time.perf_counter()
-        self._commit(req, [first], logits[-1:])
+        self._commit(req, [first], last[None])
         if self.spec is not None:  # the prompt's rows and the first token wait for the drafter
             req.backlog.append(req.prompt_ids[start + 1:] + [first], features)
         self._cache_blocks(req, features)
@@ -489,9 +512,15 @@ class LLMEngine:
         if kmax:
             drafters = [reqs[b] for b in drafting]
             drafts = self._draft(drafters, torch.tensor([r.slot for r in drafters], device=dev), kmax)
+        drafted = ks
+        if any(r.matcher is not None for r in reqs):
+            ks, drafted, drafting, drafts = self._grammar_windows(reqs, ks, drafting, drafts)
         draft_row = {b: j for j, b in enumerate(drafting)}
         windows = self._verify(reqs, ks, drafting, drafts)
         for b, (req, k, logits, features) in enumerate(zip(reqs, ks, *windows)):
+            masks = req.matcher.window_masks() if req.matcher is not None else None
+            if masks is not None:
+                logits = req.matcher.mask_logits(logits, stack_bias(masks))
             if k == 0:
                 new = [self._sample_one(req, logits[0])]
             else:
@@ -502,11 +531,12 @@ class LLMEngine:
                 else:
                     new = verify_sampled(d, target_probs(logits, req.params), req.generator)
             if self.spec is not None:
-                a = len(new) - 1
-                req.spec.record(k, a)
-                self.stats.record(k, a)
-                if k:
-                    self.policy.observe(req.request_id, k, a)
+                # Statistics and the policy count the drafts only, not forced tokens verified after them.
+                a, kd = len(new) - 1, drafted[b]
+                req.spec.record(kd, min(a, kd))
+                self.stats.record(kd, min(a, kd))
+                if kd:
+                    self.policy.observe(req.request_id, kd, min(a, kd))
                 # Positions n..n+a are now verified: they become the drafter's next real rows.
                 req.backlog.append(new, features[: a + 1])
             before = len(req.output_ids)
@@ -516,8 +546,47 @@ class LLMEngine:
             kept = len(req.output_ids) - before
             if kept > 0:
                 self._cache_blocks(req, features[: min(kept, len(new) - 1) + 1])
-        # timed after the backlogs: the work earlier plain steps skipped is not this step's
-        self.policy.observe_step(len(reqs) + sum(ks), len(drafting), kmax, self._step_clock() - started)
+            if masks is not None:
+                forced = count_forced(masks, kept)
+                req.spec.num_forced_tokens += forced
+                self.stats.num_forced_tokens += forced
+        # Timed after the backlogs (work earlier plain steps skipped, not this step's); not a step that verified
+        # forced tokens after its drafts, whose layout the cost model does not describe.
+        if sum(ks) == sum(drafted):
+            self.policy.observe_step(len(reqs) + sum(ks), len(drafting), kmax, self._step_clock() - started)
+
+    def _grammar_windows(self, reqs: list[Request], ks: list[int], drafting: list[int], drafts: torch.Tensor | None):
+        """Verify windows under grammars. A constrained request's drafts were proposed under its mask (`_draft`),
+        cut where the grammar ends or allows nothing in the draft vocabulary; when those are certain to be accepted
+        (there are none, or all were forced) the forced tokens that follow (the only ones the grammar allows) join
+        them, verified in the same forward without being drafted, so a plain step of a constrained request can emit
+        several tokens. Unconstrained windows are unchanged. Returns each
+        request's window size, its drafted part, the requests with a window, and their tokens [rows, widest]."""
+        row = {b: j for j, b in enumerate(drafting)}
+        windows, drafted = [], []
+        for b, (req, k) in enumerate(zip(reqs, ks)):
+            m = req.matcher
+            if m is None:
+                windows.append(drafts[row[b], :k].tolist() if k else [])
+                drafted.append(k)
+                continue
+            if not m.window_open:  # not drafted this step
+                m.open_window()
+            drafted.append(len(m.proposed))
+            # Only behind proposals that are certain to be accepted (none, or all forced): behind a draft the target
+            # may reject, the run would cost rows for tokens that are usually thrown away.
+            if m.window_certain:
+                room = req.params.max_tokens - len(req.output_ids) - 1 - len(m.proposed)  # and one for the bonus
+                m.extend_forced(min(self.max_forced_run, room))
+            windows.append(list(m.proposed))
+        sizes = [len(w) for w in windows]
+        rows = [b for b, n in enumerate(sizes) if n]
+        tokens = None
+        if rows:
+            tokens = torch.zeros(len(rows), max(sizes), dtype=torch.long, device=self.device)
+            for j, b in enumerate(rows):
+                tokens[j, : sizes[b]] = torch.tensor(windows[b], device=self.device)
+        return sizes, drafted, rows, tokens
 
     def _verify(self, reqs: list[Request], ks: list[int], drafting: list[int], drafts: torch.Tensor | None):
         """The target's forward over every request's window [x_n, d_1..d_K_b] at positions n..n+K_b: per request,
@@ -562,7 +631,34 @@ class LLMEngine:
         tokens, feats, num_real, start = self._pending_batch(reqs)
         for r in reqs:
             r.backlog.consume()
-        return self._draft_fn(tokens, feats, num_real, start, slots, self.drafter_cache, k)
+        return self._draft_fn(tokens, feats, num_real, start, slots, self.drafter_cache, k,
+                              pick=self._grammar_pick(reqs))
+
+    def _grammar_pick(self, reqs: list[Request]):
+        """The drafter's choice at each depth when some of the drafting requests are constrained: theirs under the
+        mask of the state their earlier drafts reached (each proposal is consumed tentatively, and settled in
+        `_commit`), everyone else's greedy. None when no request is constrained."""
+        constrained = [(j, r.matcher) for j, r in enumerate(reqs) if r.matcher is not None]
+        if not constrained:
+            return None
+        for _, m in constrained:
+            m.open_window()
+        draft_to_target = self._draft_to_target
+
+        def pick(depth: int, logits: torch.Tensor) -> torch.Tensor:
+            ids = self.drafter.greedy_pick(depth, logits)
+            for j, m in constrained:
+                token = m.propose(logits[j], draft_to_target)
+                if token is not None:
+                    ids[j] = token
+            return ids
+
+        return pick
+
+    @cached_property
+    def _draft_to_target(self) -> torch.Tensor:
+        """The target id of every draft-vocabulary id."""
+        return self.drafter.to_target_ids(torch.arange(self.drafter.config.draft_vocab_size, device=self.device))
 
     def _run_backlog(self, req: Request) -> None:
         """Bring one request's drafter cache up to date without drafting (real rows only: no mask slots, no LM
@@ -627,12 +723,16 @@ class LLMEngine:
         before = len(req.output_ids)
         for tok in tokens:
             req.output_ids.append(tok)
-            if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            # Under a grammar the end of sequence is allowed only where it matches, and ends the answer.
+            if (tok in self.eos_token_ids and (not p.ignore_eos or req.matcher is not None)) or \
+                    tok in p.stop_token_ids:
                 req.finish_reason = "stop"
                 break
             if len(req.output_ids) >= p.max_tokens:
                 req.finish_reason = "length"
                 break
+        if req.matcher is not None:
+            req.matcher.commit(req.output_ids[before:])
         if p.logprobs is not None:
             kept = req.output_ids[before:]
             req.logprobs += _token_logprobs(target_logprobs(logits[: len(kept)], p), kept, p.logprobs)

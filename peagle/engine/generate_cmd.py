@@ -33,12 +33,31 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                         help="apply the chat template (default: on when the tokenizer has one)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    shape = parser.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE", default=None,
+                       help="constrain the output to JSON matching the JSON schema in FILE (structured output)")
+    shape.add_argument("--regex", default=None, help="constrain the output to match this regular expression")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--dtype", default="auto", help="auto (bfloat16), bfloat16, float16 or float32")
     from peagle.model.quant import QUANTIZATION_HELP, QUANTIZATIONS
 
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help=QUANTIZATION_HELP)
     parser.set_defaults(func=run)
+
+
+def constraint_of(args: argparse.Namespace):
+    """The output constraint of --json-schema FILE or --regex, if any (errors name the flag)."""
+    from peagle.engine.grammar import Constraint
+
+    if args.regex is not None:
+        return Constraint.regex(args.regex, "--regex")
+    if args.json_schema is None:
+        return None
+    try:
+        text = open(args.json_schema, encoding="utf-8").read()
+    except OSError as e:
+        raise ValueError(f"--json-schema: cannot read {args.json_schema}: {e.strerror}") from None
+    return Constraint.json_schema(text, "--json-schema")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,14 +76,14 @@ def run(args: argparse.Namespace) -> int:
                                            device=args.device, dtype=args.dtype,
                                            speculation_policy=args.speculation_policy, quantization=args.quantization)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed)
+                                top_k=args.top_k, seed=args.seed, constraint=constraint_of(args))
         chat = args.chat if args.chat is not None else bool(getattr(engine.tokenizer, "chat_template", None))
         final = None
         for out in engine.stream(args.prompt, params, chat=chat):
             if not args.json:
                 print(out.delta_text, end="", flush=True)
             final = out
-    except (SpeculativeConfigError, RequestError, FileNotFoundError, ValueError) as e:
+    except (SpeculativeConfigError, RequestError, OSError, ValueError) as e:
         print(f"peagle generate: error: {e}", file=sys.stderr)
         return 2
     result = {
@@ -92,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
               f"{result['elapsed_s']:.2f} s: {result['tokens_per_second']:.1f} tok/s, TTFT "
               f"{result['time_to_first_token_s'] * 1000:.0f} ms, mean acceptance length "
               f"{result['mean_acceptance_length']:.2f}" + (f", per-position acceptance {per_pos}" if per_pos else "")
+              + (f", {result['num_forced_tokens']} forced tokens" if result["num_forced_tokens"] else "")
               + f"; {result['weights']} weights, {result['kernels']} kernels" + ("" if result["greedy_bit_exact"] else " (greedy not bit-exact)"),
               file=sys.stderr)
     return 0

@@ -12,6 +12,7 @@ from peagle.engine.stats import SpecDecodeStats
 
 if TYPE_CHECKING:
     from peagle.engine.detokenize import IncrementalDetokenizer
+    from peagle.engine.grammar import GrammarMatcher
     from peagle.engine.sampling import SamplingParams
 
 
@@ -135,6 +136,8 @@ class Request:
     # Log-probabilities, when the params ask for them (output: aligned with output_ids).
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Structured output: the grammar state of the committed tokens (None when unconstrained).
+    matcher: GrammarMatcher | None = None
 
     @property
     def num_tokens(self) -> int:

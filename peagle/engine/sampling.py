@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from peagle.engine.request import RequestError
+
+if TYPE_CHECKING:
+    from peagle.engine.grammar import Constraint
 
 # Most alternatives a request may ask for per token (vLLM's default --max-logprobs).
 MAX_LOGPROBS = 20
@@ -28,6 +32,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n: each output token's log-probability and the n most likely tokens
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    # Structured output: the output must match this (a JSON schema, regex, choice or grammar); the target's
+    # distribution is restricted to it at every position, and its end of sequence allowed only where it matches.
+    constraint: Constraint | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -19,6 +19,8 @@ class SpecDecodeStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     steps_per_k: list[int] = field(default_factory=list)  # decode steps by the K they verified (index 0: plain)
+    # Under a grammar: emitted tokens that were the only one it allowed (verified without being drafted or sampled).
+    num_forced_tokens: int = 0
 
     def __post_init__(self):
         k = self.num_speculative_tokens
@@ -45,6 +47,7 @@ class SpecDecodeStats:
         self.num_drafts += other.num_drafts
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
+        self.num_forced_tokens += other.num_forced_tokens
         for i, n in enumerate(other.accepted_per_position):
             self.accepted_per_position[i] += n
         for i, n in enumerate(other.steps_per_k):
@@ -92,6 +95,7 @@ class SpecDecodeStats:
             "mean_acceptance_length": round(self.mean_acceptance_length, 4),
             "steps_per_k": list(self.steps_per_k),
             "mean_k": round(self.mean_k, 4),
+            "num_forced_tokens": self.num_forced_tokens,
         }
 
     @classmethod
@@ -100,4 +104,5 @@ class SpecDecodeStats:
         per_pos = [int(n) for n in d.get("accepted_per_position") or []]
         steps = [int(n) for n in d.get("steps_per_k") or []]
         return cls(max(len(per_pos), len(steps) - 1, 0), int(d.get("num_drafts") or 0),
-                   int(d.get("num_draft_tokens") or 0), int(d.get("num_accepted_tokens") or 0), per_pos, steps)
+                   int(d.get("num_draft_tokens") or 0), int(d.get("num_accepted_tokens") or 0), per_pos, steps,
+                   int(d.get("num_forced_tokens") or 0))

@@ -14,6 +14,7 @@ Two ways to draft K tokens (docs/design.md, "Drafter"):
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -23,6 +24,10 @@ from peagle.model import kernels
 from peagle.model.layers import (BatchLayout, DecoderLayer, KVCache, RMSNorm, RotaryEmbedding, linear, pack_matrix,
                                  rope_inv_freq)
 from peagle.model.target import TargetConfig, rope_parameters_of
+
+
+# (depth, draft-vocabulary logits [B, Vd]) -> the drafts at that depth as target ids [B]; called for depth 0, 1, ...
+DraftPick = Callable[[int, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -225,14 +230,20 @@ class Drafter(nn.Module):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
+    def greedy_pick(self, depth: int, logits: torch.Tensor) -> torch.Tensor:
+        """The default draft choice: the argmax over the draft vocabulary (logits [B, Vd]) as target ids [B]."""
+        return self.to_target_ids(logits.argmax(-1))
+
     # -- drafting ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def draft_parallel(self, tokens: torch.Tensor, features: torch.Tensor, num_real: torch.Tensor,
-                       start: torch.Tensor, slots: torch.Tensor, cache: KVCache, k: int) -> torch.Tensor:
+                       start: torch.Tensor, slots: torch.Tensor, cache: KVCache, k: int,
+                       pick: DraftPick | None = None) -> torch.Tensor:
         """P-EAGLE: all K drafts in one pass.
 
         tokens [B, R] / features [B, R, 3Ht]: each row's unseen real rows, left-aligned, row b holding num_real[b]
-        of them at positions start[b], start[b]+1, ...; returns greedy drafts [B, K] as target ids.
+        of them at positions start[b], start[b]+1, ...; returns drafts [B, K] as target ids, chosen depth by depth
+        in order by `pick` (default: greedy), so a grammar can mask each depth after the drafts before it.
         """
         if self.mask_hidden is None:
             raise ValueError("this head has no mask_hidden, so it cannot draft in parallel; use method eagle3 with "
@@ -250,22 +261,24 @@ class Drafter(nn.Module):
         hidden = self(tok, feat, BatchLayout.build(slots, positions), cache)
         take = (num_real[:, None] - 1 + torch.arange(k, device=tokens.device)[None, :])  # last real + K-1 slots
         out = hidden.gather(1, take[..., None].expand(B, k, hidden.shape[-1]))
-        return self.to_target_ids(self.logits(out).argmax(-1))
+        logits, pick = self.logits(out), pick or self.greedy_pick
+        return torch.stack([pick(depth, logits[:, depth]) for depth in range(k)], dim=1)
 
     @torch.inference_mode()
     def draft_chain(self, tokens: torch.Tensor, features: torch.Tensor, num_real: torch.Tensor,
-                    start: torch.Tensor, slots: torch.Tensor, cache: KVCache, k: int) -> torch.Tensor:
-        """EAGLE-3: K sequential passes, each feeding back its own pre-norm output and draft. Same inputs as
-        `draft_parallel`."""
+                    start: torch.Tensor, slots: torch.Tensor, cache: KVCache, k: int,
+                    pick: DraftPick | None = None) -> torch.Tensor:
+        """EAGLE-3: K sequential passes, each feeding back its own pre-norm output and the draft `pick` chose.
+        Same inputs as `draft_parallel`."""
         B, R = tokens.shape
         positions = start[:, None] + torch.arange(R, device=tokens.device)[None, :]
         hidden = self(tokens, features, BatchLayout.build(slots, positions), cache)
         last = (num_real - 1)[:, None, None].expand(B, 1, hidden.shape[-1])
         h = hidden.gather(1, last)  # [B, 1, H]
         pos = start + num_real - 1
-        drafts = []
+        drafts, pick = [], pick or self.greedy_pick
         for step in range(k):
-            draft = self.to_target_ids(self.logits(h).argmax(-1))  # [B, 1]
+            draft = pick(step, self.logits(h)[:, 0])[:, None]  # [B, 1]
             drafts.append(draft)
             if step == k - 1:
                 break

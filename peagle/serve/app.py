@@ -41,6 +41,7 @@ from peagle.engine import LLMEngine, RequestError, RequestOutput, SamplingParams
 from peagle.engine.detokenize import TokenStrings
 from peagle.engine.request import Request as EngineRequest
 from peagle.engine.request import TokenLogprob
+from peagle.serve import tools
 from peagle.serve.async_engine import AsyncEngine, EngineFailure, RequestStream
 from peagle.serve.metrics import CONTENT_TYPE_LATEST
 from peagle.serve.protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
@@ -302,6 +303,7 @@ class Job:
     echoes: list[str] | None = None  # completions with echo: each choice's prompt text
     created: int = field(default_factory=now)
     text_offsets: list[int] = field(default_factory=list)  # completions logprobs: each choice's text so far
+    tool_plan: tools.ToolPlan | None = None  # chat with a forced tool call: the output is its arguments or calls
 
     @property
     def prompt_tokens(self) -> int:
@@ -321,7 +323,11 @@ def _prepare(state: ServerState, raw: bytes, kind: str | None, arrival: float) -
     req.check()
     state.check_model(req.model)
     engine = state.aengine.engine_for(req.speculation)
+    tool_plan = req.tool_plan() if kind == "chat" else None
+    constraint = tool_plan.constraint if tool_plan is not None else req.constraint()
     prompts = [req.as_messages()] if kind == "chat" else req.prompts()
+    if tool_plan is not None:
+        prompts = [tools.with_tool_message(prompts[0], tool_plan)]
     count_param = "n" if req.n > 1 else "prompt"
     state.aengine.check_room(len(prompts) * req.n, count_param)  # before tokenising anything
     base = new_id("chatcmpl" if kind == "chat" else "cmpl")
@@ -333,8 +339,8 @@ def _prepare(state: ServerState, raw: bytes, kind: str | None, arrival: float) -
             # n copies of one prompt: tokenise it once
             source = prompt if j == 0 else requests[-1].prompt_ids
             try:
-                requests.append(engine.make_request(source, _sampling(req, j), rid, chat=kind == "chat",
-                                                    arrival=arrival))
+                requests.append(engine.make_request(source, _sampling(req, j, constraint), rid,
+                                                    chat=kind == "chat", arrival=arrival))
             except RequestError as e:
                 raise _request_error(e, req, param) from None
     echoes = None
@@ -342,10 +348,10 @@ def _prepare(state: ServerState, raw: bytes, kind: str | None, arrival: float) -
         echoes = [p if isinstance(p, str) else state.engine.tokenizer.decode(p) if state.engine.tokenizer else ""
                   for p in prompts for _ in range(req.n)]
     return Job(kind, req, engine, requests, base, req.model or state.names[0], count_param, echoes,
-               text_offsets=[0] * len(requests))
+               text_offsets=[0] * len(requests), tool_plan=tool_plan)
 
 
-def _sampling(req: ChatCompletionRequest | CompletionRequest, index: int) -> SamplingParams:
+def _sampling(req: ChatCompletionRequest | CompletionRequest, index: int, constraint=None) -> SamplingParams:
     """The engine's parameters for choice `index` of a request (n > 1 with a seed: seed, seed + 1, ...)."""
     top_k = req.top_k if req.top_k not in (None, 0) else -1
     echo_logprobs = isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None
@@ -354,7 +360,8 @@ def _sampling(req: ChatCompletionRequest | CompletionRequest, index: int) -> Sam
                           top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
                           seed=None if req.seed is None else req.seed + index, stop=req.stop_list(),
                           stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
-                          logprobs=req.num_logprobs(), prompt_logprobs=req.logprobs if echo_logprobs else None)
+                          logprobs=req.num_logprobs(), prompt_logprobs=req.logprobs if echo_logprobs else None,
+                          constraint=constraint)
 
 
 def _request_error(e: RequestError, req: ChatCompletionRequest | CompletionRequest, prompt_param: str) -> APIError:
@@ -387,8 +394,7 @@ async def _serve(state: ServerState, request: Request, kind: str | None) -> Resp
         return SSEResponse(_events(state, job, streams), streams, state)
     outs = await _collect(request, streams)
     if job.kind == "chat":
-        choices = [ChatChoice(index=i, message=ChatMessageOut(content=o.text), finish_reason=o.finish_reason,
-                              logprobs=_chat_logprobs(state, o.logprobs)) for i, o in enumerate(outs)]
+        choices = [_chat_choice(state, job, i, o) for i, o in enumerate(outs)]
         cls = ChatCompletionResponse
     else:
         choices = [CompletionChoice(index=i, text=(job.echoes[i] if job.echoes else "") + o.text,
@@ -401,6 +407,14 @@ async def _serve(state: ServerState, request: Request, kind: str | None) -> Resp
                speculative_decoding=spec_stats(state, _merged_stats(outs), job.req.speculation),
                metrics=request_metrics(outs))
     return JSONResponse(body.body())
+
+
+def _chat_choice(state: ServerState, job: Job, i: int, out: RequestOutput) -> ChatChoice:
+    """A whole chat choice: text, or (with a forced tool call that completed) OpenAI's tool_calls."""
+    calls = job.tool_plan.calls(out.text) if job.tool_plan is not None and out.finish_reason == "stop" else None
+    message = ChatMessageOut(content=None, tool_calls=calls) if calls else ChatMessageOut(content=out.text)
+    return ChatChoice(index=i, message=message, finish_reason=tools.finish_reason(out.finish_reason, calls),
+                      logprobs=_chat_logprobs(state, out.logprobs))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -469,7 +483,9 @@ def spec_stats(state: ServerState, stats: SpecDecodeStats | None, speculation: b
     """A response's `speculative_decoding`, in one shape whether or not the request speculated: without speculation
     (none on the server, or `speculation: false`) method "none", K 0 and the counters of a run that drafted nothing."""
     if stats is None or not speculation or state.engine.spec is None:
-        stats, method, k, policy = SpecDecodeStats(), "none", 0, None
+        # no drafts, but forced tokens under a grammar still count
+        forced = stats.num_forced_tokens if stats is not None else 0
+        stats, method, k, policy = SpecDecodeStats(num_forced_tokens=forced), "none", 0, None
     else:
         method, k, policy = state.method, state.k, state.engine.policy.name
     return {"method": method, "num_speculative_tokens": k, **stats.as_dict(), "speculation_policy": policy}
@@ -561,8 +577,17 @@ def _echo_choice(state: ServerState, job: Job, i: int, out: RequestOutput) -> Co
     return CompletionChoice(index=i, text=job.echoes[i], logprobs=_prompt_logprobs(state, job, i, out))
 
 
-def _delta_choice(state: ServerState, job: Job, i: int, out: RequestOutput) -> ChatChunkChoice | CompletionChoice:
+def _delta_choice(state: ServerState, job: Job, i: int, out: RequestOutput,
+                  call_stream: tools.ToolCallStream | None = None) -> ChatChunkChoice | CompletionChoice:
     finish = out.finish_reason if out.finished else None
+    if call_stream is not None:
+        calls = call_stream.delta(out.delta_text, out.finished)
+        ended = out.finished and job.tool_plan.calls(call_stream.text) is not None
+        delta = DeltaMessage(tool_calls=calls) if calls else DeltaMessage()
+        if out.finished and not ended and job.tool_plan.named is None:  # an unfinished array: say what was written
+            delta = DeltaMessage(content=call_stream.text)
+        return ChatChunkChoice(index=i, delta=delta, finish_reason=tools.finish_reason(finish, [1] if ended else None),
+                               logprobs=_chat_logprobs(state, out.delta_logprobs))
     if job.kind == "chat":
         delta = DeltaMessage(content=out.delta_text) if out.delta_text or not out.finished else DeltaMessage()
         return ChatChunkChoice(index=i, delta=delta, finish_reason=finish,
@@ -580,6 +605,7 @@ async def _events(state: ServerState, job: Job, streams: list[RequestStream]):
     include_usage = bool(opts and opts.include_usage)
     continuous = bool(opts and opts.continuous_usage_stats)
     latest: dict[int, RequestOutput] = {}
+    call_streams = {i: tools.ToolCallStream(job.tool_plan) for i in range(len(streams))} if job.tool_plan else {}
 
     def chunk(choices: list, outs: list[RequestOutput] | None = None, **extra) -> str:
         if include_usage and "usage" not in extra:
@@ -600,7 +626,8 @@ async def _events(state: ServerState, job: Job, streams: list[RequestStream]):
             if out.delta_text or out.delta_logprobs or out.finished or continuous:
                 finished = [o for o in latest.values() if o.finished]
                 last = out.finished and len(finished) == len(streams)
-                yield chunk([_delta_choice(state, job, i, out)], finished if last else [out] if continuous else None)
+                yield chunk([_delta_choice(state, job, i, out, call_streams.get(i))],
+                            finished if last else [out] if continuous else None)
     except EngineFailure as e:
         yield _sse(_failure(e).body())
         yield DONE

@@ -15,7 +15,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
+from peagle.engine.grammar import Constraint, GrammarError
 from peagle.engine.sampling import MAX_LOGPROBS
+from peagle.serve.tools import ToolError, ToolPlan, plan
 
 # Deepest JSON nesting a request may have; no field of the API nests deeper than a few levels.
 MAX_JSON_DEPTH = 32
@@ -171,6 +173,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls, sent back in a tool round trip
+    tool_call_id: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -190,11 +194,52 @@ class ChatMessage(BaseModel):
         return self
 
     def text(self) -> str:
+        if self.content is None and self.tool_calls:  # the model sees its earlier calls as the JSON it wrote
+            return json.dumps([{"name": (c.get("function") or {}).get("name"),
+                                "arguments": _arguments((c.get("function") or {}).get("arguments"))}
+                               for c in self.tool_calls])
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+
+def _arguments(text):
+    try:
+        return json.loads(text) if isinstance(text, str) else text
+    except json.JSONDecodeError:
+        return text
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, any JSON object, or JSON matching a schema."""
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: exactly one of these."""
+    model_config = ConfigDict(strict=True, extra="ignore")
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+# vLLM's older names for the structured_outputs members.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+
+
+def _constraint_of(kind: str, value, param: str) -> Constraint:
+    if kind == "json":
+        return Constraint.json_schema(value, param)
+    if kind == "json_object":
+        return Constraint.json_object(param)
+    return {"regex": Constraint.regex, "choice": Constraint.choice, "grammar": Constraint.grammar}[kind](value, param)
 
 
 class _SamplingFields(BaseModel):
@@ -219,6 +264,45 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     # peagle extension: false runs this request on the target alone (no drafter), for side-by-side comparisons.
     speculation: bool = True
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def constraint(self) -> Constraint | None:
+        """The output constraint these fields ask for (at most one of them may); APIError naming the field."""
+        found: list[tuple[str, Constraint]] = []
+        try:
+            rf = self.response_format
+            if rf is not None and rf.type == "json_object":
+                found.append(("response_format", Constraint.json_object("response_format")))
+            elif rf is not None and rf.type == "json_schema":
+                param = "response_format.json_schema.schema"
+                schema = (rf.json_schema or {}).get("schema")
+                if schema is None:
+                    raise GrammarError(f"{param}: this field is required for {{\"type\": \"json_schema\"}}", param)
+                found.append(("response_format", Constraint.json_schema(schema, param)))
+            so = self.structured_outputs
+            members = [] if so is None else [
+                (f"structured_outputs.{kind}", kind, value) for kind, value in
+                (("json", so.json_), ("regex", so.regex), ("choice", so.choice), ("grammar", so.grammar),
+                 ("json_object", so.json_object or None))]
+            members += [(field, kind, getattr(self, field)) for field, kind in GUIDED_FIELDS.items()]
+            for param, kind, value in members:
+                if value is not None:
+                    found.append((param, _constraint_of(kind, value, param)))
+        except GrammarError as e:
+            raise APIError(str(e), 400, e.param) from None
+        if len(found) > 1:
+            names = " and ".join(p for p, _ in found)
+            raise APIError(f"{found[1][0]}: send one output constraint, not several ({names})", 400, found[1][0])
+        if so is not None and not found:
+            raise APIError("structured_outputs: set one of json, regex, choice, grammar or json_object", 400,
+                           "structured_outputs")
+        return found[0][1] if found else None
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -264,22 +348,19 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict] | None = None
-    tool_choice: Any = None
-    response_format: dict | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
 
-    @field_validator("tools")
-    @classmethod
-    def _tools(cls, v):
-        if v:
-            raise ValueError("tool calling is not supported by this server")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _response_format(cls, v):
-        if v is not None and v.get("type", "text") != "text":
-            raise ValueError("only {\"type\": \"text\"} is supported")
-        return v
+    def tool_plan(self) -> ToolPlan | None:
+        """The constrained tool call asked for (tool_choice "required" or a named function), or None."""
+        try:
+            result = plan(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except (ToolError, GrammarError) as e:
+            raise APIError(str(e), 400, e.param) from None
+        if result is not None and self.constraint() is not None:
+            raise APIError("tool_choice: a forced tool call cannot be combined with response_format or "
+                           "structured_outputs; send one of them", 400, "tool_choice")
+        return result
 
     def check(self) -> None:
         super().check()
@@ -387,6 +468,7 @@ class SpeculativeStats(BaseModel):
     speculation_policy: str | None = None  # "adaptive" or "fixed" (None without speculation)
     steps_per_k: list[int] = []  # decode steps by the number of drafts they verified (index 0: plain steps)
     mean_k: float = 0.0  # drafts verified per decode step
+    num_forced_tokens: int = 0  # under a grammar: emitted tokens that were the only one it allowed
 
 
 class RequestMetrics(BaseModel):
@@ -425,7 +507,15 @@ class _Choice(BaseModel):
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict] | None = None
+
+    @model_serializer
+    def _calls_when_present(self) -> dict:
+        out = {"role": self.role, "content": self.content}
+        if self.tool_calls is not None:
+            out["tool_calls"] = self.tool_calls
+        return out
 
 
 class ChatChoice(_Choice):
@@ -436,11 +526,13 @@ class ChatChoice(_Choice):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict] | None = None  # OpenAI's tool-call deltas: {"index", then "id", "type", "function"}
 
     @model_serializer
     def _present_only(self) -> dict:
         # A delta carries only what changed: {"role", "content": ""} first, then {"content"}, then {} at the end.
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        return {k: v for k, v in (("role", self.role), ("content", self.content), ("tool_calls", self.tool_calls))
+                if v is not None}
 
 
 class ChatChunkChoice(_Choice):

@@ -1,0 +1,165 @@
+"""Structured outputs against free text, per method and concurrency (docs/serving.md, "Structured outputs").
+
+The structured-output workload (peagle/bench/structured.py: extraction prompts, each with its JSON schema) runs
+through the engine in this process, greedy, twice per configuration: with each prompt's schema as the constraint,
+then without any, each prompt given exactly as many output tokens as its constrained answer had (ignore_eos), so
+both runs prefill the same prompts and emit the same number of tokens. For both it reports output tokens per second
+(wall, and per CPU second of this process: the machine may be shared), the mean acceptance length, and for the
+constrained run the forced tokens per answer, the grammar's cost per output token (CPU time of this thread inside
+the matcher: masks, advancing, rolling back, proposing drafts) and how many answers validate against their
+schema.
+
+    python benchmarks/structured_outputs.py                      # none, eagle3, peagle (K=3), adaptive; c = 1, 4
+    python benchmarks/structured_outputs.py --k 5 --concurrency 1 --max-tokens 64 --out /tmp/so
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+from pathlib import Path
+
+METHODS = ("none", "eagle3", "peagle", "adaptive")
+
+
+class GrammarClock:
+    """CPU time of the calling thread inside GrammarMatcher's public methods (llguidance computes masks in the
+    calling thread), counting only the outermost call of a nest."""
+
+    NAMES = ("mask", "allowed", "forced_token", "mask_logits", "advance", "rollback", "propose", "extend_forced",
+             "window_masks", "commit")
+
+    def __init__(self):
+        from peagle.engine.grammar import GrammarMatcher
+
+        self.seconds, self.depth = 0.0, 0
+        for name in self.NAMES:
+            setattr(GrammarMatcher, name, self._timed(getattr(GrammarMatcher, name)))
+
+    def _timed(self, fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            self.depth += 1
+            start = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.depth -= 1
+                if self.depth == 0:
+                    self.seconds += time.thread_time() - start
+
+        return wrapper
+
+
+def make_engine(method: str, k: int, concurrency: int):
+    from peagle.engine import LLMEngine
+    from peagle.model.heads import DEFAULT_HEADS
+
+    if method == "none":
+        return LLMEngine.from_pretrained(None, None, max_num_seqs=concurrency, max_model_len=512, device="cpu")
+    head = "peagle" if method in ("peagle", "adaptive") else "eagle3"
+    spec = {"model": DEFAULT_HEADS[head], "method": "eagle3", "num_speculative_tokens": k,
+            "parallel_drafting": head == "peagle"}
+    return LLMEngine.from_pretrained(None, spec, max_num_seqs=concurrency, max_model_len=512, device="cpu",
+                                     speculation_policy="adaptive" if method == "adaptive" else "fixed")
+
+
+def run(engine, prompts, concurrency: int, max_tokens: int | list[int], constrained: bool,
+        clock: GrammarClock) -> dict:
+    """One pass over the prompts; `max_tokens` per prompt when a list (then ignore_eos: exactly that many)."""
+    import jsonschema
+
+    from peagle.bench.loadgen import run_offline
+    from peagle.engine import SamplingParams, SpecDecodeStats
+
+    before = engine.stats.copy()
+    grammar_before = clock.seconds
+    cpu = time.process_time()
+    shaped = prompts if constrained else [type(p)(p.id, p.text, p.messages, p.category) for p in prompts]
+    texts: dict[str, tuple[str, str, int]] = {}
+    real_step = engine.step
+
+    def step(*a, **kw):  # keep each answer's text, to validate it
+        outs = real_step(*a, **kw)
+        for o in outs:
+            if o.finished:
+                texts[o.request_id] = (o.text, o.finish_reason, o.num_output_tokens)
+        return outs
+
+    engine.step = step
+    try:
+        exact = isinstance(max_tokens, list)
+        results, wall = run_offline(engine, shaped, concurrency, lambda i: SamplingParams(
+            max_tokens=max_tokens[i] if exact else max_tokens, ignore_eos=exact))
+    finally:
+        engine.step = real_step
+    cpu = time.process_time() - cpu
+    stats = SpecDecodeStats().merge(engine.stats)
+    for field in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_forced_tokens"):
+        setattr(stats, field, getattr(stats, field) - getattr(before, field))
+    tokens = sum(r.output_tokens for r in results)
+    valid = 0
+    if constrained:
+        for rid, (text, reason, _) in texts.items():
+            index = int(rid.split("-")[1])
+            schema = prompts[index].response_format["json_schema"]["schema"]
+            try:
+                jsonschema.validate(json.loads(text), schema)
+                valid += 1
+            except (json.JSONDecodeError, jsonschema.ValidationError):
+                pass
+    return {"answers": len(results), "output_tokens": tokens, "wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
+            "tokens_per_s": round(tokens / wall, 2), "tokens_per_cpu_s": round(tokens / cpu, 2),
+            "mean_acceptance_length": round(stats.mean_acceptance_length, 3),
+            "forced_per_answer": round(stats.num_forced_tokens / len(results), 2),
+            "grammar_us_per_token": round((clock.seconds - grammar_before) * 1e6 / max(tokens, 1), 1),
+            "valid_answers": valid if constrained else None,
+            "finished_stop": sum(1 for _, r, _ in texts.values() if r == "stop"),
+            "lengths": [n for _, (_, _, n) in sorted(texts.items(), key=lambda kv: int(kv[0].split("-")[1]))]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--k", type=int, default=3, help="K for eagle3 and peagle; the most K for adaptive")
+    ap.add_argument("--concurrency", default="1,4")
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--out", default="bench-out/structured")
+    args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    from peagle.bench.datasets import load_dataset
+
+    prompts = load_dataset("structured")
+    clock = GrammarClock()
+    rows = []
+    for c in [int(x) for x in args.concurrency.split(",")]:
+        for method in args.methods.split(","):
+            engine = make_engine(method, args.k, c)
+            run(engine, prompts[:2], c, 16, True, clock)  # warm-up: compile the schemas, touch every path
+            lengths: int | list[int] = args.max_tokens
+            for constrained in (True, False):
+                row = {"method": method, "k": 0 if method == "none" else args.k, "concurrency": c,
+                       "constrained": constrained, **run(engine, prompts, c, lengths, constrained, clock)}
+                lengths = row["lengths"]  # the free pass emits as many tokens per prompt
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "structured_outputs.json").write_text(json.dumps(rows, indent=1))
+    lines = ["| method | c | output | tok/s | tok/CPU-s | MAL | forced/answer | grammar us/token | valid |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['method']}{'' if r['method'] == 'none' else ' K=' + str(r['k'])} | {r['concurrency']} | "
+                     f"{'schema' if r['constrained'] else 'free'} | {r['tokens_per_s']} | {r['tokens_per_cpu_s']} | "
+                     f"{r['mean_acceptance_length']} | {r['forced_per_answer'] if r['constrained'] else '-'} | "
+                     f"{r['grammar_us_per_token'] if r['constrained'] else '-'} | "
+                     f"{str(r['valid_answers']) + '/' + str(r['answers']) if r['constrained'] else '-'} |")
+    (out / "structured_outputs.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

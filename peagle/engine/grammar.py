@@ -1,0 +1,338 @@
+"""Structured outputs: a constraint (JSON schema, any JSON object, regex, a choice of strings, a context-free
+grammar) compiled by llguidance into a token-level matcher (docs/design.md, "Structured outputs").
+
+llguidance (a Rust library with CPU wheels and no GPU stack) does the grammar work: compiling, the set of tokens
+allowed next (a bitmask over the target vocabulary), consuming tokens and rolling them back. This module adds what
+the engine needs around it:
+
+  * `GrammarCompiler`: one per tokenizer; compiles each distinct constraint once (an LRU cache of compiled
+    matchers, each request getting a cheap copy), in a small thread pool with a time limit, a size limit and
+    llguidance's own fuel limits, so a hostile schema fails alone with a `GrammarError` instead of stalling others;
+  * `GrammarMatcher`: one per request; the allowed tokens of its current state (cached per state, so a rejected
+    draft's masks are never computed twice), advancing and rolling back, the forced token (the only one allowed),
+    and the speculation window: drafts proposed under the mask, the mask of every verified row, and the roll-back
+    to what was committed.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from peagle.engine.request import RequestError
+
+ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
+# Largest constraint text compiled (a JSON schema's serialised size, a regex, a grammar): far above any real schema,
+# and small enough that compiling it stays well inside COMPILE_TIMEOUT_S.
+MAX_CONSTRAINT_CHARS = 100_000
+# Seconds a compile may take before its request is refused; llguidance's fuel limits end the work itself soon after.
+COMPILE_TIMEOUT_S = 10.0
+# Distinct compiled constraints kept per engine.
+CACHE_SIZE = 64
+# JSON is generated on one line with json.dumps's separators: no whitespace runs for a small model to loop in, and
+# punctuation and keys become forced tokens (the only ones allowed), which cost no drafting.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(RequestError):
+    """A constraint that cannot be compiled (invalid, too large, too slow); `param` names the request field."""
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request's output must match. `spec` is canonical text: a JSON schema serialised compactly (its key order kept), a
+    regex, a JSON list of choices, or a grammar (Lark, or llama.cpp's GBNF / EBNF); "json_object" has none.
+    `param` is the request field it came from, for error messages (not part of its identity)."""
+    kind: ConstraintKind
+    spec: str = ""
+    param: str = "response_format"
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise GrammarError(f"unknown constraint kind {self.kind!r}; use one of {', '.join(KINDS)}", self.param)
+        if len(self.spec) > MAX_CONSTRAINT_CHARS:
+            raise GrammarError(f"{self.param}: the constraint is {len(self.spec)} characters long, over this "
+                               f"server's limit of {MAX_CONSTRAINT_CHARS}; send a smaller schema or grammar",
+                               self.param)
+
+    def __eq__(self, other):
+        return isinstance(other, Constraint) and (self.kind, self.spec) == (other.kind, other.spec)
+
+    def __hash__(self):
+        return hash((self.kind, self.spec))
+
+    @classmethod
+    def json_schema(cls, schema: dict | str, param: str = "response_format") -> "Constraint":
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise GrammarError(f"{param}: the JSON schema is not valid JSON: {e}", param) from None
+        if not isinstance(schema, (dict, bool)):
+            raise GrammarError(f"{param}: a JSON schema must be a JSON object, not {type(schema).__name__}", param)
+        # Key order is kept: properties are generated in the order the schema lists them.
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")), param)
+
+    @classmethod
+    def json_object(cls, param: str = "response_format") -> "Constraint":
+        return cls("json_object", "", param)
+
+    @classmethod
+    def regex(cls, pattern: str, param: str = "regex") -> "Constraint":
+        return cls("regex", pattern, param)
+
+    @classmethod
+    def choice(cls, choices: list[str], param: str = "choice") -> "Constraint":
+        if not choices or not all(isinstance(c, str) for c in choices):
+            raise GrammarError(f"{param}: a choice needs a non-empty list of strings", param)
+        return cls("choice", json.dumps(list(choices)), param)
+
+    @classmethod
+    def grammar(cls, text: str, param: str = "grammar") -> "Constraint":
+        return cls("grammar", text, param)
+
+    def llguidance_grammar(self) -> str:
+        """The grammar in llguidance's own form (raises GrammarError for text it cannot even read)."""
+        import llguidance
+
+        try:
+            if self.kind == "json_object":
+                return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
+            if self.kind == "json_schema":
+                return llguidance.LLMatcher.grammar_from_json_schema(self.spec, overrides=JSON_OPTIONS)
+            if self.kind == "choice":
+                return llguidance.grammar_from("choice", self.spec)
+            return llguidance.grammar_from("regex" if self.kind == "regex" else "grammar", self.spec)
+        except (ValueError, TypeError) as e:
+            raise GrammarError(f"{self.param}: {e}", self.param) from None
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer and vocabulary. Thread-safe: the server compiles in its request
+    threads, never on the engine's step thread."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], cache_size: int = CACHE_SIZE,
+                 timeout_s: float = COMPILE_TIMEOUT_S):
+        import llguidance
+        import llguidance.hf
+
+        self.vocab_size = vocab_size
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_token_ids))
+        self.limits = llguidance.LLParserLimits()  # llguidance's defaults bound lexer fuel and grammar size
+        self.cache_size, self.timeout_s = cache_size, timeout_s
+        self._cache: OrderedDict[Constraint, object] = OrderedDict()
+        self._lock = threading.Lock()
+        # Two workers: one slow compile cannot hold up every other new constraint.
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="peagle-grammar")
+
+    def matcher(self, constraint: Constraint) -> "GrammarMatcher":
+        """A fresh matcher for `constraint` (compiled once; later requests copy the compiled one)."""
+        return GrammarMatcher(self._compiled(constraint).deep_copy(), self.vocab_size)
+
+    def _compiled(self, constraint: Constraint):
+        with self._lock:
+            hit = self._cache.get(constraint)
+            if hit is not None:
+                self._cache.move_to_end(constraint)
+                return hit
+        grammar = constraint.llguidance_grammar()
+        future = self._pool.submit(self._build, grammar)
+        try:
+            compiled = future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            raise GrammarError(f"{constraint.param}: the constraint took more than {self.timeout_s:g} s to compile; "
+                               "send a simpler schema or grammar", constraint.param) from None
+        if compiled.is_error():
+            raise GrammarError(f"{constraint.param}: {_first_lines(compiled.get_error())}", constraint.param)
+        with self._lock:
+            self._cache[constraint] = compiled
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _build(self, grammar: str):
+        import llguidance
+
+        # llguidance reports grammar errors and exhausted limits through is_error(), never by raising.
+        return llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
+
+
+def _first_lines(message: str, n: int = 6) -> str:
+    return "\n".join(message.strip().splitlines()[:n])
+
+
+class GrammarViolation(RuntimeError):
+    """A token the matcher refused: the engine sampled outside the mask (a bug, never the client's fault)."""
+
+
+# Byte value -> the additive bias of its 8 tokens (bit i of byte j is token 8j + i): 0 allowed, -inf forbidden. Adding
+# a bias row is several times faster than masked_fill on CPU.
+_BYTE_BIAS = np.where((np.arange(256)[:, None] >> np.arange(8)[None, :]) & 1, 0.0, -np.inf).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class StateMask:
+    """One grammar state's mask as an additive bias over the vocabulary (float32 [V]: 0 where allowed, -inf where
+    forbidden), how many tokens it allows, and the token it forces when it allows exactly one."""
+    bias: torch.Tensor
+    num_allowed: int
+    forced: int | None
+
+
+class GrammarMatcher:
+    """One request's grammar state. States are numbered by the tokens consumed; `_masks[i]` is the mask after i of
+    them, computed on demand and kept only for the current state and the open window's, so rolling back and
+    re-advancing over the same tokens (a draft that the target accepted) costs no new mask."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self._m, self.vocab_size = matcher, vocab_size
+        self._tokens: list[int] = []
+        self._masks: dict[int, StateMask] = {}
+        self._window_start: int | None = None
+        self._window_closed = False  # no more drafts this window (see `propose`)
+
+    # -- state ---------------------------------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def accepting(self) -> bool:
+        """The output so far is a complete match (the end of the sequence is allowed here)."""
+        return self._m.is_accepting()
+
+    @property
+    def terminated(self) -> bool:
+        """Nothing but the end of the sequence may follow."""
+        return self._m.is_stopped()
+
+    def mask(self) -> StateMask:
+        """The current state's mask (computed once per state)."""
+        mask = self._masks.get(len(self._tokens))
+        if mask is None:
+            raw = self._m.compute_bitmask()
+            num_allowed = int.from_bytes(raw, "little").bit_count()
+            packed = np.frombuffer(raw, dtype=np.uint8)
+            bias = torch.from_numpy(np.take(_BYTE_BIAS, packed, axis=0).reshape(-1)[: self.vocab_size])
+            forced = None
+            if num_allowed == 1:
+                byte = int(np.flatnonzero(packed)[0])
+                forced = 8 * byte + int(packed[byte]).bit_length() - 1
+            mask = self._masks[len(self._tokens)] = StateMask(bias, num_allowed, forced)
+        return mask
+
+    def allowed(self) -> torch.Tensor:
+        """Bool [vocab_size]: the tokens allowed in the current state."""
+        return self.mask().bias == 0
+
+    def forced_token(self) -> int | None:
+        """The only token allowed in the current state, if exactly one is."""
+        return self.mask().forced
+
+    def mask_logits(self, logits: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """logits [..., V] with every token the grammar forbids at -inf (bias [..., V]: default, the current
+        state's). The target's distribution restricted to the grammar, renormalised by the softmax after it."""
+        bias = self.mask().bias if bias is None else bias
+        return logits.float() + bias.to(logits.device)
+
+    # -- moving --------------------------------------------------------------------------------------------------
+    def advance(self, tokens: list[int]) -> None:
+        for tok in tokens:
+            if not self._m.consume_token(tok):
+                raise GrammarViolation(f"the grammar refused token {tok}: {self._m.get_error()}")
+            self._tokens.append(tok)
+
+    def rollback(self, n: int) -> None:
+        if n <= 0:
+            return
+        if n > len(self._tokens) or not self._m.rollback(n):
+            raise GrammarViolation(f"cannot roll back {n} tokens: {self._m.get_error()}")
+        del self._tokens[-n:]
+        for state in [i for i in self._masks if i > len(self._tokens)]:
+            del self._masks[state]
+
+    # -- a speculation window: drafts proposed under the mask, then settled against what was committed -----------
+    @property
+    def window_open(self) -> bool:
+        return self._window_start is not None
+
+    def open_window(self) -> None:
+        self._window_start, self._window_closed = len(self._tokens), False
+
+    @property
+    def proposed(self) -> list[int]:
+        """The tokens proposed since the window opened."""
+        return self._tokens[self._window_start:]
+
+    def propose(self, draft_logits: torch.Tensor, draft_to_target: torch.Tensor) -> int | None:
+        """The next draft of an open window, consumed tentatively: the forced token if the grammar allows only one,
+        else the drafter's best allowed token (draft_logits [Vd] over the draft vocabulary, whose ids map to target
+        ids through draft_to_target [Vd]). None once nothing more is worth drafting: the grammar has ended, or no
+        allowed token is in the draft vocabulary."""
+        if self._window_start is None or self._window_closed or self.terminated:
+            return None
+        forced = self.forced_token()
+        if forced is not None:
+            token = forced
+        else:
+            scores = draft_logits.float() + self.mask().bias[draft_to_target.cpu()].to(draft_logits.device)
+            best = int(scores.argmax())
+            if scores[best] == float("-inf"):  # nothing the grammar allows is in the draft vocabulary
+                self._window_closed = True
+                return None
+            token = int(draft_to_target[best])
+        self.advance([token])
+        return token
+
+    def extend_forced(self, limit: int) -> list[int]:
+        """Consume (tentatively, inside the open window) the run of forced tokens that follows, at most `limit`:
+        tokens the target must produce, so they are verified without being drafted."""
+        run: list[int] = []
+        while len(run) < limit and not self.terminated:
+            tok = self.forced_token()
+            if tok is None:
+                break
+            self.advance([tok])
+            run.append(tok)
+        return run
+
+    @property
+    def window_certain(self) -> bool:
+        """Every proposal in the window was forced, so the target accepts them all (and anything forced after)."""
+        return all(self._masks[i].forced is not None for i in range(self._window_start, len(self._tokens)))
+
+    def window_masks(self) -> list[StateMask]:
+        """The masks of the n + 1 rows the target verifies for the n tokens proposed since the window opened (row
+        i: after i of them)."""
+        self.mask()
+        return [self._masks[i] for i in range(self._window_start, len(self._tokens) + 1)]
+
+    def commit(self, committed: list[int]) -> None:
+        """The tokens the engine committed. With a window open, settle it: keep the proposals that were committed,
+        roll back the rest, consume the remainder (the target's correction or bonus token)."""
+        start, self._window_start = self._window_start, None
+        proposed = self._tokens[start:] if start is not None else []
+        keep = 0
+        while keep < min(len(proposed), len(committed)) and proposed[keep] == committed[keep]:
+            keep += 1
+        self.rollback(len(proposed) - keep)
+        self.advance(committed[keep:])
+        for state in [i for i in self._masks if i < len(self._tokens)]:  # states behind the committed ones
+            del self._masks[state]
+
+def stack_bias(masks: list[StateMask]) -> torch.Tensor:
+    """Float32 [rows, V]: the biases of a window's rows, to mask its logits at once."""
+    return torch.stack([m.bias for m in masks])
+
+
+def count_forced(masks: list[StateMask], emitted: int) -> int:
+    """How many of a window's first `emitted` rows allowed exactly one token."""
+    return sum(1 for m in masks[:emitted] if m.forced is not None)
