@@ -133,6 +133,7 @@ class LLMEngine:
         self.policy.calibrate(self._time_target, self._time_draft)
         self.max_forced_run = MAX_FORCED_RUN  # 0: verify no forced tokens past the drafts (token-by-token reference)
         self._grammar_compiler: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()  # request threads build the compiler on first use
 
     # -- construction ------------------------------------------------------------------------------------------
     @classmethod
@@ -250,17 +251,13 @@ class LLMEngine:
     @property
     def grammar_compiler(self) -> GrammarCompiler:
         """Compiles structured-output constraints for this engine's tokenizer (built on first use: about a second)."""
-        with self._lock_grammar:
+        with self._grammar_lock:
             if self._grammar_compiler is None:
                 if self.tokenizer is None:
                     raise RequestError("structured output needs a tokenizer, and this engine has none", "constraint")
                 self._grammar_compiler = GrammarCompiler(self.tokenizer, self.target.config.vocab_size,
                                                          sorted(self.eos_token_ids))
             return self._grammar_compiler
-
-    @cached_property
-    def _lock_grammar(self) -> threading.Lock:
-        return threading.Lock()
 
     def submit(self, req: Request) -> str:
         """Queue a request from `make_request`. Safe from any thread."""
