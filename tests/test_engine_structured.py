@@ -294,3 +294,17 @@ def test_constrained_speculative_sampling_keeps_the_constrained_distribution(sma
     assert not rejects, f"chi2 {stat:.1f} > critical {crit:.1f}: speculation changed the constrained distribution"
     # and the test can tell the constrained distribution from the unconstrained one
     assert chi_square_rejects(counts, constrained_joint(small_vocab_target, params, constrained=False))[0]
+
+
+def test_a_matcher_that_fails_mid_answer_ends_only_its_request(tiny, reference):
+    """llguidance in an error state (as when a grammar exhausts its per-step limits): that request ends at once,
+    reported as aborted; the others in its batch are untouched."""
+    engine = engine_for(tiny, 3, True, max_num_seqs=8)
+    ids = [engine.add_request(p, params(c), chat=True) for p, c in zip(PROMPTS, CONSTRAINTS)]
+    final = {o.request_id: o for o in engine.step() if o.finished}
+    broken = next(r for r in engine.running if r.request_id == ids[0])
+    broken.matcher._m.consume_token(2)  # the end of sequence, refused inside the object: llguidance's error state
+    while engine.has_work():
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+    assert final[ids[0]].finish_reason == "abort" and len(final[ids[0]].token_ids) <= 3 + 4
+    assert [final[i].token_ids for i in ids[1:]] == reference[1:]

@@ -730,6 +730,9 @@ class LLMEngine:
                 break
         if req.matcher is not None:
             req.matcher.commit(req.output_ids[before:])
+            if req.matcher.error is not None and req.finished:  # it ended on the end of sequence it was left with
+                logger.warning("request %s: structured output stopped: %s", req.request_id, req.matcher.error)
+                req.finish_reason = "abort"
         if p.logprobs is not None:
             kept = req.output_ids[before:]
             req.logprobs += _token_logprobs(target_logprobs(logits[: len(kept)], p), kept, p.logprobs)

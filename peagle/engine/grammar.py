@@ -135,7 +135,7 @@ class GrammarCompiler:
 
     def matcher(self, constraint: Constraint) -> "GrammarMatcher":
         """A fresh matcher for `constraint` (compiled once; later requests copy the compiled one)."""
-        return GrammarMatcher(self._compiled(constraint).deep_copy(), self.vocab_size)
+        return GrammarMatcher(self._compiled(constraint).deep_copy(), self.vocab_size, min(self.tokenizer.eos_tokens))
 
     def _compiled(self, constraint: Constraint):
         with self._lock:
@@ -169,10 +169,6 @@ def _first_lines(message: str, n: int = 6) -> str:
     return "\n".join(message.strip().splitlines()[:n])
 
 
-class GrammarViolation(RuntimeError):
-    """A token the matcher refused: the engine sampled outside the mask (a bug, never the client's fault)."""
-
-
 # Byte value -> the additive bias of its 8 tokens (bit i of byte j is token 8j + i): 0 allowed, -inf forbidden. Adding
 # a bias row is several times faster than masked_fill on CPU.
 _BYTE_BIAS = np.where((np.arange(256)[:, None] >> np.arange(8)[None, :]) & 1, 0.0, -np.inf).astype(np.float32)
@@ -190,10 +186,15 @@ class StateMask:
 class GrammarMatcher:
     """One request's grammar state. States are numbered by the tokens consumed; `_masks[i]` is the mask after i of
     them, computed on demand and kept only for the current state and the open window's, so rolling back and
-    re-advancing over the same tokens (a draft that the target accepted) costs no new mask."""
+    re-advancing over the same tokens (a draft that the target accepted) costs no new mask.
 
-    def __init__(self, matcher, vocab_size: int):
-        self._m, self.vocab_size = matcher, vocab_size
+    A matcher that fails mid-answer (llguidance's per-step limits, a token it refuses) sets `error` and from then on
+    allows only the end of sequence, so its request ends at once (the engine reports it as aborted) and no other
+    request is touched."""
+
+    def __init__(self, matcher, vocab_size: int, eos_token_id: int):
+        self._m, self.vocab_size, self.eos_token_id = matcher, vocab_size, eos_token_id
+        self.error: str | None = None
         self._tokens: list[int] = []
         self._masks: dict[int, StateMask] = {}
         self._window_start: int | None = None
@@ -217,17 +218,28 @@ class GrammarMatcher:
     def mask(self) -> StateMask:
         """The current state's mask (computed once per state)."""
         mask = self._masks.get(len(self._tokens))
-        if mask is None:
+        if mask is None and self.error is None:
             raw = self._m.compute_bitmask()
             num_allowed = int.from_bytes(raw, "little").bit_count()
+            if num_allowed == 0 or self._m.is_error():
+                self._fail(self._m.get_error() or "the grammar allows no token here")
             packed = np.frombuffer(raw, dtype=np.uint8)
             bias = torch.from_numpy(np.take(_BYTE_BIAS, packed, axis=0).reshape(-1)[: self.vocab_size])
             forced = None
             if num_allowed == 1:
                 byte = int(np.flatnonzero(packed)[0])
                 forced = 8 * byte + int(packed[byte]).bit_length() - 1
-            mask = self._masks[len(self._tokens)] = StateMask(bias, num_allowed, forced)
+            mask = StateMask(bias, num_allowed, forced)
+        if self.error is not None:
+            bias = torch.full((self.vocab_size,), float("-inf"))
+            bias[self.eos_token_id] = 0.0
+            mask = StateMask(bias, 1, self.eos_token_id)
+        self._masks[len(self._tokens)] = mask
         return mask
+
+    def _fail(self, message: str) -> None:
+        if self.error is None:
+            self.error = message.strip().splitlines()[0] if message.strip() else "grammar error"
 
     def allowed(self) -> torch.Tensor:
         """Bool [vocab_size]: the tokens allowed in the current state."""
@@ -246,15 +258,15 @@ class GrammarMatcher:
     # -- moving --------------------------------------------------------------------------------------------------
     def advance(self, tokens: list[int]) -> None:
         for tok in tokens:
-            if not self._m.consume_token(tok):
-                raise GrammarViolation(f"the grammar refused token {tok}: {self._m.get_error()}")
+            if self.error is None and not self._m.consume_token(tok):
+                self._fail(f"the grammar refused token {tok}: {self._m.get_error()}")
             self._tokens.append(tok)
 
     def rollback(self, n: int) -> None:
         if n <= 0:
             return
-        if n > len(self._tokens) or not self._m.rollback(n):
-            raise GrammarViolation(f"cannot roll back {n} tokens: {self._m.get_error()}")
+        if self.error is None and not self._m.rollback(n):
+            self._fail(f"cannot roll back {n} tokens: {self._m.get_error()}")
         del self._tokens[-n:]
         for state in [i for i in self._masks if i > len(self._tokens)]:
             del self._masks[state]
@@ -277,7 +289,7 @@ class GrammarMatcher:
         else the drafter's best allowed token (draft_logits [Vd] over the draft vocabulary, whose ids map to target
         ids through draft_to_target [Vd]). None once nothing more is worth drafting: the grammar has ended, or no
         allowed token is in the draft vocabulary."""
-        if self._window_start is None or self._window_closed or self.terminated:
+        if self._window_start is None or self._window_closed or self.error is not None or self.terminated:
             return None
         forced = self.forced_token()
         if forced is not None:
@@ -296,7 +308,7 @@ class GrammarMatcher:
         """Consume (tentatively, inside the open window) the run of forced tokens that follows, at most `limit`:
         tokens the target must produce, so they are verified without being drafted."""
         run: list[int] = []
-        while len(run) < limit and not self.terminated:
+        while len(run) < limit and self.error is None and not self.terminated:
             tok = self.forced_token()
             if tok is None:
                 break
