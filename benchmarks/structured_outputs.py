@@ -3,7 +3,7 @@
 The structured-output workload (peagle/bench/structured.py: extraction prompts, each with its JSON schema) runs
 through the engine in this process, greedy, twice per configuration: with each prompt's schema as the constraint,
 then without any, each prompt given exactly as many output tokens as its constrained answer had (ignore_eos), so
-both runs prefill the same prompts and emit the same number of tokens. For both it reports output tokens per second
+both runs prefill the same prompts (prefix caching off) and emit the same number of tokens. For both it reports output tokens per second
 (wall, and per CPU second of this process: the machine may be shared), the mean acceptance length, and for the
 constrained run the forced tokens per answer, the grammar's cost per output token (CPU time of this thread inside
 the matcher: masks, advancing, rolling back, proposing drafts) and how many answers validate against their
@@ -53,16 +53,19 @@ class GrammarClock:
 
 
 def make_engine(method: str, k: int, concurrency: int):
+    """Prefix caching off: the second pass over the same prompts would otherwise skip the first one's prefill."""
     from peagle.engine import LLMEngine
     from peagle.model.heads import DEFAULT_HEADS
 
     if method == "none":
-        return LLMEngine.from_pretrained(None, None, max_num_seqs=concurrency, max_model_len=512, device="cpu")
+        return LLMEngine.from_pretrained(None, None, max_num_seqs=concurrency, max_model_len=512, device="cpu",
+                                         enable_prefix_caching=False)
     head = "peagle" if method in ("peagle", "adaptive") else "eagle3"
     spec = {"model": DEFAULT_HEADS[head], "method": "eagle3", "num_speculative_tokens": k,
             "parallel_drafting": head == "peagle"}
     return LLMEngine.from_pretrained(None, spec, max_num_seqs=concurrency, max_model_len=512, device="cpu",
-                                     speculation_policy="adaptive" if method == "adaptive" else "fixed")
+                                     speculation_policy="adaptive" if method == "adaptive" else "fixed",
+                                     enable_prefix_caching=False)
 
 
 def run(engine, prompts, concurrency: int, max_tokens: int | list[int], constrained: bool,
