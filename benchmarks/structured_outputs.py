@@ -3,11 +3,11 @@
 The structured-output workload (peagle/bench/structured.py: extraction prompts, each with its JSON schema) runs
 through the engine in this process, greedy, twice per configuration: with each prompt's schema as the constraint,
 then without any, each prompt given exactly as many output tokens as its constrained answer had (ignore_eos), so
-both runs prefill the same prompts (prefix caching off) and emit the same number of tokens. For both it reports output tokens per second
-(wall, and per CPU second of this process: the machine may be shared), the mean acceptance length, and for the
-constrained run the forced tokens per answer, the grammar's cost per output token (CPU time of this thread inside
-the matcher: masks, advancing, rolling back, proposing drafts) and how many answers validate against their
-schema.
+both runs prefill the same prompts (prefix caching off) and emit the same number of tokens. For both it reports
+output tokens per second (wall, and per CPU second of this process: the machine may be shared), the mean
+acceptance length, and for the constrained run the forced tokens per answer, the grammar's cost per output token
+(CPU time of this thread inside the matcher: masks, advancing, rolling back, proposing drafts) and how many answers
+validate against their schema.
 
     python benchmarks/structured_outputs.py                      # none, eagle3, peagle (K=3), adaptive; c = 1, 4
     python benchmarks/structured_outputs.py --k 5 --concurrency 1 --max-tokens 64 --out /tmp/so

@@ -4,6 +4,7 @@ speculation window keeps what was committed and rolls back the rest."""
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import jsonschema
@@ -107,9 +108,9 @@ def test_propose_stops_where_the_draft_vocabulary_has_nothing_allowed(tok, compi
     (Constraint.json_schema({"type": "object", "properties": {"colour": {"enum": ["red", "green"]}},
                              "required": ["colour"], "additionalProperties": False}),
      lambda s: json.loads(s)["colour"] in ("red", "green")),
-    (Constraint.regex(r"[A-Z][a-z]{2,5} [0-9]{2}"), lambda s: __import__("re").fullmatch(r"[A-Z][a-z]{2,5} [0-9]{2}", s)),
+    (Constraint.regex(r"[A-Z][a-z]{2,5} [0-9]{2}"), lambda s: re.fullmatch(r"[A-Z][a-z]{2,5} [0-9]{2}", s)),
     (Constraint.choice(["red", "green", "blue"]), lambda s: s in ("red", "green", "blue")),
-    (Constraint.grammar('root ::= "(" [a-c]{1,4} ")"'), lambda s: __import__("re").fullmatch(r"\([a-c]{1,4}\)", s)),
+    (Constraint.grammar('root ::= "(" [a-c]{1,4} ")"'), lambda s: re.fullmatch(r"\([a-c]{1,4}\)", s)),
 ], ids=["json_schema", "enum", "regex", "choice", "gbnf"])
 def test_every_kind_decodes_to_a_match(tok, compiler, constraint, check):
     rng = torch.Generator().manual_seed(1)

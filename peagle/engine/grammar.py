@@ -48,9 +48,9 @@ class GrammarError(RequestError):
 
 @dataclass(frozen=True)
 class Constraint:
-    """What a request's output must match. `spec` is canonical text: a JSON schema serialised compactly (its key order kept), a
-    regex, a JSON list of choices, or a grammar (Lark, or llama.cpp's GBNF / EBNF); "json_object" has none.
-    `param` is the request field it came from, for error messages (not part of its identity)."""
+    """What a request's output must match. `spec` is canonical text: a JSON schema serialised compactly (its key
+    order kept), a regex, a JSON list of choices, or a grammar (Lark, or llama.cpp's GBNF / EBNF); "json_object" has
+    none. `param` is the request field it came from, for error messages (not part of its identity)."""
     kind: ConstraintKind
     spec: str = ""
     param: str = "response_format"
