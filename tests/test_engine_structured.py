@@ -263,7 +263,7 @@ def test_constrained_speculative_sampling_keeps_the_constrained_distribution(sma
                        seed=1, dtype=torch.float32)
     spec = SpeculativeConfig(model="random", num_speculative_tokens=3, parallel_drafting=True)
     engine = LLMEngine(small_vocab_target, letters_tokenizer(), head, spec, max_num_seqs=256, max_model_len=32,
-                       speculation_policy="fixed")
+                       speculation_policy="fixed", max_num_batched_tokens=2048)  # every sample admitted at once
     # drafter logits that favour each position's most likely allowed token: drafts accepted and rejected
     marginal = [{t: sum(p for (a, b), p in exact.items() if (a, b)[i - 1] == t) for t in range(VOCAB)}
                 for i in (1, 2)]

@@ -92,7 +92,8 @@ def spec_engine(target: TargetModel, k: int, exact: dict[tuple, float]) -> LLMEn
     head = random_head(target.config, target.embed_tokens.weight, "peagle", mask_token_id=3, seed=1,
                        dtype=torch.float32)
     spec = SpeculativeConfig(model="random", num_speculative_tokens=k, parallel_drafting=True)
-    engine = LLMEngine(target, None, head, spec, max_num_seqs=256, max_model_len=32, speculation_policy="fixed")
+    engine = LLMEngine(target, None, head, spec, max_num_seqs=256, max_model_len=32, speculation_policy="fixed",
+                       max_num_batched_tokens=2048)  # every sample admitted in the first step
     marginal2 = [sum(p for (a, _), p in exact.items() if a == t) for t in range(VOCAB)]
     marginal3 = [sum(p for (_, b), p in exact.items() if b == t) for t in range(VOCAB)]
     modes = {1: max(range(VOCAB), key=marginal2.__getitem__), 2: max(range(VOCAB), key=marginal3.__getitem__)}
