@@ -254,7 +254,7 @@ def constrained_joint(target, params: SamplingParams, constrained: bool) -> dict
 
 def test_constrained_speculative_sampling_keeps_the_constrained_distribution(small_vocab_target):
     """Temperature, top-k and top-p all on (the grammar's mask comes first, as in constrained decoding)."""
-    from tests.test_sampling import NEW, PROMPT, SAMPLES, VOCAB, chi_square_rejects
+    from tests.test_sampling import VOCAB, chi_square_rejects, sample_joint
 
     params = SamplingParams(temperature=0.7, top_p=0.9, top_k=4)
 
@@ -282,13 +282,7 @@ def test_constrained_speculative_sampling_keeps_the_constrained_distribution(sma
         return out
 
     engine._draft, engine.drafter.logits = draft, logits
-    c = Constraint.regex(REGEX)
-    plist = [SamplingParams(max_tokens=NEW, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                            seed=i, constraint=c) for i in range(SAMPLES)]
-    counts: dict[tuple, int] = {}
-    for out in engine.generate([PROMPT] * SAMPLES, plist):
-        key = tuple(out.token_ids[1:3])
-        counts[key] = counts.get(key, 0) + 1
+    counts = sample_joint(engine, params, ignore_eos=False, constraint=Constraint.regex(REGEX))
     assert 0 < engine.stats.num_accepted_tokens < engine.stats.num_draft_tokens
     rejects, stat, crit = chi_square_rejects(counts, exact)
     assert not rejects, f"chi2 {stat:.1f} > critical {crit:.1f}: speculation changed the constrained distribution"

@@ -54,9 +54,11 @@ def exact_joint(target: TargetModel, params: SamplingParams) -> dict[tuple, floa
     return joint
 
 
-def sample_joint(engine: LLMEngine, params: SamplingParams) -> dict[tuple, int]:
+def sample_joint(engine: LLMEngine, params: SamplingParams, **fields) -> dict[tuple, int]:
+    """Counts of tokens 2-3 over SAMPLES seeded requests (`fields`: more SamplingParams, e.g. a constraint)."""
+    fields = {"ignore_eos": True, **fields}
     plist = [SamplingParams(max_tokens=NEW, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                            seed=i, ignore_eos=True) for i in range(SAMPLES)]
+                            seed=i, **fields) for i in range(SAMPLES)]
     counts: dict[tuple, int] = {}
     for out in engine.generate([PROMPT] * SAMPLES, plist):
         key = tuple(out.token_ids[1:3])
