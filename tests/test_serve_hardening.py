@@ -59,16 +59,20 @@ def test_bodies_a_web_page_can_send_cross_site_get_415(server, path, kind):
     assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
 
 
+# Origins are opaque strings to CORS: two made-up app origins, no address anything could fetch.
+OTHER_ORIGIN, ALLOWED_ORIGIN = "peagle-test://other-page", "peagle-test://allowed-page"
+
+
 def test_cors_is_off_unless_origins_are_named(server, tiny):
-    pre = {"Origin": "http://127.0.0.2:8080", "Access-Control-Request-Method": "POST",
+    pre = {"Origin": OTHER_ORIGIN, "Access-Control-Request-Method": "POST",
            "Access-Control-Request-Headers": "content-type,authorization"}
     r = httpx.options(server.url + "/v1/chat/completions", headers=pre)
     assert "access-control-allow-origin" not in r.headers
-    with make_server(*tiny, baseline=False, allowed_origins=["http://127.0.0.3:8080"]) as s:
-        ok = httpx.options(s.url + "/v1/chat/completions", headers={**pre, "Origin": "http://127.0.0.3:8080"})
-        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://127.0.0.3:8080"
+    with make_server(*tiny, baseline=False, allowed_origins=[ALLOWED_ORIGIN]) as s:
+        ok = httpx.options(s.url + "/v1/chat/completions", headers={**pre, "Origin": ALLOWED_ORIGIN})
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == ALLOWED_ORIGIN
         bad = httpx.options(s.url + "/v1/chat/completions", headers=pre)
-        assert bad.headers.get("access-control-allow-origin") != "http://127.0.0.2:8080"
+        assert bad.headers.get("access-control-allow-origin") != OTHER_ORIGIN
 
 
 BAD_BODIES = [
