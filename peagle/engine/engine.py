@@ -432,17 +432,15 @@ class LLMEngine:
         end = req.num_computed = start + n
         if req.params.prompt_logprobs is not None:
             self._add_prompt_logprobs(req, start, logits)
-        if end < m:
-            if self.spec is not None:
-                req.backlog.append(req.prompt_ids[start + 1:end + 1], features)
-            self._cache_blocks(req, features)
-            return
-        last = logits[-1] if req.matcher is None else req.matcher.mask_logits(logits[-1])
-        first = self._sample_one(req, last)
-        req.first_token_at = time.perf_counter()
-        self._commit(req, [first], last[None])
-        if self.spec is not None:  # the prompt's rows and the first token wait for the drafter
-            req.backlog.append(req.prompt_ids[start + 1:] + [first], features)
+        next_tokens = req.prompt_ids[start + 1:end + 1]  # each row's x_{t+1}; the last prompt row's is the first token
+        if end == m:
+            last = logits[-1] if req.matcher is None else req.matcher.mask_logits(logits[-1])
+            first = self._sample_one(req, last)
+            req.first_token_at = time.perf_counter()
+            self._commit(req, [first], last[None])
+            next_tokens.append(first)
+        if self.spec is not None:  # the rows wait for the drafter
+            req.backlog.append(next_tokens, features)
         self._cache_blocks(req, features)
 
     def _add_prompt_logprobs(self, req: Request, start: int, logits: torch.Tensor) -> None:
@@ -451,11 +449,11 @@ class LLMEngine:
         start + i + 1."""
         if req.prompt_logprobs is None:
             req.prompt_logprobs = [None]
-        m, num = len(req.prompt_ids), min(len(logits), len(req.prompt_ids) - 1 - start)
+        num = min(len(logits), len(req.prompt_ids) - 1 - start)
         for i in range(0, num, PROMPT_LOGPROB_ROWS):
             lp = torch.log_softmax(logits[i: min(i + PROMPT_LOGPROB_ROWS, num)], dim=-1)
             first = start + 1 + i
-            req.prompt_logprobs += _token_logprobs(lp, req.prompt_ids[first: min(first + len(lp), m)],
+            req.prompt_logprobs += _token_logprobs(lp, req.prompt_ids[first:first + len(lp)],
                                                    req.params.prompt_logprobs)
 
     def _cache_blocks(self, req: Request, features: torch.Tensor) -> None:
@@ -467,7 +465,7 @@ class LLMEngine:
         req.unstored_features.append(features)
         have = sum(len(f) for f in req.unstored_features)
         if have < BLOCK_SIZE:
-            req.unstored_features = [torch.cat(req.unstored_features).clone()]  # not a view of the step's batch
+            req.unstored_features = [torch.cat(req.unstored_features)]  # a copy: not a view of the step's batch
             return
         feats, seq, start = torch.cat(req.unstored_features), req.prompt_ids + req.output_ids, len(req.blocks) * BLOCK_SIZE
         full = have // BLOCK_SIZE

@@ -18,6 +18,7 @@ its own: a position's keys and values do not depend on which forward computed th
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -44,27 +45,18 @@ class PrefixCache:
 
     def __init__(self, target_cache: KVCache, drafter_cache: KVCache | None, feature_dim: int, memory_gb: float,
                  feature_dtype: torch.dtype):
-        k = target_cache.k[0]
-        self._tshape = (len(target_cache.k), k.shape[1], BLOCK_SIZE, k.shape[3])
-        per_block = 2 * _numel(self._tshape) * k.element_size() + BLOCK_SIZE * feature_dim * _size(feature_dtype)
-        if drafter_cache is not None:
-            d = drafter_cache.k[0]
-            self._dshape = (len(drafter_cache.k), d.shape[1], BLOCK_SIZE, d.shape[3])
-            per_block += 2 * _numel(self._dshape) * d.element_size()
+        caches = [target_cache] + ([drafter_cache] if drafter_cache is not None else [])
+        per_block = BLOCK_SIZE * feature_dim * feature_dtype.itemsize + sum(
+            2 * math.prod(_block_shape(c)) * c.k[0].element_size() for c in caches)
         self.num_blocks = max(1, int(memory_gb * 2**30) // per_block)
         self.bytes_per_block = per_block
-        n, dev = self.num_blocks, k.device
         # torch.empty: pages are committed only as blocks are written
-        self.tk = torch.empty((self._tshape[0], n, *self._tshape[1:]), dtype=k.dtype, device=dev)
-        self.tv = torch.empty_like(self.tk)
-        self.features = torch.empty((n, BLOCK_SIZE, feature_dim), dtype=feature_dtype, device=dev)
-        self.dk = self.dv = None
-        if drafter_cache is not None:
-            d = drafter_cache.k[0]
-            self.dk = torch.empty((self._dshape[0], n, *self._dshape[1:]), dtype=d.dtype, device=dev)
-            self.dv = torch.empty_like(self.dk)
+        self.tk, self.tv = _pool(target_cache, self.num_blocks)
+        self.dk, self.dv = _pool(drafter_cache, self.num_blocks) if drafter_cache is not None else (None, None)
+        self.features = torch.empty((self.num_blocks, BLOCK_SIZE, feature_dim), dtype=feature_dtype,
+                                    device=self.tk.device)
         self.blocks: dict[int, Block] = {}  # key -> block
-        self._free = list(range(n - 1, -1, -1))
+        self._free = list(reversed(range(self.num_blocks)))  # pop() hands out row 0 first
         self._uids = itertools.count()
         self._clock = itertools.count(1)
         self.queries = self.hits = 0  # prompt tokens looked up, and found (vllm:prefix_cache_queries / _hits)
@@ -152,12 +144,14 @@ def _copy_in(pool_k: torch.Tensor, pool_v: torch.Tensor, idx: torch.Tensor, cach
         v[slot, :, start:start + n * BLOCK_SIZE] = pool_v[layer, idx].permute(1, 0, 2, 3).flatten(1, 2)
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+def _block_shape(cache: KVCache) -> tuple[int, int, int, int]:
+    """One block of one of a cache's tensors, every layer: [layers, heads, BLOCK_SIZE, head_dim]."""
+    k = cache.k[0]
+    return len(cache.k), k.shape[1], BLOCK_SIZE, k.shape[3]
 
 
-def _size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+def _pool(cache: KVCache, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values for num_blocks blocks of this cache's layout: [layers, blocks, heads, BLOCK_SIZE, head_dim]."""
+    layers, heads, size, dim = _block_shape(cache)
+    k = torch.empty((layers, num_blocks, heads, size, dim), dtype=cache.k[0].dtype, device=cache.k[0].device)
+    return k, torch.empty_like(k)

@@ -282,6 +282,7 @@ def build_server(args, plan):
     if engine.spec is not None and not args.no_baseline:
         baseline = LLMEngine(engine.target, engine.tokenizer, None, None, max_num_seqs=args.baseline_max_num_seqs,
                              max_model_len=engine.max_model_len, model_name=engine.model_name,
+                             # it serves only "speculation": false requests: a quarter of the cache's memory
                              **{**engine_options(args), "prefix_cache_gb": args.prefix_cache_gb / 4})
     metrics = Metrics(plan["served"][0], engine.k)
     aengine = AsyncEngine(engine, baseline, max_waiting=args.max_waiting, metrics=metrics)
