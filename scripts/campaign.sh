@@ -5,16 +5,18 @@
 #
 #   nohup bash scripts/campaign.sh >> runs/campaign.log 2>&1 &     # WORK=runs/campaign
 #
-# Stages, in order (each one skips itself when its output is complete):
-#   1. data   the conversations the bundled heads have not trained on (data/heads/smollm2-regenerated-2.jsonl from
-#             line FIRST_UNSEEN on), without the bundled heads' 32 held-out conversations, and those 32 apart
-#   2. peagle continue the bundled P-EAGLE head on them with the cheapest step that learns as much
-#             (docs/heads.md, "Recipe search": 8 COD depths at r 0.7, frozen LM head), checkpoint every 20 steps,
-#             held-out evaluation every 100
-#   3. eagle3 the same for the bundled EAGLE-3 head
-#   4. regen  SmolLM2's answers to data/heads/prompts-3.jsonl (new ShareGPT prompts; made once, resumable; the
+# Stages, in order (each one skips itself when its output is complete). Data first: it is what the heads lack, and
+# it travels in git, where a checkpoint does not.
+#   1. regen  SmolLM2's answers to data/heads/prompts-3.jsonl (new ShareGPT prompts; made once, resumable; the
 #             answers so far are committed as data/heads/smollm2-regenerated-3.jsonl.gz with
 #             `gzip -c runs/campaign/regen3/regenerated.jsonl > data/heads/smollm2-regenerated-3.jsonl.gz`)
+#   2. data   every conversation the bundled heads have not trained on (data/heads/smollm2-regenerated-2.jsonl from
+#             line FIRST_UNSEEN on, and stage 1's answers), without the bundled heads' 32 held-out conversations,
+#             and those 32 apart
+#   3. peagle continue the bundled P-EAGLE head on them with the cheapest step that learns as much
+#             (docs/heads.md, "Recipe search": 8 COD depths at r 0.7, frozen LM head), checkpoint every 20 steps,
+#             held-out evaluation every 100
+#   4. eagle3 the same for the bundled EAGLE-3 head
 #   5. accept benchmarks/acceptance.py on both continued heads into WORK/acceptance; re-bundling stays a decision
 #             (scripts/bundle_head.py HEAD NAME --acceptance WORK/acceptance/acceptance.json refuses a head whose
 #             benchmark acceptance is not 2% above the bundle's on every set)
@@ -27,16 +29,31 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 mkdir -p "$WORK"
 log() { echo "campaign $(date -u +%FT%TZ): $*"; }
 
+if [ ! -f data/heads/prompts-3.jsonl ]; then
+  python3 scripts/make_head_prompts.py --num 8000 --seed 2 --first-id 4000 --exclude data/heads/prompts.jsonl \
+    --exclude data/heads/prompts-2.jsonl --out data/heads/prompts-3.jsonl
+fi
+log "stage 1: regenerate data/heads/prompts-3.jsonl"
+# The answers made so far travel in the repository (REGEN3, gzip): a fresh machine resumes after them.
+REGEN3=data/heads/smollm2-regenerated-3.jsonl.gz
+mkdir -p "$WORK/regen3"
+if [ -f "$REGEN3" ] && [ "$(gzip -dc "$REGEN3" | wc -l)" -gt "$(cat "$WORK/regen3/regenerated.jsonl" 2>/dev/null | wc -l)" ]; then
+  gzip -dc "$REGEN3" > "$WORK/regen3/regenerated.jsonl"
+fi
+peagle data prepare --input data/heads/prompts-3.jsonl --out "$WORK/regen3" --regenerate --max-new-tokens 256 \
+  --max-model-len 1024 --batch-size 32 --max-num-seqs 16   # skips the answers already there
+
 if [ ! -f "$WORK/heldout-data/peagle_data.json" ]; then
-  log "stage 1: data"
+  log "stage 2: data"
   tail -n "+$FIRST_UNSEEN" data/heads/smollm2-regenerated-2.jsonl > "$WORK/unseen.jsonl"
   python3 scripts/split_head_data.py --inputs data/heads/smollm2-regenerated.jsonl "$WORK/unseen.jsonl" \
-    --train "$WORK/all.jsonl" --heldout "$WORK/heldout.jsonl"
-  # Only the unseen conversations train; the held-out ones come from the first file.
+    "$WORK/regen3/regenerated.jsonl" --train "$WORK/all.jsonl" --heldout "$WORK/heldout.jsonl"
+  # Only conversations the bundled heads have not seen train; the held-out ones come from the first file.
   python3 - "$WORK" <<'EOF'
 import json, sys
 work = sys.argv[1]
-unseen = {json.loads(l)["id"] for l in open(f"{work}/unseen.jsonl") if l.strip()}
+unseen = {json.loads(l)["id"] for f in ("unseen.jsonl", "regen3/regenerated.jsonl")
+          for l in open(f"{work}/{f}") if l.strip()}
 with open(f"{work}/train.jsonl", "w") as out:
     for line in open(f"{work}/all.jsonl"):
         if line.strip() and json.loads(line)["id"] in unseen:
@@ -49,28 +66,14 @@ fi
 COMMON=(--data "$WORK/train-data" --eval-data "$WORK/heldout-data" --eval-every 100 --eval-depths 8 --lr "$LR"
         --save-every 20 --resume latest --teacher-cache "$WORK/teacher-cache" --no-progress)
 if [ ! -f "$WORK/peagle/model.safetensors" ]; then
-  log "stage 2: P-EAGLE"
+  log "stage 3: P-EAGLE"
   peagle train --method peagle --init-head smollm2-135m-peagle --out "$WORK/peagle" --num-depths 8 \
     --cod-ratio 0.7 --freeze-lm-head "${COMMON[@]}"
 fi
 if [ ! -f "$WORK/eagle3/model.safetensors" ]; then
-  log "stage 3: EAGLE-3"
+  log "stage 4: EAGLE-3"
   peagle train --method eagle3 --init-head smollm2-135m-eagle3 --out "$WORK/eagle3" --freeze-lm-head "${COMMON[@]}"
 fi
-
-if [ ! -f data/heads/prompts-3.jsonl ]; then
-  python3 scripts/make_head_prompts.py --num 8000 --seed 2 --first-id 4000 --exclude data/heads/prompts.jsonl \
-    --exclude data/heads/prompts-2.jsonl --out data/heads/prompts-3.jsonl
-fi
-log "stage 4: regenerate data/heads/prompts-3.jsonl"
-# The answers made so far travel in the repository (REGEN3, gzip): a fresh machine resumes after them.
-REGEN3=data/heads/smollm2-regenerated-3.jsonl.gz
-mkdir -p "$WORK/regen3"
-if [ -f "$REGEN3" ] && [ "$(gzip -dc "$REGEN3" | wc -l)" -gt "$(cat "$WORK/regen3/regenerated.jsonl" 2>/dev/null | wc -l)" ]; then
-  gzip -dc "$REGEN3" > "$WORK/regen3/regenerated.jsonl"
-fi
-peagle data prepare --input data/heads/prompts-3.jsonl --out "$WORK/regen3" --regenerate --max-new-tokens 256 \
-  --max-model-len 1024 --batch-size 32 --max-num-seqs 16   # skips the answers already there
 
 if [ ! -f "$WORK/acceptance/acceptance.md" ]; then
   log "stage 5: acceptance"
