@@ -10,8 +10,11 @@
 #   1. regen  SmolLM2's answers to data/heads/prompts-3.jsonl (new ShareGPT prompts; made once, resumable; the
 #             answers so far are committed as data/heads/smollm2-regenerated-3.jsonl.gz with
 #             `gzip -c runs/campaign/regen3/regenerated.jsonl > data/heads/smollm2-regenerated-3.jsonl.gz`)
+#   1b.       the same for data/heads/prompts-code.jsonl (Python functions' signatures and docstrings from the
+#             standard library and installed packages, scripts/make_code_prompts.py), committed as
+#             data/heads/smollm2-regenerated-code.jsonl.gz
 #   2. data   every conversation the bundled heads have not trained on (data/heads/smollm2-regenerated-2.jsonl from
-#             line FIRST_UNSEEN on, and stage 1's answers), without the bundled heads' 32 held-out conversations,
+#             line FIRST_UNSEEN on, and stages 1 and 1b's answers), without the bundled heads' 32 held-out conversations,
 #             and those 32 apart
 #   3. peagle continue the bundled P-EAGLE head on them with the cheapest step that learns as much
 #             (docs/heads.md, "Recipe search": 8 COD depths at r 0.7, frozen LM head), checkpoint every 20 steps,
@@ -42,17 +45,25 @@ if [ -f "$REGEN3" ] && [ "$(gzip -dc "$REGEN3" | wc -l)" -gt "$(cat "$WORK/regen
 fi
 peagle data prepare --input data/heads/prompts-3.jsonl --out "$WORK/regen3" --regenerate --max-new-tokens 256 \
   --max-model-len 1024 --batch-size 32 --max-num-seqs 16   # skips the answers already there
+log "stage 1b: regenerate data/heads/prompts-code.jsonl (scripts/make_code_prompts.py)"
+REGEN_CODE=data/heads/smollm2-regenerated-code.jsonl.gz
+mkdir -p "$WORK/regen-code"
+if [ -f "$REGEN_CODE" ] && [ "$(gzip -dc "$REGEN_CODE" | wc -l)" -gt "$(cat "$WORK/regen-code/regenerated.jsonl" 2>/dev/null | wc -l)" ]; then
+  gzip -dc "$REGEN_CODE" > "$WORK/regen-code/regenerated.jsonl"
+fi
+peagle data prepare --input data/heads/prompts-code.jsonl --out "$WORK/regen-code" --regenerate \
+  --max-new-tokens 256 --max-model-len 1024 --batch-size 32 --max-num-seqs 16
 
 if [ ! -f "$WORK/heldout-data/peagle_data.json" ]; then
   log "stage 2: data"
   tail -n "+$FIRST_UNSEEN" data/heads/smollm2-regenerated-2.jsonl > "$WORK/unseen.jsonl"
   python3 scripts/split_head_data.py --inputs data/heads/smollm2-regenerated.jsonl "$WORK/unseen.jsonl" \
-    "$WORK/regen3/regenerated.jsonl" --train "$WORK/all.jsonl" --heldout "$WORK/heldout.jsonl"
+    "$WORK/regen3/regenerated.jsonl" "$WORK/regen-code/regenerated.jsonl" --train "$WORK/all.jsonl" --heldout "$WORK/heldout.jsonl"
   # Only conversations the bundled heads have not seen train; the held-out ones come from the first file.
   python3 - "$WORK" <<'EOF'
 import json, sys
 work = sys.argv[1]
-unseen = {json.loads(l)["id"] for f in ("unseen.jsonl", "regen3/regenerated.jsonl")
+unseen = {json.loads(l)["id"] for f in ("unseen.jsonl", "regen3/regenerated.jsonl", "regen-code/regenerated.jsonl")
           for l in open(f"{work}/{f}") if l.strip()}
 with open(f"{work}/train.jsonl", "w") as out:
     for line in open(f"{work}/all.jsonl"):

@@ -66,14 +66,17 @@ def test_heldout_split_is_stable_as_data_grows(tmp_path):
 
 @pytest.mark.parametrize("prompt_set", ["humaneval", "mtbench"])
 def test_benchmark_prompts_never_enter_the_regenerated_data(prompt_set):
-    """The committed answers come from ShareGPT prompts only: no HumanEval or MT-Bench prompt among them."""
+    """The committed prompts and answers come from ShareGPT and from installed packages' functions: no HumanEval or
+    MT-Bench prompt among them."""
     import gzip
 
     from peagle.bench.datasets import load_dataset
 
     prompts = {p.text.strip()[:200] for p in load_dataset(prompt_set)}
-    files = [ROOT / "data" / "heads" / "smollm2-regenerated-3.jsonl.gz"]
+    heads = ROOT / "data" / "heads"
+    files = [heads / "smollm2-regenerated-3.jsonl.gz", heads / "prompts-code.jsonl",
+             *heads.glob("smollm2-regenerated-code.jsonl.gz")]
     for path in files:
-        for line in gzip.open(path, "rt", encoding="utf-8"):
+        for line in (gzip.open if path.suffix == ".gz" else open)(path, "rt", encoding="utf-8"):
             users = [m["content"] for m in json.loads(line)["messages"] if m["role"] == "user"]
             assert not any(u.strip()[:200] in prompts for u in users)  # (a skipped prompt is recorded with none)
