@@ -36,35 +36,32 @@ if [ ! -f data/heads/prompts-3.jsonl ]; then
   python3 scripts/make_head_prompts.py --num 8000 --seed 2 --first-id 4000 --exclude data/heads/prompts.jsonl \
     --exclude data/heads/prompts-2.jsonl --out data/heads/prompts-3.jsonl
 fi
-log "stage 1: regenerate data/heads/prompts-3.jsonl"
-# The answers made so far travel in the repository (REGEN3, gzip): a fresh machine resumes after them.
-REGEN3=data/heads/smollm2-regenerated-3.jsonl.gz
-mkdir -p "$WORK/regen3"
-if [ -f "$REGEN3" ] && [ "$(gzip -dc "$REGEN3" | wc -l)" -gt "$(cat "$WORK/regen3/regenerated.jsonl" 2>/dev/null | wc -l)" ]; then
-  gzip -dc "$REGEN3" > "$WORK/regen3/regenerated.jsonl"
-fi
-peagle data prepare --input data/heads/prompts-3.jsonl --out "$WORK/regen3" --regenerate --max-new-tokens 256 \
-  --max-model-len 1024 --batch-size 32 --max-num-seqs 16   # skips the answers already there
-log "stage 1b: regenerate data/heads/prompts-code.jsonl (scripts/make_code_prompts.py)"
-REGEN_CODE=data/heads/smollm2-regenerated-code.jsonl.gz
-mkdir -p "$WORK/regen-code"
-if [ -f "$REGEN_CODE" ] && [ "$(gzip -dc "$REGEN_CODE" | wc -l)" -gt "$(cat "$WORK/regen-code/regenerated.jsonl" 2>/dev/null | wc -l)" ]; then
-  gzip -dc "$REGEN_CODE" > "$WORK/regen-code/regenerated.jsonl"
-fi
-peagle data prepare --input data/heads/prompts-code.jsonl --out "$WORK/regen-code" --regenerate \
-  --max-new-tokens 256 --max-model-len 1024 --batch-size 32 --max-num-seqs 16
+# regenerate PROMPTS NAME COMMITTED: SmolLM2's answers to PROMPTS in WORK/NAME. The answers made so far travel in
+# the repository (COMMITTED, gzip): a fresh machine resumes after them.
+regenerate() {
+  local prompts=$1 name=$2 committed=$3
+  log "regenerate $prompts"
+  mkdir -p "$WORK/$name"
+  if [ -f "$committed" ] && [ "$(gzip -dc "$committed" | wc -l)" -gt "$(cat "$WORK/$name/regenerated.jsonl" 2>/dev/null | wc -l)" ]; then
+    gzip -dc "$committed" > "$WORK/$name/regenerated.jsonl"
+  fi
+  peagle data prepare --input "$prompts" --out "$WORK/$name" --regenerate --max-new-tokens 256 \
+    --max-model-len 1024 --batch-size 32 --max-num-seqs 16   # skips the answers already there
+}
+regenerate data/heads/prompts-3.jsonl regen3 data/heads/smollm2-regenerated-3.jsonl.gz          # stage 1
+regenerate data/heads/prompts-code.jsonl regen-code data/heads/smollm2-regenerated-code.jsonl.gz  # stage 1b
+NEW=("$WORK/unseen.jsonl" "$WORK/regen3/regenerated.jsonl" "$WORK/regen-code/regenerated.jsonl")
 
 if [ ! -f "$WORK/heldout-data/peagle_data.json" ]; then
   log "stage 2: data"
   tail -n "+$FIRST_UNSEEN" data/heads/smollm2-regenerated-2.jsonl > "$WORK/unseen.jsonl"
-  python3 scripts/split_head_data.py --inputs data/heads/smollm2-regenerated.jsonl "$WORK/unseen.jsonl" \
-    "$WORK/regen3/regenerated.jsonl" "$WORK/regen-code/regenerated.jsonl" --train "$WORK/all.jsonl" --heldout "$WORK/heldout.jsonl"
+  python3 scripts/split_head_data.py --inputs data/heads/smollm2-regenerated.jsonl "${NEW[@]}" \
+    --train "$WORK/all.jsonl" --heldout "$WORK/heldout.jsonl"
   # Only conversations the bundled heads have not seen train; the held-out ones come from the first file.
-  python3 - "$WORK" <<'EOF'
+  python3 - "$WORK" "${NEW[@]}" <<'EOF'
 import json, sys
-work = sys.argv[1]
-unseen = {json.loads(l)["id"] for f in ("unseen.jsonl", "regen3/regenerated.jsonl", "regen-code/regenerated.jsonl")
-          for l in open(f"{work}/{f}") if l.strip()}
+work, new = sys.argv[1], sys.argv[2:]
+unseen = {json.loads(l)["id"] for f in new for l in open(f) if l.strip()}
 with open(f"{work}/train.jsonl", "w") as out:
     for line in open(f"{work}/all.jsonl"):
         if line.strip() and json.loads(line)["id"] in unseen:
