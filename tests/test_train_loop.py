@@ -67,11 +67,14 @@ def test_eagle3_trains_with_ttt(tmp_path):
     assert not head.config.parallel_capable
 
 
-@pytest.mark.parametrize("method,optimizer", [("peagle", "adamw"), ("eagle3", "adamw"), ("peagle", "muon")])
-def test_resume_is_exact(tmp_path, method, optimizer):
+@pytest.mark.parametrize("method,optimizer,extra", [
+    ("peagle", "adamw", {}), ("eagle3", "adamw", {}), ("peagle", "muon", {}),
+    ("peagle", "adamw", {"loss": "lk_hybrid", "feature_noise": 0.1}),
+    ("eagle3", "adamw", {"loss": "lk_hybrid", "feature_noise": 0.1})])
+def test_resume_is_exact(tmp_path, method, optimizer, extra):
     target = make_tiny_model(tmp_path / "t", "llama", num_hidden_layers=8, vocab_size=128)
     save_rows(_random_rows(10, 40, 128, seed=3), tmp_path / "data", {})
-    kw = dict(method=method, max_steps=4, partitions=2, optimizer=optimizer)
+    kw = dict(method=method, max_steps=4, partitions=2, optimizer=optimizer, **extra)
     straight = Trainer(_cfg(tmp_path / "a", target, tmp_path / "data", **kw))
     for _ in range(4):
         straight.train_step()
@@ -204,6 +207,27 @@ def test_short_training_raises_acceptance(tmp_path, repetitive):
     held_out = [prompts[i] for i in tr.eval_ids[:4]]
     got = sum(_speculative_acceptance(model, head, p, 4) for p in held_out) / len(held_out)
     assert got > 2.5, got
+
+
+def test_feature_noise_is_bounded_seeded_and_training_only(tmp_path):
+    """Noise stays within +-s x each feature layer's RMS, is the same for the same (epoch, sample) and differs
+    between epochs; evaluation reads clean features."""
+    target = make_tiny_model(tmp_path / "t", "llama", num_hidden_layers=8, vocab_size=128)
+    save_rows(_random_rows(6, 40, 128), tmp_path / "data", {})
+    tr = Trainer(_cfg(tmp_path, target, tmp_path / "data", feature_noise=0.2))
+    ids, _ = tr._row(tr.train_rows, 0)
+    clean = tr._teacher_seq(ids, 0)
+    a, b, c = tr._noisy(clean, 0, 0), tr._noisy(clean, 0, 0), tr._noisy(clean, 1, 0)
+    assert torch.equal(a.features, b.features) and not torch.equal(a.features, c.features)
+    n, width = clean.features.shape
+    layers = len(tr.teacher.feature_layer_ids)
+    f = clean.features.float().view(n, layers, -1)
+    bound = 0.2 * f.pow(2).mean(-1, keepdim=True).sqrt()
+    diff = (a.features.float().view(n, layers, -1) - f).abs()
+    assert bool((diff <= bound * 1.0001 + 1e-6).all()) and float(diff.max()) > 0.5 * float(bound.max())
+    assert torch.equal(a.labels, clean.labels) and torch.equal(a.argmax, clean.argmax)
+    tr.cfg.feature_noise = 0.0
+    assert tr._noisy(clean, 0, 0) is clean
 
 
 def test_a_one_step_run_steps_at_the_full_learning_rate(tmp_path):

@@ -115,9 +115,24 @@ def test_ttt_steps_match_draft_chain():
             assert int(d.to_target_ids(d.logits(got[k]).argmax(-1))) == int(drafts[k])
 
 
-@pytest.mark.parametrize("kl", [True, False])
+def _reference_loss(logq: torch.Tensor, lab: torch.Tensor, loss: str) -> torch.Tensor:
+    """Each loss written the plain way, for autograd (lk_hybrid: KL's weight is a constant of the step)."""
+    p = lab.exp()
+    kl = (p * (lab - logq)).sum(-1)
+    if loss == "kl":
+        return kl.sum()
+    if loss == "ce":
+        return -logq.gather(-1, lab.argmax(-1, keepdim=True)).sum()
+    from peagle.train.objective import LK_ETA
+
+    alpha = torch.minimum(p, logq.exp()).sum(-1)
+    lam = torch.exp(-LK_ETA * alpha.detach())
+    return (lam * kl - (1 - lam) * alpha.log()).sum()
+
+
+@pytest.mark.parametrize("loss_name", ["kl", "ce", "lk_hybrid"])
 @pytest.mark.parametrize("frozen_lm_head", [False, True])
-def test_fused_head_loss_equals_autograd(kl, frozen_lm_head):
+def test_fused_head_loss_equals_autograd(loss_name, frozen_lm_head):
     from peagle.train.objective import head_loss
 
     d = tiny_drafter(num_layers=1)
@@ -125,7 +140,7 @@ def test_fused_head_loss_equals_autograd(kl, frozen_lm_head):
     seq = random_seq(40, d)
     h = torch.randn(33, d.config.hidden_size, requires_grad=True)
     rows = torch.randint(0, 40, (33,))
-    loss, drafts = head_loss(d, h, seq, rows, kl=kl, chunk=7)
+    loss, drafts = head_loss(d, h, seq, rows, loss_name, chunk=7)
     loss.backward()
     grads = lambda: (h.grad, d.lm_head.weight.grad, d.norm.weight.grad)  # noqa: E731
     got = tuple(None if g is None else g.clone() for g in grads())
@@ -133,7 +148,7 @@ def test_fused_head_loss_equals_autograd(kl, frozen_lm_head):
     d.zero_grad()
     logq = d.logits(h).log_softmax(-1)
     lab = seq.labels[rows].log_softmax(-1)
-    ref = (lab.exp() * (lab - logq)).sum() if kl else -logq.gather(-1, lab.argmax(-1, keepdim=True)).sum()
+    ref = _reference_loss(logq, lab, loss_name)
     ref.backward()
     torch.testing.assert_close(loss, ref)
     assert (got[1] is None) == frozen_lm_head  # a frozen LM head gets no gradient (and none is computed)
@@ -141,6 +156,24 @@ def test_fused_head_loss_equals_autograd(kl, frozen_lm_head):
         if a is not None:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert torch.equal(drafts, d.to_target_ids(d.logits(h).argmax(-1)))
+
+
+def test_lk_hybrid_is_minus_log_acceptance_once_the_drafter_agrees():
+    """With eta = 0 KL's weight is 1 (pure KL); with a large eta and q = p the loss is -log 1 = 0, and where q
+    misses p's support it is finite (alpha is floored) with a gradient that moves mass onto p's support."""
+    from peagle.train.objective import _lk_hybrid_rows
+
+    lab = torch.log_softmax(torch.randn(6, 50), -1)
+    logq = torch.log_softmax(torch.randn(6, 50), -1)
+    kl = (lab.exp() * (lab - logq)).sum()
+    torch.testing.assert_close(_lk_hybrid_rows(lab, logq, 0.0, False)[0], kl)
+    assert abs(float(_lk_hybrid_rows(lab, lab.clone(), 1e3, False)[0])) < 1e-5
+    p = torch.zeros(1, 4)
+    p[0, 0] = 1.0
+    far = torch.log_softmax(torch.tensor([[-30.0, 10.0, 10.0, 10.0]]), -1)
+    total, g = _lk_hybrid_rows(p.clamp_min(1e-30).log(), far, 1e3, True)
+    assert torch.isfinite(total) and torch.isfinite(g).all()
+    assert g[0, 0] < 0 < g[0, 1]  # gradient descent raises the logit of p's token and lowers the others
 
 
 @pytest.mark.parametrize("chunk", [5, 4096])

@@ -14,8 +14,14 @@ sees, so we follow serving.) Keys and values of earlier steps are kept per layer
 unroll costs K passes over the anchors, computed in anchor chunks so attention never builds an n x Kn mask.
 Step k's loss is weighted 0.8^k.
 
-Loss: forward KL from the teacher's draft-vocab distribution (or cross-entropy on its argmax), summed over
-supervised elements; the caller divides by the global count. The LM head and the loss are fused and chunked: each
+Loss (LOSSES), summed over supervised elements; the caller divides by the global count:
+  kl         forward KL(p || q) from the teacher's draft-vocab distribution p to the drafter's q
+  ce         cross-entropy on the teacher's argmax
+  lk_hybrid  acceptance itself: the chance that a draft sampled from q survives verification against p is
+             alpha = sum_x min(p(x), q(x)) = 1 - TV(p, q). Per element: lambda * KL - (1 - lambda) * log alpha with
+             lambda = exp(-eta * alpha), alpha not differentiated in lambda: KL steers while the drafter is far from
+             the target (where log alpha's gradient is weak), -log alpha takes over as acceptance grows (the LK losses
+             of Samarin et al. 2026; the weighting here is ours). The LM head and the loss are fused and chunked: each
 chunk's logits produce the loss and the gradients at once, so [elements x Vd] logits never all live at once and
 are never recomputed.
 """
@@ -96,18 +102,41 @@ def element_inputs(drafter: Drafter, seq: TeacherSeq, el: Elements):
     return tokens, feats, el.position
 
 
+LOSSES = ("kl", "ce", "lk_hybrid")
+LK_ETA = 3.0  # lk_hybrid's lambda = exp(-eta * alpha): 0.74 at alpha 0.1, 0.22 at 0.5
+ALPHA_FLOOR = 1e-6  # -log alpha and its gradient 1 / alpha stay finite where the drafter puts no mass on p's support
+
+
+def _lk_hybrid_rows(lab: torch.Tensor, logq: torch.Tensor, eta: float, need: bool):
+    """lk_hybrid's summed loss over a chunk's rows and its gradient with respect to the logits.
+
+    With q = softmax(z), m = [q < p] and S = sum_x q(x) m(x): d alpha / d z = q * (m - S), so
+    d(-log alpha) / d z = -q * (m - S) / alpha, and KL's gradient is q - p."""
+    p, q = lab.exp(), logq.exp()
+    alpha = torch.minimum(p, q).sum(-1).clamp_min(ALPHA_FLOOR)
+    lam = torch.exp(-eta * alpha)
+    kl_rows = (p * (lab - logq)).sum(-1)
+    total = (lam * kl_rows - (1 - lam) * alpha.log()).sum()
+    if not need:
+        return total, None
+    m = (q < p).to(q.dtype)
+    s = (q * m).sum(-1, keepdim=True)
+    g = (q - p).mul_(lam[:, None]) - q.mul_(m.sub_(s)).mul_(((1 - lam) / alpha)[:, None])
+    return total, g
+
+
 # Rows per fused LM-head + loss chunk: a [256 x Vd] fp32 chunk stays in cache through the passes over it, where 1024
 # rows did not (docs/training.md, "Throughput per core").
 LOSS_CHUNK = 256
 
 
 class _FusedHeadLoss(torch.autograd.Function):
-    """Summed KL (or CE) of lm_head logits against teacher rows, computed chunk by chunk with the gradients made in
-    the same pass (the loss is linear in its upstream gradient), so neither logits nor a recompute are ever kept:
-    d loss / d logits = softmax(logits) - p (p: the label distribution, or one-hot for CE)."""
+    """Summed loss (LOSSES) of lm_head logits against teacher rows, computed chunk by chunk with the gradients made
+    in the same pass (the loss is linear in its upstream gradient), so neither logits nor a recompute are ever kept:
+    for KL and CE d loss / d logits = softmax(logits) - p (p: the label distribution, or one-hot for CE)."""
 
     @staticmethod
-    def forward(ctx, x, weight, labels, rows, kl: bool, chunk: int, cdt: torch.dtype):
+    def forward(ctx, x, weight, labels, rows, loss: str, chunk: int, cdt: torch.dtype, eta: float):
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need = need_x or need_w
         with torch.autocast(x.device.type, enabled=False):
@@ -126,7 +155,10 @@ class _FusedHeadLoss(torch.autograd.Function):
                 lab = labels[rows[a:a + chunk]].log_softmax(-1, dtype=torch.float32)
                 # passes over [chunk x Vd] cost as much as the product itself: each op below is one pass, in place
                 # where it can be
-                if kl:
+                if loss == "lk_hybrid":
+                    part, g = _lk_hybrid_rows(lab, logq, eta, need)
+                    total += part
+                elif loss == "kl":
                     p = lab.exp()
                     total += lab.sub_(logq).mul_(p).sum()
                     g = logq.exp_().sub_(p) if need else None
@@ -155,19 +187,21 @@ class _FusedHeadLoss(torch.autograd.Function):
         gx, gw = ctx.saved_tensors
         gx = None if gx is None or not ctx.needs_input_grad[0] else (gx * g_loss).to(ctx.dtypes[0])
         gw = None if gw is None or not ctx.needs_input_grad[1] else (gw * g_loss).to(ctx.dtypes[1])
-        return gx, gw, None, None, None, None, None
+        return gx, gw, None, None, None, None, None, None
 
 
-def head_loss(drafter: Drafter, h: torch.Tensor, seq: TeacherSeq, label_rows: torch.Tensor, kl: bool = True,
-              chunk: int = LOSS_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+def head_loss(drafter: Drafter, h: torch.Tensor, seq: TeacherSeq, label_rows: torch.Tensor, loss: str = "kl",
+              chunk: int = LOSS_CHUNK, eta: float = LK_ETA) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed loss of rows `h` [M, H] (pre-norm) against the teacher rows `label_rows`, and the drafts as target
-    ids. Equal to summing `(p * (log p - log_softmax(drafter.logits(h)))).sum(-1)` with
+    ids. For KL equal to summing `(p * (log p - log_softmax(drafter.logits(h)))).sum(-1)` with
     log p = log_softmax(seq.labels[label_rows]), at the cost of one pass."""
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {', '.join(LOSSES)}, not {loss!r}")
     x = drafter.norm(h)
     dev = x.device.type
     cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else drafter.lm_head.weight.dtype
-    loss, pred = _FusedHeadLoss.apply(x, drafter.lm_head.weight, seq.labels, label_rows, kl, chunk, cdt)
-    return loss, drafter.to_target_ids(pred)
+    total, pred = _FusedHeadLoss.apply(x, drafter.lm_head.weight, seq.labels, label_rows, loss, chunk, cdt, eta)
+    return total, drafter.to_target_ids(pred)
 
 
 @dataclass
@@ -250,15 +284,16 @@ def cod_hidden(drafter: Drafter, seq: TeacherSeq, el: Elements, chunk: int = 204
 
 
 def cod_segment_loss(drafter: Drafter, seq: TeacherSeq, el: Elements, seg: Segment, num_depths: int,
-                     kl: bool = True, chunk: int = LOSS_CHUNK, attn_chunk: int = 2048) -> tuple[torch.Tensor, Stats]:
+                     loss: str = "kl", chunk: int = LOSS_CHUNK, attn_chunk: int = 2048,
+                     eta: float = LK_ETA) -> tuple[torch.Tensor, Stats]:
     dev = seq.input_ids.device
     sub = el.select(seg.rows).to(dev)
     hidden = cod_hidden(drafter, seq, sub, attn_chunk)
     sel = seg.own.to(dev) & sub.supervised
     rows = (sub.anchor + sub.depth + 1)[sel]
-    loss, drafts = head_loss(drafter, hidden[sel], seq, rows, kl, chunk)
+    summed, drafts = head_loss(drafter, hidden[sel], seq, rows, loss, chunk, eta)
     correct, total = _depth_counts(sub.depth[sel], drafts == seq.argmax[rows], num_depths)
-    return loss, Stats(loss.detach(), correct, total)
+    return summed, Stats(summed.detach(), correct, total)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -364,8 +399,9 @@ def ttt_forward(drafter: Drafter, seq: TeacherSeq, el: Elements, chunk: int = 20
         yield k, A, h_prev
 
 
-def ttt_loss(drafter: Drafter, seq: TeacherSeq, el: Elements, num_steps: int, decay: float = 0.8, kl: bool = True,
-             chunk: int = LOSS_CHUNK, attn_chunk: int = 2048) -> tuple[torch.Tensor, Stats]:
+def ttt_loss(drafter: Drafter, seq: TeacherSeq, el: Elements, num_steps: int, decay: float = 0.8,
+             loss: str = "kl", chunk: int = LOSS_CHUNK, attn_chunk: int = 2048,
+             eta: float = LK_ETA) -> tuple[torch.Tensor, Stats]:
     """Sum over steps of decay^k * (summed loss of step k's supervised rows)."""
     total = torch.zeros((), dtype=torch.float32, device=seq.labels.device)
     correct = torch.zeros(num_steps, dtype=torch.long)
@@ -374,8 +410,8 @@ def ttt_loss(drafter: Drafter, seq: TeacherSeq, el: Elements, num_steps: int, de
     for k, A, h in ttt_forward(drafter, seq, el, attn_chunk):
         sel = sup0 if k == 0 else torch.ones_like(A, dtype=torch.bool)
         rows = (A + k + 1)[sel]
-        loss, drafts = head_loss(drafter, h[sel], seq, rows, kl, chunk)
-        total = total + (decay ** k) * loss
+        summed, drafts = head_loss(drafter, h[sel], seq, rows, loss, chunk, eta)
+        total = total + (decay ** k) * summed
         correct[k] = int((drafts == seq.argmax[rows]).sum())
         count[k] = int(sel.sum())
     return total, Stats(total.detach(), correct, count)
@@ -386,13 +422,14 @@ class TrainHead(nn.Module):
     its summed loss. Every trainable parameter joins every call (with weight 0 when unused), so DDP's gradient
     all-reduce always covers all of them."""
 
-    def __init__(self, drafter: Drafter, method: str, num_depths: int, kl: bool = True, ttt_decay: float = 0.8,
-                 loss_chunk: int = LOSS_CHUNK, attn_chunk: int = 2048):
+    def __init__(self, drafter: Drafter, method: str, num_depths: int, loss: str = "kl", ttt_decay: float = 0.8,
+                 loss_chunk: int = LOSS_CHUNK, attn_chunk: int = 2048, lk_eta: float = LK_ETA):
         super().__init__()
         if method not in ("peagle", "eagle3"):
             raise ValueError(f"method must be peagle or eagle3, not {method!r}")
         self.drafter, self.method, self.num_depths = drafter, method, num_depths
-        self.kl, self.ttt_decay, self.loss_chunk, self.attn_chunk = kl, ttt_decay, loss_chunk, attn_chunk
+        self.loss, self.ttt_decay, self.loss_chunk, self.attn_chunk = loss, ttt_decay, loss_chunk, attn_chunk
+        self.lk_eta = lk_eta
 
     def _touch(self) -> torch.Tensor:
         z = torch.zeros((), dtype=torch.float32, device=self.drafter.fc.weight.device)
@@ -408,9 +445,9 @@ class TrainHead(nn.Module):
             z = self._touch()
             return z, Stats(z.detach(), torch.zeros(D, dtype=torch.long), torch.zeros(D, dtype=torch.long))
         if self.method == "peagle":
-            loss, stats = cod_segment_loss(self.drafter, seq, elements, segment, D, self.kl, self.loss_chunk,
-                                           self.attn_chunk)
+            loss, stats = cod_segment_loss(self.drafter, seq, elements, segment, D, self.loss, self.loss_chunk,
+                                           self.attn_chunk, self.lk_eta)
         else:
-            loss, stats = ttt_loss(self.drafter, seq, elements, D, self.ttt_decay, self.kl, self.loss_chunk,
-                                   self.attn_chunk)
+            loss, stats = ttt_loss(self.drafter, seq, elements, D, self.ttt_decay, self.loss, self.loss_chunk,
+                                   self.attn_chunk, self.lk_eta)
         return loss + self._touch(), stats

@@ -12,6 +12,7 @@ import dataclasses
 import sys
 
 from peagle import cli_args
+from peagle.train.objective import LOSSES
 from peagle.train.trainer import DEFAULT_DEPTHS, DEFAULT_LAYERS, TrainConfig
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -76,8 +77,15 @@ def _add_objective_args(p) -> None:
     _option(p, "cod_ratio", type=cli_args.fraction,
             help="COD retention r: depth d keeps ~N*max(r^d, r_min) [%(default)s]")
     _option(p, "cod_min_ratio", type=cli_args.fraction, help="COD floor r_min [%(default)s]")
-    _option(p, "loss", choices=("kl", "ce"),
-            help="kl: forward KL to the target's draft-vocab distribution; ce: cross-entropy on its argmax")
+    _option(p, "loss", choices=LOSSES,
+            help="kl: forward KL to the target's draft-vocab distribution; ce: cross-entropy on its argmax; "
+                 "lk_hybrid: acceptance itself (-log sum min(p, q)), KL-weighted while acceptance is low "
+                 "[%(default)s]")
+    _option(p, "lk_eta", type=cli_args.nonnegative_float,
+            help="lk_hybrid: KL's weight is exp(-eta x acceptance) [%(default)s]")
+    _option(p, "feature_noise", type=cli_args.nonnegative_float,
+            help="uniform noise on the target's features while training, +- this x each feature layer's RMS "
+                 "[%(default)s]")
     _option(p, "ttt_decay", type=cli_args.fraction, help="EAGLE-3 TTT step weight base (%(default)s^k)")
     _option(p, "mask_token_id", type=cli_args.nonnegative_int,
             help="P-EAGLE mask token (default: a special token the data never uses, e.g. 3 for SmolLM2)")

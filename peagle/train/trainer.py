@@ -30,7 +30,8 @@ from peagle.model.checkpoint import save_head
 from peagle.model.loading import EMBEDDED_HUB_ID, torch_dtype
 from peagle.train.cod import Elements, eval_elements, partition, sample_cod
 from peagle.train.head import build_head
-from peagle.train.objective import LOSS_CHUNK, TeacherSeq, TrainHead, cod_hidden, export_drafter, ttt_forward
+from peagle.train.objective import (LK_ETA, LOSS_CHUNK, LOSSES, TeacherSeq, TrainHead, cod_hidden, export_drafter,
+                                    ttt_forward)
 from peagle.train.teacher import Teacher
 from peagle.train.vocab import used_ids
 
@@ -63,7 +64,9 @@ class TrainConfig:
     target_device_map: str | None = None  # e.g. "auto": split a large frozen target over this process's GPUs
     cod_ratio: float = 0.8
     cod_min_ratio: float = 0.2
-    loss: str = "kl"  # kl: forward KL to the teacher's draft-vocab distribution; ce: cross-entropy on its argmax
+    loss: str = "kl"  # LOSSES: kl to the teacher's draft-vocab distribution, ce on its argmax, or lk_hybrid
+    lk_eta: float = LK_ETA  # lk_hybrid: KL's weight exp(-eta * acceptance)
+    feature_noise: float = 0.0  # uniform noise on the target's features, +-this x each layer's RMS (training only)
     ttt_decay: float = 0.8
     mask_token_id: int | None = None
     eval_fraction: float = 0.02
@@ -109,8 +112,10 @@ class TrainConfig:
             raise ValueError("--partitions must be at least 1")
         if self.dtype not in ("auto", "bf16", "fp32"):
             raise ValueError(f"--dtype must be auto, bf16 or fp32, not {self.dtype!r}")
-        if self.loss not in ("kl", "ce"):
-            raise ValueError("--loss must be kl or ce")
+        if self.loss not in LOSSES:
+            raise ValueError(f"--loss must be one of {', '.join(LOSSES)}, not {self.loss!r}")
+        if self.feature_noise < 0:
+            raise ValueError("--feature-noise must be >= 0")
         if self.optimizer not in ("adamw", "muon"):
             raise ValueError(f"--optimizer must be adamw or muon, not {self.optimizer!r}")
         if self.batch_size < 1 or self.max_seq_len < 3:
@@ -311,8 +316,8 @@ class Trainer:
         cfg = self.cfg
         rows = (self._row(self.train_rows, i) for i in self.train_ids)
         self.drafter = build_head(cfg, self.teacher, self.tokenizer, rows, self.log).to(self.device)
-        self.head = TrainHead(self.drafter, cfg.method, cfg.num_depths, kl=cfg.loss == "kl", ttt_decay=cfg.ttt_decay,
-                              loss_chunk=cfg.loss_chunk, attn_chunk=cfg.attn_chunk)
+        self.head = TrainHead(self.drafter, cfg.method, cfg.num_depths, loss=cfg.loss, ttt_decay=cfg.ttt_decay,
+                              loss_chunk=cfg.loss_chunk, attn_chunk=cfg.attn_chunk, lk_eta=cfg.lk_eta)
         self.model = self.head
         if self.world > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -415,6 +420,23 @@ class Trainer:
         d = self.device
         return TeacherSeq(ids.to(d), feats.to(d), labels.to(d), argmax.to(d))
 
+    def _noisy(self, seq: TeacherSeq, epoch: int, index: int) -> TeacherSeq:
+        """`seq` with --feature-noise on its features: uniform, +-s x the RMS of each feature layer's slice of the
+        row (scale-free across targets and layers), seeded per (epoch, sample) so a resumed run sees the same noise.
+        Serving feeds the drafter features of its own drafts' context, not the training data's: noise teaches it
+        to tolerate the difference (EAGLE adds uniform noise to its features for the same reason)."""
+        s = self.cfg.feature_noise
+        if not s:
+            return seq
+        n, width = seq.features.shape
+        layers = len(self.teacher.feature_layer_ids) if width % len(self.teacher.feature_layer_ids) == 0 else 1
+        f = seq.features.float().view(n, layers, width // layers)
+        rms = f.pow(2).mean(-1, keepdim=True).sqrt()
+        g = torch.Generator().manual_seed(_sample_seed(self.cfg.seed + 1, epoch, index))
+        u = torch.rand(f.shape, generator=g).to(f.device).mul_(2).sub_(1)
+        noisy = (f + u * (s * rms)).view(n, width).to(seq.features.dtype)
+        return TeacherSeq(seq.input_ids, noisy, seq.labels, seq.argmax)
+
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         if self.world > 1:
             t = t.to(self.device)
@@ -467,7 +489,7 @@ class Trainer:
                     if seq_of != w:
                         seq, seq_of = None, w
                         t1 = time.time()
-                        seq = self._teacher_seq(work[w][0], work[w][3])
+                        seq = self._noisy(self._teacher_seq(work[w][0], work[w][3]), epoch, work[w][3])
                         teacher_s += time.time() - t1
                     with self._autocast():
                         loss, stats = self.model(seq, work[w][1], seg)
