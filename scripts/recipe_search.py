@@ -4,6 +4,10 @@ number of steps, each measured by held-out accuracy per depth and its CPU time (
     OMP_NUM_THREADS=1 python scripts/recipe_search.py --data runs/data --work runs/search --steps 100
     python scripts/recipe_search.py --work runs/search --table        # the markdown table of finished runs
 
+`--recipe continue` measures the levers where the campaign uses them: each run continues the bundled P-EAGLE head
+with the campaign's step (8 COD depths at r 0.7, frozen LM head, lr 5e-4) on conversations it has not seen, and is
+evaluated on a fixed held-out set (`--eval-data`: the bundled heads' 32, scripts/split_head_data.py).
+
 Every run shares one teacher cache (the target's outputs depend only on the data and the draft vocab), so only the
 first run pays for the target's forward. A finished run (its result.json exists) is skipped, so the search resumes
 where it stopped; `--only NAME ...` runs a subset (two processes can split the list).
@@ -30,10 +34,16 @@ VARIANTS = {
     "muon": ("Muon for the layers' matrices", {"optimizer": "muon"}),
     "lr-3e-3": ("learning rate 3e-3", {"lr": 3e-3}),
     "warm-eagle3": ("warm start from the bundled EAGLE-3 head", {"init_head": "smollm2-135m-eagle3"}),
+    "lk-hybrid": ("loss lk_hybrid (acceptance, KL-weighted while it is low; eta 3)", {"loss": "lk_hybrid"}),
+    "feature-noise": ("uniform noise +-0.1 x RMS on the target's features", {"feature_noise": 0.1}),
 }
-BASE = dict(method="peagle", num_layers=2, num_depths=12, draft_vocab_size=8192, batch_size=4, lr=1e-3,
-            warmup_ratio=0.05, min_lr_ratio=0.1, eval_fraction=0.05, eval_samples=32, eval_depths=8, seed=0,
-            save_every=0, progress=False)
+SCRATCH = dict(method="peagle", num_layers=2, num_depths=12, draft_vocab_size=8192, batch_size=4, lr=1e-3,
+               warmup_ratio=0.05, min_lr_ratio=0.1, eval_fraction=0.05, eval_samples=32, eval_depths=8, seed=0,
+               save_every=0, progress=False)
+# the campaign's continuation step (scripts/campaign.sh); "base" of this recipe is the campaign itself
+CONTINUE = dict(SCRATCH, init_head="smollm2-135m-peagle", num_depths=8, cod_ratio=0.7, freeze_lm_head=True,
+                lr=5e-4)
+RECIPES = {"scratch": SCRATCH, "continue": CONTINUE}
 
 
 def run(name: str, args) -> dict:
@@ -43,7 +53,8 @@ def run(name: str, args) -> dict:
 
     _, overrides = VARIANTS[name]
     out = Path(args.work) / name
-    cfg = TrainConfig(**{**BASE, "data": args.data, "out": str(out), "max_steps": args.steps, "limit": args.limit,
+    cfg = TrainConfig(**{**RECIPES[args.recipe], "data": args.data, "out": str(out), "max_steps": args.steps,
+                         "limit": args.limit, "eval_data": args.eval_data,
                          "teacher_cache": str(Path(args.work) / "teacher-cache"), **overrides})
     tr = Trainer(cfg)
     if name == "mean-init":  # what the trainer did before: the mean feature of the first training row
@@ -57,6 +68,7 @@ def run(name: str, args) -> dict:
     summary = {"name": name, "change": VARIANTS[name][0], "steps": result["steps"],
                "tokens": sum(m["tokens"] for m in log), "cpu_s": time.process_time() - cpu0,
                "wall_s": time.time() - wall0, "teacher_s": sum(m["teacher_seconds"] for m in log),
+               "teacher_cpu_s": sum(m.get("teacher_cpu_seconds", 0.0) for m in log),
                "accuracy_per_depth": result["eval"]["accuracy_per_depth"],
                "acceptance_per_position": result["eval"]["acceptance_per_position"],
                "mean_acceptance_length": result["eval"]["mean_acceptance_length"]}
@@ -68,14 +80,17 @@ def table(work: Path) -> str:
     rows = [json.loads(p.read_text()) for p in sorted(work.glob("*/result.json"))]
     rows.sort(key=lambda r: list(VARIANTS).index(r["name"]) if r["name"] in VARIANTS else 99)
     base = next((r for r in rows if r["name"] == "base"), None)
+    # head CPU: the process's CPU less the target's forward for rows the shared teacher cache did not hold yet (the
+    # first run pays for it), so rows compare what each recipe's own steps cost
     lines = ["| run | change | accuracy at depths 1, 2, 3, 4, 8 | vs base at depth 2 | predicted MAL, K=7 | "
-             "CPU min | wall min |", "|---|---|---|---:|---:|---:|---:|"]
+             "CPU min | head CPU min | wall min |", "|---|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         acc = r["accuracy_per_depth"]
         picks = ", ".join(f"{acc[i]:.3f}" for i in (0, 1, 2, 3, 7) if i < len(acc))
         rel = f"{acc[1] / base['accuracy_per_depth'][1]:.2f}x" if base else ""
-        lines.append(f"| {r['name']} | {r['change']} | {picks} | {rel} | {r['mean_acceptance_length']['7']:.2f} | "
-                     f"{r['cpu_s'] / 60:.1f} | {r['wall_s'] / 60:.1f} |")
+        head = f"{(r['cpu_s'] - r['teacher_cpu_s']) / 60:.1f}" if "teacher_cpu_s" in r else ""
+        lines.append(f"| {r['name']} | {r['change']} | {picks} | {rel} | {r['mean_acceptance_length']['7']:.3f} | "
+                     f"{r['cpu_s'] / 60:.1f} | {head} | {r['wall_s'] / 60:.1f} |")
     return "\n".join(lines)
 
 
@@ -84,7 +99,10 @@ def main() -> int:
     p.add_argument("--data", default="runs/data", help="a folder from `peagle data prepare`")
     p.add_argument("--work", default="runs/search")
     p.add_argument("--steps", type=int, default=100, help="optimizer steps of 4 sequences per run")
-    p.add_argument("--limit", type=int, default=500, help="conversations used (5%% held out)")
+    p.add_argument("--limit", type=int, default=500, help="conversations used (5%% held out without --eval-data)")
+    p.add_argument("--recipe", choices=list(RECIPES), default="scratch",
+                   help="scratch: new heads from the round-1 base; continue: the bundled P-EAGLE head continued")
+    p.add_argument("--eval-data", default=None, help="a fixed held-out set (a `peagle data prepare` folder)")
     p.add_argument("--only", nargs="*", default=None, choices=list(VARIANTS))
     p.add_argument("--table", action="store_true", help="print the table of finished runs and stop")
     args = p.parse_args()

@@ -475,7 +475,7 @@ class Trainer:
         D = cfg.num_depths
         loss_sum, correct, total = 0.0, torch.zeros(D, dtype=torch.long), torch.zeros(D, dtype=torch.long)
         seq, seq_of = None, -1
-        teacher_s = 0.0
+        teacher_s = teacher_cpu_s = 0.0  # wall and CPU: on a shared machine only the CPU figure compares runs
         if not units:
             units = [(None, None)]
         for u, (w, seg) in enumerate(units):
@@ -488,9 +488,10 @@ class Trainer:
                 else:
                     if seq_of != w:
                         seq, seq_of = None, w
-                        t1 = time.time()
+                        t1, c1 = time.time(), time.process_time()
                         seq = self._noisy(self._teacher_seq(work[w][0], work[w][3]), epoch, work[w][3])
                         teacher_s += time.time() - t1
+                        teacher_cpu_s += time.process_time() - c1
                     with self._autocast():
                         loss, stats = self.model(seq, work[w][1], seg)
                 (loss * scale).backward()
@@ -511,7 +512,8 @@ class Trainer:
         acc = (red[1:1 + D] / red[1 + D:].clamp(min=1)).tolist()
         return {"step": self.step, "loss": float(red[0]) / max(global_count, 1.0), "acc": acc,
                 "lr": lr, "grad_norm": float(grad_norm), "tokens": int(totals[1]),
-                "seconds": dt, "teacher_seconds": teacher_s, "units": len(units),
+                "seconds": dt, "teacher_seconds": teacher_s,
+                "teacher_cpu_seconds": teacher_cpu_s, "units": len(units),
                 "tokens_per_s": float(totals[1]) / dt, "peak_mem_gib": peak_memory_gib(self.device)}
 
     # -- evaluation ----------------------------------------------------------------------------------------------
