@@ -44,6 +44,7 @@ SCRATCH = dict(method="peagle", num_layers=2, num_depths=12, draft_vocab_size=81
 CONTINUE = dict(SCRATCH, init_head="smollm2-135m-peagle", num_depths=8, cod_ratio=0.7, freeze_lm_head=True,
                 lr=5e-4)
 RECIPES = {"scratch": SCRATCH, "continue": CONTINUE}
+CONTINUE_BASE = "base: the bundled P-EAGLE head continued, 8 depths, r 0.7, frozen LM head, AdamW lr 5e-4"
 
 
 def run(name: str, args) -> dict:
@@ -65,7 +66,8 @@ def run(name: str, args) -> dict:
     cpu0, wall0 = time.process_time(), time.time()
     result = tr.train()
     log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
-    summary = {"name": name, "change": VARIANTS[name][0], "steps": result["steps"],
+    change = CONTINUE_BASE if (args.recipe, name) == ("continue", "base") else VARIANTS[name][0]
+    summary = {"name": name, "change": change, "recipe": args.recipe, "steps": result["steps"],
                "tokens": sum(m["tokens"] for m in log), "cpu_s": time.process_time() - cpu0,
                "wall_s": time.time() - wall0, "teacher_s": sum(m["teacher_seconds"] for m in log),
                "teacher_cpu_s": sum(m.get("teacher_cpu_seconds", 0.0) for m in log),
