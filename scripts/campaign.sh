@@ -5,60 +5,94 @@
 #
 #   nohup bash scripts/campaign.sh >> runs/campaign.log 2>&1 &     # WORK=runs/campaign
 #
-# Stages, in order (each one skips itself when its output is complete). Data first: it is what the heads lack, and
-# it travels in git, where a checkpoint does not.
+# Stages (each one skips itself when its output is complete), in two lanes of one core each: data in one, training
+# in the other, so that the heads train while the data engine still answers. Data is what the heads lack, and it
+# travels in git, where a checkpoint does not.
 #   1. regen  SmolLM2's answers to data/heads/prompts-3.jsonl (new ShareGPT prompts; made once, resumable; the
 #             answers so far are committed as data/heads/smollm2-regenerated-3.jsonl.gz with
 #             `gzip -c runs/campaign/regen3/regenerated.jsonl > data/heads/smollm2-regenerated-3.jsonl.gz`)
-#   1b.       the same for data/heads/prompts-code.jsonl (Python functions' signatures and docstrings from the
-#             standard library and installed packages, scripts/make_code_prompts.py), committed as
-#             data/heads/smollm2-regenerated-code.jsonl.gz
-#   2. data   every conversation the bundled heads have not trained on (data/heads/smollm2-regenerated-2.jsonl from
-#             line FIRST_UNSEEN on, and stages 1 and 1b's answers), without the bundled heads' 32 held-out conversations,
-#             and those 32 apart
-#   3. peagle continue the bundled P-EAGLE head on them with the cheapest step that learns as much
-#             (docs/heads.md, "Recipe search": 8 COD depths at r 0.7, frozen LM head), checkpoint every 20 steps,
-#             held-out evaluation every 100
-#   4. eagle3 the same for the bundled EAGLE-3 head
-#   5. accept benchmarks/acceptance.py on both continued heads into WORK/acceptance; re-bundling stays a decision
-#             (scripts/bundle_head.py HEAD NAME --acceptance WORK/acceptance/acceptance.json refuses a head whose
-#             benchmark acceptance is not 2% above the bundle's on every set)
+#   then, side by side:
+#   data lane
+#     1b.       the same for data/heads/prompts-code.jsonl (Python functions' signatures and docstrings from the
+#               standard library and installed packages, scripts/make_code_prompts.py), committed as
+#               data/heads/smollm2-regenerated-code.jsonl.gz
+#     4. eagle3 once 1b is done: the bundled EAGLE-3 head continued like stage 3 (it reads the teacher outputs
+#               stage 3 has cached, so it costs its core about half as much per step)
+#   training lane
+#     2. data   every conversation the bundled heads have not trained on (data/heads/smollm2-regenerated-2.jsonl
+#               from line FIRST_UNSEEN on, stage 1's answers, and the first CODE_FIRST of stage 1b's, the ones
+#               committed when this round's data was fixed), without the bundled heads' 32 held-out
+#               conversations, and those 32 apart
+#     3. peagle continue the bundled P-EAGLE head on them with the cheapest step that learns as much
+#               (docs/heads.md, "Recipe search": 8 COD depths at r 0.7, frozen LM head), checkpoint every 20
+#               steps, held-out evaluation every 100
+#   slice lane (mostly asleep): scripts/campaign_slices.py measures the bundled heads and every 200th step's
+#             checkpoint of both on the first 16 HumanEval and 16 MT-Bench prompts (K 7), into WORK/slices
+#   5. accept once both heads are done: benchmarks/acceptance.py on both continued heads into WORK/acceptance;
+#             re-bundling stays a decision (scripts/bundle_head.py HEAD NAME --acceptance
+#             WORK/acceptance/acceptance.json refuses a head whose benchmark acceptance is not 2% above the bundle's
+#             on every set)
+# Each lane writes its output, with a line when each of its stages starts, to WORK/logs/LANE.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK="${WORK:-runs/campaign}"
 FIRST_UNSEEN="${FIRST_UNSEEN:-1217}"   # the second bundle trained on lines 1-1,216 of smollm2-regenerated-2.jsonl
+CODE_FIRST="${CODE_FIRST:-1280}"       # code answers in this round's training data: those committed when it was fixed
 LR="${LR:-5e-4}"                       # a continuation's rate (docs/heads.md, "The second bundle")
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-mkdir -p "$WORK"
+mkdir -p "$WORK/logs"
 log() { echo "campaign $(date -u +%FT%TZ): $*"; }
 
 if [ ! -f data/heads/prompts-3.jsonl ]; then
   python3 scripts/make_head_prompts.py --num 8000 --seed 2 --first-id 4000 --exclude data/heads/prompts.jsonl \
     --exclude data/heads/prompts-2.jsonl --out data/heads/prompts-3.jsonl
 fi
-# regenerate PROMPTS NAME COMMITTED: SmolLM2's answers to PROMPTS in WORK/NAME. The answers made so far travel in
-# the repository (COMMITTED, gzip): a fresh machine resumes after them.
-regenerate() {
-  local prompts=$1 name=$2 committed=$3
-  log "regenerate $prompts"
+# restore NAME COMMITTED: the answers made so far travel in the repository (COMMITTED, gzip); a fresh machine
+# resumes after them.
+restore() {
+  local name=$1 committed=$2
   mkdir -p "$WORK/$name"
   if [ -f "$committed" ] && [ "$(gzip -dc "$committed" | wc -l)" -gt "$(cat "$WORK/$name/regenerated.jsonl" 2>/dev/null | wc -l)" ]; then
     gzip -dc "$committed" > "$WORK/$name/regenerated.jsonl"
   fi
-  peagle data prepare --input "$prompts" --out "$WORK/$name" --regenerate --max-new-tokens 256 \
-    --max-model-len 1024 --batch-size 32 --max-num-seqs 16   # skips the answers already there
 }
-regenerate data/heads/prompts-3.jsonl regen3 data/heads/smollm2-regenerated-3.jsonl.gz          # stage 1
-regenerate data/heads/prompts-code.jsonl regen-code data/heads/smollm2-regenerated-code.jsonl.gz  # stage 1b
-NEW=("$WORK/unseen.jsonl" "$WORK/regen3/regenerated.jsonl" "$WORK/regen-code/regenerated.jsonl")
+# regenerate PROMPTS NAME: SmolLM2's answers to PROMPTS in WORK/NAME, skipping the answers already there.
+regenerate() {
+  log "regenerate $1"
+  peagle data prepare --input "$1" --out "$WORK/$2" --regenerate --max-new-tokens 256 \
+    --max-model-len 1024 --batch-size 32 --max-num-seqs 16
+}
+restore regen3 data/heads/smollm2-regenerated-3.jsonl.gz
+restore regen-code data/heads/smollm2-regenerated-code.jsonl.gz
+regenerate data/heads/prompts-3.jsonl regen3 >> "$WORK/logs/data.log" 2>&1   # stage 1
 
-if [ ! -f "$WORK/heldout-data/peagle_data.json" ]; then
-  log "stage 2: data"
-  tail -n "+$FIRST_UNSEEN" data/heads/smollm2-regenerated-2.jsonl > "$WORK/unseen.jsonl"
-  python3 scripts/split_head_data.py --inputs data/heads/smollm2-regenerated.jsonl "${NEW[@]}" \
-    --train "$WORK/all.jsonl" --heldout "$WORK/heldout.jsonl"
-  # Only conversations the bundled heads have not seen train; the held-out ones come from the first file.
-  python3 - "$WORK" "${NEW[@]}" <<'EOF'
+COMMON=(--data "$WORK/train-data" --eval-data "$WORK/heldout-data" --eval-every 100 --eval-depths 8 --lr "$LR"
+        --save-every 20 --resume latest --teacher-cache "$WORK/teacher-cache" --no-progress)
+
+data_lane() {
+  regenerate data/heads/prompts-code.jsonl regen-code   # stage 1b
+  until [ -f "$WORK/heldout-data/peagle_data.json" ]; do sleep 60; done
+  if [ ! -f "$WORK/eagle3/model.safetensors" ]; then
+    log "stage 4: EAGLE-3"
+    peagle train --method eagle3 --init-head smollm2-135m-eagle3 --out "$WORK/eagle3" --freeze-lm-head "${COMMON[@]}"
+  fi
+}
+
+training_lane() {
+  if [ ! -f "$WORK/heldout-data/peagle_data.json" ]; then
+    log "stage 2: data"
+    local code="$WORK/regen-code/regenerated.jsonl"
+    if [ "$(wc -l < "$code")" -lt "$CODE_FIRST" ]; then
+      echo "campaign: $code has fewer than CODE_FIRST=$CODE_FIRST answers; commit them or lower CODE_FIRST" >&2
+      return 1
+    fi
+    tail -n "+$FIRST_UNSEEN" data/heads/smollm2-regenerated-2.jsonl > "$WORK/unseen.jsonl"
+    head -n "$CODE_FIRST" "$code" > "$WORK/code-first.jsonl"
+    local new=("$WORK/unseen.jsonl" "$WORK/regen3/regenerated.jsonl" "$WORK/code-first.jsonl")
+    python3 scripts/split_head_data.py --inputs data/heads/smollm2-regenerated.jsonl "${new[@]}" \
+      --train "$WORK/all.jsonl" --heldout "$WORK/heldout.jsonl"
+    # Only conversations the bundled heads have not seen train; the held-out ones come from the first file.
+    python3 - "$WORK" "${new[@]}" <<'EOF'
 import json, sys
 work, new = sys.argv[1], sys.argv[2:]
 unseen = {json.loads(l)["id"] for f in new for l in open(f) if l.strip()}
@@ -67,21 +101,28 @@ with open(f"{work}/train.jsonl", "w") as out:
         if line.strip() and json.loads(line)["id"] in unseen:
             out.write(line)
 EOF
-  peagle data prepare --input "$WORK/train.jsonl" --out "$WORK/train-data"
-  peagle data prepare --input "$WORK/heldout.jsonl" --out "$WORK/heldout-data"
-fi
+    peagle data prepare --input "$WORK/train.jsonl" --out "$WORK/train-data"
+    peagle data prepare --input "$WORK/heldout.jsonl" --out "$WORK/heldout-data"
+  fi
+  if [ ! -f "$WORK/peagle/model.safetensors" ]; then
+    log "stage 3: P-EAGLE"
+    peagle train --method peagle --init-head smollm2-135m-peagle --out "$WORK/peagle" --num-depths 8 \
+      --cod-ratio 0.7 --freeze-lm-head "${COMMON[@]}"
+  fi
+}
 
-COMMON=(--data "$WORK/train-data" --eval-data "$WORK/heldout-data" --eval-every 100 --eval-depths 8 --lr "$LR"
-        --save-every 20 --resume latest --teacher-cache "$WORK/teacher-cache" --no-progress)
-if [ ! -f "$WORK/peagle/model.safetensors" ]; then
-  log "stage 3: P-EAGLE"
-  peagle train --method peagle --init-head smollm2-135m-peagle --out "$WORK/peagle" --num-depths 8 \
-    --cod-ratio 0.7 --freeze-lm-head "${COMMON[@]}"
-fi
-if [ ! -f "$WORK/eagle3/model.safetensors" ]; then
-  log "stage 4: EAGLE-3"
-  peagle train --method eagle3 --init-head smollm2-135m-eagle3 --out "$WORK/eagle3" --freeze-lm-head "${COMMON[@]}"
-fi
+data_lane >> "$WORK/logs/data.log" 2>&1 & data=$!
+training_lane >> "$WORK/logs/training.log" 2>&1 & training=$!
+python3 scripts/campaign_slices.py --work "$WORK" --watch >> "$WORK/logs/slices.log" 2>&1 & slices=$!
+# Stopping the campaign (kill its pid) stops the lanes and what they run; each resumes at the next start.
+stop_lanes() { for p in $data $training $slices; do pkill -P "$p"; kill "$p"; done 2>/dev/null || true; }
+trap stop_lanes EXIT
+trap 'exit 143' INT TERM
+status=0
+wait $training || { status=$?; log "the training lane failed (exit $status): see $WORK/logs/training.log"; }
+wait $data || { status=$?; log "the data lane failed (exit $status): see $WORK/logs/data.log"; }
+[ "$status" -eq 0 ] || exit "$status"
+wait $slices || true
 
 if [ ! -f "$WORK/acceptance/acceptance.md" ]; then
   log "stage 5: acceptance"

@@ -80,3 +80,39 @@ def test_benchmark_prompts_never_enter_the_regenerated_data(prompt_set):
         for line in (gzip.open if path.suffix == ".gz" else open)(path, "rt", encoding="utf-8"):
             users = [m["content"] for m in json.loads(line)["messages"] if m["role"] == "user"]
             assert not any(u.strip()[:200] in prompts for u in users)  # (a skipped prompt is recorded with none)
+
+
+def test_benchmark_slices_measure_each_checkpoint_once_and_resume(tmp_path, monkeypatch):
+    """The slice lane measures the bundled heads and every EVERY-th settled checkpoint, from a copy (the trainer
+    prunes checkpoints), counts the training tokens up to each step (a resumed run's repeated steps once), and a
+    second pass after a kill measures only what is missing."""
+    slices = script("campaign_slices")
+    monkeypatch.setattr(slices, "SETTLE_SECONDS", 0)
+    run = tmp_path / "peagle"
+    for step in (20, 40):
+        (run / f"checkpoint-{step}" / "head").mkdir(parents=True)
+        (run / f"checkpoint-{step}" / "head" / "config.json").write_text("{}")
+    logs = [{"step": s, "tokens": 100} for s in (1, 2, 3)] + [{"step": 3, "tokens": 100}] + \
+           [{"step": s, "tokens": 10} for s in range(4, 41)]
+    (run / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in logs))
+    calls = []
+
+    def fake(method, dataset, head):
+        calls.append((method, dataset, Path(head).name))
+        if len(calls) == 4:
+            raise KeyboardInterrupt  # killed mid-pass
+        return {"prompts": 2, "max_tokens": 8, "mean_acceptance_length": 1.5, "acceptance_per_position": [0.5, 0.0],
+                "output_tokens": 16, "outputs_sha256": "same", "seconds": 0.1}
+
+    with pytest.raises(KeyboardInterrupt):
+        slices.measure_pending(tmp_path, every=40, measure=fake)
+    assert slices.measure_pending(tmp_path, every=40, measure=fake) == 3
+    pe, he, mt = "peagle", "humaneval", "mtbench"
+    assert [c[:2] for c in calls] == [(pe, he), (pe, mt), (pe, he), (pe, mt), (pe, mt), ("eagle3", he), ("eagle3", mt)]
+    assert calls[4][2] == "peagle-40" and (tmp_path / "slices" / "heads" / "peagle-40" / "config.json").exists()
+    rows = [json.loads(line) for line in (tmp_path / "slices" / "results.jsonl").read_text().splitlines()]
+    assert sorted((r["method"], r["step"]) for r in rows if r["dataset"] == "mtbench") == [
+        ("eagle3", 0), ("peagle", 0), ("peagle", 40)]
+    assert next(r for r in rows if r["step"] == 40)["tokens_seen"] == 300 + 37 * 10
+    assert slices.measure_pending(tmp_path, every=40, measure=fake) == 0
+    assert "| P-EAGLE | 40 | 670 | 1.500 (0.500, 0.000) |" in slices.table(tmp_path)

@@ -1,0 +1,158 @@
+"""The campaign's benchmark slice: the first few HumanEval and MT-Bench prompts, measured by the engine (real
+speculative decoding, greedy, its own counters) on the bundled heads and on every EVERY-th checkpoint the campaign
+writes, so that the learning curve in docs/heads.md shows benchmark acceptance as training goes, not only the
+held-out conversations. Cheap enough to run beside training: a few CPU-minutes per head and checkpoint.
+
+    python3 scripts/campaign_slices.py --work runs/campaign --watch    # scripts/campaign.sh runs this beside training
+    python3 scripts/campaign_slices.py --work runs/campaign            # measure what is pending once, print the table
+
+A checkpoint's head is copied to WORK/slices/heads/ before it is measured (the trainer prunes old checkpoints), and
+every result is appended to WORK/slices/results.jsonl as it finishes: a killed run measures only what is missing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+ROOT = Path(__file__).resolve().parent.parent
+SLICE = {"humaneval": 16, "mtbench": 16}  # first N prompts of each set: fixed, so every row compares
+K = 7
+MAX_TOKENS = 128
+EVERY = 200           # steps between measured checkpoints
+SETTLE_SECONDS = 60   # a checkpoint's head is read only once its files have stopped changing
+POLL_SECONDS = 120
+METHODS = ("peagle", "eagle3")
+
+Measure = Callable[[str, str, str], dict]  # (method, dataset, head folder) -> benchmarks/acceptance.py's run
+
+
+def tokens_seen(run: Path, step: int) -> int:
+    """Training tokens up to `step`, from the run's train_log.jsonl (the last record of a step counts: a resumed run
+    repeats the steps after its checkpoint)."""
+    per_step: dict[int, int] = {}
+    log = run / "train_log.jsonl"
+    if log.exists():
+        for line in log.read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                per_step[rec["step"]] = rec["tokens"]
+    return sum(t for s, t in per_step.items() if s <= step)
+
+
+def final_step(run: Path) -> int | None:
+    """The step a finished run stopped at, or None while it trains."""
+    if not (run / "model.safetensors").exists():
+        return None
+    cks = [int(p.name.split("-")[1]) for p in run.glob("checkpoint-*")]
+    return max(cks) if cks else 0
+
+
+def candidates(work: Path, every: int) -> Iterator[tuple[str, int, Path]]:
+    """(method, step, head folder) of everything the slice should measure: the bundled head as step 0, each
+    `every`-th checkpoint, and the finished head."""
+    from peagle.model.heads import resolve_head
+
+    for method in METHODS:
+        yield method, 0, resolve_head(None, method=method)
+        run = work / method
+        for ck in sorted(run.glob("checkpoint-*/head"), key=lambda p: int(p.parent.name.split("-")[1])):
+            step = int(ck.parent.name.split("-")[1])
+            if step % every == 0 and time.time() - max(f.stat().st_mtime for f in ck.iterdir()) > SETTLE_SECONDS:
+                yield method, step, ck
+        last = final_step(run)
+        if last is not None:
+            yield method, last, run
+
+
+def measured(results: Path) -> set[tuple[str, int, str]]:
+    if not results.exists():
+        return set()
+    return {(r["method"], r["step"], r["dataset"]) for r in map(json.loads, results.read_text().splitlines()) if r}
+
+
+def engine_measure(method: str, dataset: str, head: str) -> dict:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from acceptance import run_one
+
+    return run_one(method, K, dataset, head, SLICE[dataset], MAX_TOKENS, max_num_seqs=16, threads=1)
+
+
+def measure_pending(work: Path, every: int = EVERY, measure: Measure = engine_measure) -> int:
+    """Measure every candidate not yet in WORK/slices/results.jsonl; returns how many runs it made."""
+    out = work / "slices"
+    (out / "heads").mkdir(parents=True, exist_ok=True)
+    results = out / "results.jsonl"
+    done, made, seen = measured(results), 0, set()
+    for method, step, head in list(candidates(work, every)):
+        todo = [ds for ds in SLICE if (method, step, ds) not in done]
+        if not todo or (method, step) in seen:  # the finished head may also be an EVERY-th checkpoint
+            continue
+        seen.add((method, step))
+        if step > 0:  # keep a copy: the trainer deletes old checkpoints, perhaps while this one is measured
+            copy = out / "heads" / f"{method}-{step}"
+            if not copy.exists():
+                shutil.copytree(head, copy, ignore=shutil.ignore_patterns("checkpoint-*", "*.pt", "*.jsonl"))
+            head = copy
+        for ds in todo:
+            r = measure(method, ds, str(head))
+            row = {"method": method, "step": step, "tokens_seen": tokens_seen(work / method, step), "dataset": ds,
+                   "head": str(head), "k": K, **{k: r[k] for k in ("prompts", "max_tokens", "mean_acceptance_length",
+                                                                   "acceptance_per_position", "output_tokens",
+                                                                   "outputs_sha256", "seconds")}}
+            with open(results, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            made += 1
+            print(f"slice {method} step {step} ({row['tokens_seen']:,} training tokens) {ds}: mean acceptance length "
+                  f"{row['mean_acceptance_length']:.3f} at K={K}, per position "
+                  f"{[round(a, 3) for a in row['acceptance_per_position'][:3]]} ({row['seconds']} s)", flush=True)
+    return made
+
+
+def table(work: Path) -> str:
+    """The learning curve's benchmark columns, as markdown."""
+    results = work / "slices" / "results.jsonl"
+    rows = [json.loads(line) for line in results.read_text().splitlines() if line] if results.exists() else []
+    by: dict[tuple[str, int], dict[str, dict]] = {}
+    for r in rows:
+        by.setdefault((r["method"], r["step"]), {})[r["dataset"]] = r
+    lines = [f"| head | step | training tokens | " + " | ".join(
+                 f"{ds} ({n} prompts) MAL K={K}, positions 1-2" for ds, n in SLICE.items()) + " |",
+             "|---|---:|---:|" + "---|" * len(SLICE)]
+    for (method, step), cells in sorted(by.items()):
+        tokens = next(iter(cells.values()))["tokens_seen"]
+        lines.append(f"| {'P-EAGLE' if method == 'peagle' else 'EAGLE-3'} | {step} | {tokens:,} | " + " | ".join(
+            f"{c['mean_acceptance_length']:.3f} ({c['acceptance_per_position'][0]:.3f}, "
+            f"{c['acceptance_per_position'][1]:.3f})" if (c := cells.get(ds)) else "" for ds in SLICE) + " |")
+    same = {ds: len({r["outputs_sha256"] for r in rows if r["dataset"] == ds}) <= 1 for ds in SLICE}
+    lines += ["", "Every head produced the same tokens on each set (greedy, lossless): "
+              + ", ".join(f"{ds} {'yes' if ok else 'NO (a losslessness bug)'}" for ds, ok in same.items()) + "."]
+    return "\n".join(lines)
+
+
+def finished(work: Path) -> bool:
+    return all(final_step(work / m) is not None for m in METHODS)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", default="runs/campaign")
+    ap.add_argument("--every", type=int, default=EVERY, help="measure every N-th step's checkpoint")
+    ap.add_argument("--watch", action="store_true", help="keep measuring new checkpoints until both heads finish")
+    args = ap.parse_args()
+    work = Path(args.work)
+    while True:
+        measure_pending(work, args.every)
+        if not args.watch or finished(work):
+            break
+        time.sleep(POLL_SECONDS)
+    measure_pending(work, args.every)
+    print(table(work))
+
+
+if __name__ == "__main__":
+    main()
