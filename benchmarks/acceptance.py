@@ -41,7 +41,10 @@ def run_one(method: str, k: int, dataset: str, head: str, num_prompts: int | Non
     spec = {"model": head, "method": "eagle3", "num_speculative_tokens": k}
     if method == "peagle":
         spec["parallel_drafting"] = True
-    engine = LLMEngine.from_pretrained(None, spec, max_num_seqs=max_num_seqs, max_model_len=2048)
+    # fixed: every step drafts K (the adaptive default would choose K from this machine's timings, and a head's
+    # acceptance at K is what is measured here)
+    engine = LLMEngine.from_pretrained(None, spec, max_num_seqs=max_num_seqs, max_model_len=2048,
+                                       speculation_policy="fixed")
     t0 = time.perf_counter()
     outs = engine.generate([p.chat_messages() for p in prompts], SamplingParams(max_tokens=max_tokens), chat=True)
     seconds = time.perf_counter() - t0

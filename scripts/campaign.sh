@@ -16,7 +16,10 @@
 #     1b.       the same for data/heads/prompts-code.jsonl (Python functions' signatures and docstrings from the
 #               standard library and installed packages, scripts/make_code_prompts.py), committed as
 #               data/heads/smollm2-regenerated-code.jsonl.gz
-#     4. eagle3 once 1b is done: the bundled EAGLE-3 head continued like stage 3 (it reads the teacher outputs
+#     1c.       the same for data/heads/prompts-multi.jsonl (ShareGPT conversations of 2-4 user turns, each later
+#               question after SmolLM2's own earlier answers: histories of thousands of tokens), committed as
+#               data/heads/smollm2-regenerated-multi.jsonl.gz
+#     4. eagle3 once 1c is done: the bundled EAGLE-3 head continued like stage 3 (it reads the teacher outputs
 #               stage 3 has cached, so it costs its core about half as much per step)
 #   training lane
 #     2. data   every conversation the bundled heads have not trained on (data/heads/smollm2-regenerated-2.jsonl
@@ -56,21 +59,24 @@ restore() {
     gzip -dc "$committed" > "$WORK/$name/regenerated.jsonl"
   fi
 }
-# regenerate PROMPTS NAME: SmolLM2's answers to PROMPTS in WORK/NAME, skipping the answers already there.
+# regenerate PROMPTS NAME [LEN]: SmolLM2's answers to PROMPTS in WORK/NAME, skipping the answers already there;
+# a conversation longer than LEN tokens (1024) is cut before the turn that would pass it.
 regenerate() {
   log "regenerate $1"
   peagle data prepare --input "$1" --out "$WORK/$2" --regenerate --max-new-tokens 256 \
-    --max-model-len 1024 --batch-size 32 --max-num-seqs 16
+    --max-model-len "${3:-1024}" --batch-size 32 --max-num-seqs 16
 }
 restore regen3 data/heads/smollm2-regenerated-3.jsonl.gz
 restore regen-code data/heads/smollm2-regenerated-code.jsonl.gz
+restore regen-multi data/heads/smollm2-regenerated-multi.jsonl.gz
 regenerate data/heads/prompts-3.jsonl regen3 >> "$WORK/logs/data.log" 2>&1   # stage 1
 
 COMMON=(--data "$WORK/train-data" --eval-data "$WORK/heldout-data" --eval-every 100 --eval-depths 8 --lr "$LR"
         --save-every 20 --resume latest --teacher-cache "$WORK/teacher-cache" --no-progress)
 
 data_lane() {
-  regenerate data/heads/prompts-code.jsonl regen-code   # stage 1b
+  regenerate data/heads/prompts-code.jsonl regen-code         # stage 1b
+  regenerate data/heads/prompts-multi.jsonl regen-multi 4096  # stage 1c
   until [ -f "$WORK/heldout-data/peagle_data.json" ]; do sleep 60; done
   if [ ! -f "$WORK/eagle3/model.safetensors" ]; then
     log "stage 4: EAGLE-3"

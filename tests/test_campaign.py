@@ -74,8 +74,8 @@ def test_benchmark_prompts_never_enter_the_regenerated_data(prompt_set):
 
     prompts = {p.text.strip()[:200] for p in load_dataset(prompt_set)}
     heads = ROOT / "data" / "heads"
-    files = [heads / "smollm2-regenerated-3.jsonl.gz", heads / "prompts-code.jsonl",
-             *heads.glob("smollm2-regenerated-code.jsonl.gz")]
+    files = [heads / "smollm2-regenerated-3.jsonl.gz", heads / "prompts-code.jsonl", heads / "prompts-multi.jsonl",
+             *heads.glob("smollm2-regenerated-code.jsonl.gz"), *heads.glob("smollm2-regenerated-multi.jsonl.gz")]
     for path in files:
         for line in (gzip.open if path.suffix == ".gz" else open)(path, "rt", encoding="utf-8"):
             users = [m["content"] for m in json.loads(line)["messages"] if m["role"] == "user"]
@@ -116,3 +116,30 @@ def test_benchmark_slices_measure_each_checkpoint_once_and_resume(tmp_path, monk
     assert next(r for r in rows if r["step"] == 40)["tokens_seen"] == 300 + 37 * 10
     assert slices.measure_pending(tmp_path, every=40, measure=fake) == 0
     assert "| P-EAGLE | 40 | 670 | 1.500 (0.500, 0.000) |" in slices.table(tmp_path)
+
+
+def test_multi_turn_prompts_are_new_conversations_of_several_turns():
+    """data/heads/prompts-multi.jsonl (make_head_prompts.py --multi-turn): 2-4 user turns, each followed by a turn
+    for the target to answer, first turns that no earlier prompt file asked, and ids no other file uses."""
+    heads = ROOT / "data" / "heads"
+    earlier = [json.loads(line) for name in ("prompts.jsonl", "prompts-2.jsonl", "prompts-3.jsonl")
+               for line in (heads / name).read_text().splitlines() if line]
+    multi = [json.loads(line) for line in (heads / "prompts-multi.jsonl").read_text().splitlines() if line]
+    asked = {c["messages"][0]["content"] for c in earlier}
+    assert len(multi) > 1000 and not {c["id"] for c in multi} & {c["id"] for c in earlier}
+    for conv in multi:
+        roles = [m["role"] for m in conv["messages"]]
+        assert 2 <= len(roles) // 2 <= 4 and roles == ["user", "assistant"] * (len(roles) // 2)
+        assert conv["messages"][0]["content"] not in asked
+
+
+def test_acceptance_benchmark_drafts_k_at_every_step():
+    """benchmarks/acceptance.py measures a head at a fixed K: the engine's adaptive default would pick K from this
+    machine's timings (often none on a loaded CPU), and the campaign's slices and re-bundling gate compare K=7."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from acceptance import run_one
+
+    r = run_one("peagle", 3, "humaneval", "smollm2-135m-peagle", 1, 12, max_num_seqs=1, threads=1)
+    assert r["num_drafts"] > 0 and r["steps_per_k"][:3] == [0, 0, 0] and r["mean_k"] == 3.0
