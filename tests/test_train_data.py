@@ -134,14 +134,16 @@ def test_regenerate_turn_by_turn_and_resume(tmp_path, tokenizer):
     assert again[:2] == first and calls == [1]  # only the new conversation is generated
     assert len(progress.read_text().splitlines()) == 3
 
-    # an answer cut by --max-new-tokens ends its conversation and its end-of-turn token is not supervised
-    cut = list(regenerate(iter([("d", CONV[1:])]), lambda ps: [("cut short", False) for _ in ps], tokenizer,
-                          tmp_path / "cut.jsonl"))
+    # an answer cut by --max-new-tokens keeps its conversation going, its end-of-turn token not supervised
+    cut = list(regenerate(iter([("d", CONV[1:])]), lambda ps: [("cut short", len(ps[0]) > 1) for _ in ps],
+                          tokenizer, tmp_path / "cut.jsonl"))
     msgs = cut[0][1]
-    assert [m["role"] for m in msgs] == ["user", "assistant"] and msgs[1]["truncated"]
+    assert [m["role"] for m in msgs] == ["user", "assistant"] * 2
+    assert msgs[1]["truncated"] and "truncated" not in msgs[3]
     r = render_conversation(tokenizer, msgs)
-    (a, b), = _runs(r.loss_mask)
-    assert tokenizer.decode(r.input_ids[a:b]) == "cut short"
+    (a, b), (c, d) = _runs(r.loss_mask)
+    assert tokenizer.decode(r.input_ids[a:b]) == "cut short"  # no end-of-turn token after the cut answer
+    assert tokenizer.decode(r.input_ids[c:d]).startswith("cut short") and d - c > b - a
 
 
 def test_regenerate_with_transformers(tmp_path, tiny_chat_llama):

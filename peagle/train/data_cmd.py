@@ -272,11 +272,10 @@ def _regenerate_batch(batch, gen: Generator, tokenizer, max_prompt_tokens: int |
             if not text:
                 active.discard(b)
                 continue
-            if not finished:  # cut by --max-new-tokens: keep it, unsupervised end, and stop the conversation here
-                out[b].append({"role": "assistant", "content": text, "truncated": True})
-                active.discard(b)
-                continue
-            out[b].append({"role": "assistant", "content": text})
+            # Cut by --max-new-tokens: kept with its end-of-turn token unsupervised (the target did not stop there).
+            # The conversation goes on: the next question after a cut answer is still the target's to answer, and
+            # stopping there would leave few multi-turn histories (most answers reach a budget of a few hundred).
+            out[b].append({"role": "assistant", "content": text, **({} if finished else {"truncated": True})})
             cursor[b] += 1
     # a conversation must end on a regenerated assistant turn
     cleaned = []
