@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The heads' training campaign: one command, started in the background whenever work on the project begins, that
 # picks up wherever the last run stopped (on a fresh machine: from the bundled heads and the data in the
-# repository; checkpoints live under WORK, out of git). One core by default; every stage resumes after a kill.
+# repository; checkpoints live under WORK, out of git). One core per lane; every stage resumes after a kill.
 #
 #   nohup bash scripts/campaign.sh >> runs/campaign.log 2>&1 &     # WORK=runs/campaign
+#   kill PID                                                       # stops every lane and what it runs
 #
 # Stages (each one skips itself when its output is complete), in two lanes of one core each: data in one, training
 # in the other, so that the heads train while the data engine still answers. Data is what the heads lack, and it
@@ -37,6 +38,8 @@
 #             on every set)
 # Each lane writes its output, with a line when each of its stages starts, to WORK/logs/LANE.log.
 set -euo pipefail
+# Its own process group, so that stopping the campaign (kill PID) stops everything it started.
+if [ "$(ps -o pgid= -p $$ | tr -d ' ')" != "$$" ]; then exec setsid bash "$0" "$@"; fi
 cd "$(dirname "$0")/.."
 WORK="${WORK:-runs/campaign}"
 FIRST_UNSEEN="${FIRST_UNSEEN:-1217}"   # the second bundle trained on lines 1-1,216 of smollm2-regenerated-2.jsonl
@@ -120,9 +123,8 @@ EOF
 data_lane >> "$WORK/logs/data.log" 2>&1 & data=$!
 training_lane >> "$WORK/logs/training.log" 2>&1 & training=$!
 python3 scripts/campaign_slices.py --work "$WORK" --watch >> "$WORK/logs/slices.log" 2>&1 & slices=$!
-# Stopping the campaign (kill its pid) stops the lanes and what they run; each resumes at the next start.
-stop_lanes() { for p in $data $training $slices; do pkill -P "$p"; kill "$p"; done 2>/dev/null || true; }
-trap stop_lanes EXIT
+# The lanes and what they run stop with the campaign (all of its process group but itself); each resumes next time.
+trap 'pgrep -g $$ | grep -vx $$ | xargs -r kill 2>/dev/null || true' EXIT
 trap 'exit 143' INT TERM
 status=0
 wait $training || { status=$?; log "the training lane failed (exit $status): see $WORK/logs/training.log"; }
