@@ -3,8 +3,8 @@
 # picks up wherever the last run stopped (on a fresh machine: from the bundled heads and the data in the
 # repository; checkpoints live under WORK, out of git). One core per lane; every stage resumes after a kill.
 #
-#   nohup bash scripts/campaign.sh >> runs/campaign.log 2>&1 &     # WORK=runs/campaign
-#   kill PID                                                       # stops every lane and what it runs
+#   mkdir -p runs && nohup bash scripts/campaign.sh >> runs/campaign.log 2>&1 &     # WORK=runs/campaign
+#   kill PID                                                                       # stops every lane and what it runs
 #
 # Stages (each one skips itself when its output is complete), in two lanes of one core each: data in one, training
 # in the other, so that the heads train while the data engine still answers. Data is what the heads lack, and it
@@ -38,8 +38,12 @@
 #             on every set)
 # Each lane writes its output, with a line when each of its stages starts, to WORK/logs/LANE.log.
 set -euo pipefail
-# Its own process group, so that stopping the campaign (kill PID) stops everything it started.
-if [ "$(ps -o pgid= -p $$ | tr -d ' ')" != "$$" ]; then exec setsid bash "$0" "$@"; fi
+# Its own process group, so that stopping the campaign (kill PID) stops everything it started: the lanes and what
+# they run stop with it (all of the group but itself), and each stage resumes next time. Long foreground commands
+# run as `cmd & wait $!`, so that a signal is acted on at once rather than when they finish.
+if [ -z "${CAMPAIGN_GROUP:-}" ]; then CAMPAIGN_GROUP=1 exec setsid bash "$0" "$@"; fi
+trap 'pgrep -g $$ | grep -vx $$ | xargs -r kill 2>/dev/null || true' EXIT
+trap 'exit 143' INT TERM
 cd "$(dirname "$0")/.."
 WORK="${WORK:-runs/campaign}"
 FIRST_UNSEEN="${FIRST_UNSEEN:-1217}"   # the second bundle trained on lines 1-1,216 of smollm2-regenerated-2.jsonl
@@ -47,6 +51,8 @@ CODE_FIRST="${CODE_FIRST:-1280}"       # code answers in this round's training d
 LR="${LR:-5e-4}"                       # a continuation's rate (docs/heads.md, "The second bundle")
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 mkdir -p "$WORK/logs"
+exec 9> "$WORK/.lock"   # one campaign per WORK: a second would train into the same folders
+flock -n 9 || { echo "campaign: another one is running in $WORK (see $WORK/logs)"; exit 0; }
 log() { echo "campaign $(date -u +%FT%TZ): $*"; }
 
 if [ ! -f data/heads/prompts-3.jsonl ]; then
@@ -72,7 +78,7 @@ regenerate() {
 restore regen3 data/heads/smollm2-regenerated-3.jsonl.gz
 restore regen-code data/heads/smollm2-regenerated-code.jsonl.gz
 restore regen-multi data/heads/smollm2-regenerated-multi.jsonl.gz
-regenerate data/heads/prompts-3.jsonl regen3 >> "$WORK/logs/data.log" 2>&1   # stage 1
+regenerate data/heads/prompts-3.jsonl regen3 >> "$WORK/logs/data.log" 2>&1 & wait $!   # stage 1
 
 COMMON=(--data "$WORK/train-data" --eval-data "$WORK/heldout-data" --eval-every 100 --eval-depths 8 --lr "$LR"
         --save-every 20 --resume latest --teacher-cache "$WORK/teacher-cache" --no-progress)
@@ -80,8 +86,8 @@ COMMON=(--data "$WORK/train-data" --eval-data "$WORK/heldout-data" --eval-every 
 data_lane() {
   regenerate data/heads/prompts-code.jsonl regen-code         # stage 1b
   regenerate data/heads/prompts-multi.jsonl regen-multi 4096  # stage 1c
-  until [ -f "$WORK/heldout-data/peagle_data.json" ]; do sleep 60; done
-  if [ ! -f "$WORK/eagle3/model.safetensors" ]; then
+  until [ -f "$WORK/heldout-data/peagle_data.json" ]; do sleep 60; done   # (a failed stage 2 stops the campaign)
+  if [ ! -f "$WORK/eagle3/training_args.json" ]; then   # written last, after the head
     log "stage 4: EAGLE-3"
     peagle train --method eagle3 --init-head smollm2-135m-eagle3 --out "$WORK/eagle3" --freeze-lm-head "${COMMON[@]}"
   fi
@@ -91,7 +97,7 @@ training_lane() {
   if [ ! -f "$WORK/heldout-data/peagle_data.json" ]; then
     log "stage 2: data"
     local code="$WORK/regen-code/regenerated.jsonl"
-    if [ "$(wc -l < "$code")" -lt "$CODE_FIRST" ]; then
+    if [ ! -f "$code" ] || [ "$(wc -l < "$code")" -lt "$CODE_FIRST" ]; then
       echo "campaign: $code has fewer than CODE_FIRST=$CODE_FIRST answers; commit them or lower CODE_FIRST" >&2
       return 1
     fi
@@ -113,27 +119,34 @@ EOF
     peagle data prepare --input "$WORK/train.jsonl" --out "$WORK/train-data"
     peagle data prepare --input "$WORK/heldout.jsonl" --out "$WORK/heldout-data"
   fi
-  if [ ! -f "$WORK/peagle/model.safetensors" ]; then
+  if [ ! -f "$WORK/peagle/training_args.json" ]; then
     log "stage 3: P-EAGLE"
     peagle train --method peagle --init-head smollm2-135m-peagle --out "$WORK/peagle" --num-depths 8 \
       --cod-ratio 0.7 --freeze-lm-head "${COMMON[@]}"
   fi
 }
 
-data_lane >> "$WORK/logs/data.log" 2>&1 & data=$!
-training_lane >> "$WORK/logs/training.log" 2>&1 & training=$!
+# lane NAME FUNCTION: FUNCTION (with set -e) with its output in WORK/logs/NAME.log; when it fails, the campaign stops
+# (the other lanes with it) rather than wait on a lane that waits on it.
+lane() {
+  local status
+  set +e   # (not `|| status=$?`: on the left of || bash would ignore the lane's own set -e)
+  ( set -e; "$2" ) >> "$WORK/logs/$1.log" 2>&1
+  status=$?
+  set -e
+  if [ "$status" -ne 0 ]; then log "the $1 lane failed (exit $status): see $WORK/logs/$1.log"; kill -TERM $$; fi
+  return "$status"
+}
+lane data data_lane & data=$!
+lane training training_lane & training=$!
 python3 scripts/campaign_slices.py --work "$WORK" --watch >> "$WORK/logs/slices.log" 2>&1 & slices=$!
-# The lanes and what they run stop with the campaign (all of its process group but itself); each resumes next time.
-trap 'pgrep -g $$ | grep -vx $$ | xargs -r kill 2>/dev/null || true' EXIT
-trap 'exit 143' INT TERM
-status=0
-wait $training || { status=$?; log "the training lane failed (exit $status): see $WORK/logs/training.log"; }
-wait $data || { status=$?; log "the data lane failed (exit $status): see $WORK/logs/data.log"; }
-[ "$status" -eq 0 ] || exit "$status"
-wait $slices || true
+wait $training
+wait $data
+wait $slices || log "the slice lane failed: see $WORK/logs/slices.log"
 
 if [ ! -f "$WORK/acceptance/acceptance.md" ]; then
   log "stage 5: acceptance"
-  python3 benchmarks/acceptance.py --peagle-head "$WORK/peagle" --eagle3-head "$WORK/eagle3" --out "$WORK/acceptance"
+  python3 benchmarks/acceptance.py --peagle-head "$WORK/peagle" --eagle3-head "$WORK/eagle3" \
+    --out "$WORK/acceptance" & wait $!
 fi
 log "done; compare $WORK/acceptance/acceptance.md with docs/heads/acceptance.md"

@@ -16,6 +16,7 @@ import json
 import shutil
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -31,22 +32,27 @@ METHODS = ("peagle", "eagle3")
 Measure = Callable[[str, str, str], dict]  # (method, dataset, head folder) -> benchmarks/acceptance.py's run
 
 
+def records(path: Path) -> list[dict]:
+    """A JSONL file's records; a line cut short by a kill is skipped."""
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
 def tokens_seen(run: Path, step: int) -> int:
     """Training tokens up to `step`, from the run's train_log.jsonl (the last record of a step counts: a resumed run
     repeats the steps after its checkpoint)."""
-    per_step: dict[int, int] = {}
-    log = run / "train_log.jsonl"
-    if log.exists():
-        for line in log.read_text().splitlines():
-            if line.strip():
-                rec = json.loads(line)
-                per_step[rec["step"]] = rec["tokens"]
+    per_step = {rec["step"]: rec["tokens"] for rec in records(run / "train_log.jsonl")}
     return sum(t for s, t in per_step.items() if s <= step)
 
 
 def final_step(run: Path) -> int | None:
-    """The step a finished run stopped at, or None while it trains."""
-    if not (run / "model.safetensors").exists():
+    """The step a finished run stopped at, or None while it trains (the trainer writes training_args.json last)."""
+    if not (run / "training_args.json").exists():
         return None
     cks = [int(p.name.split("-")[1]) for p in run.glob("checkpoint-*")]
     return max(cks) if cks else 0
@@ -62,17 +68,35 @@ def candidates(work: Path, every: int) -> Iterator[tuple[str, int, Path]]:
         run = work / method
         for ck in sorted(run.glob("checkpoint-*/head"), key=lambda p: int(p.parent.name.split("-")[1])):
             step = int(ck.parent.name.split("-")[1])
-            if step % every == 0 and time.time() - max(f.stat().st_mtime for f in ck.iterdir()) > SETTLE_SECONDS:
+            if step % every == 0 and settled(ck):
                 yield method, step, ck
         last = final_step(run)
         if last is not None:
             yield method, last, run
 
 
+def settled(head: Path) -> bool:
+    """Whether a checkpoint's head has been written completely: files present and unchanged for SETTLE_SECONDS."""
+    try:
+        times = [f.stat().st_mtime for f in head.iterdir()]
+    except OSError:  # pruned by the trainer meanwhile
+        return False
+    return bool(times) and time.time() - max(times) > SETTLE_SECONDS
+
+
 def measured(results: Path) -> set[tuple[str, int, str]]:
-    if not results.exists():
-        return set()
-    return {(r["method"], r["step"], r["dataset"]) for r in map(json.loads, results.read_text().splitlines()) if r}
+    return {(r["method"], r["step"], r["dataset"]) for r in records(results)}
+
+
+def keep_copy(head: Path, copy: Path) -> Path:
+    """A private copy of a head the trainer may prune, made under a temporary name and renamed when complete (a
+    copy cut short by a kill is never measured)."""
+    if not copy.exists():
+        tmp = copy.with_name(copy.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(head, tmp, ignore=shutil.ignore_patterns("checkpoint-*", "*.pt", "*.jsonl"))
+        tmp.rename(copy)
+    return copy
 
 
 def engine_measure(method: str, dataset: str, head: str) -> dict:
@@ -87,19 +111,22 @@ def measure_pending(work: Path, every: int = EVERY, measure: Measure = engine_me
     out = work / "slices"
     (out / "heads").mkdir(parents=True, exist_ok=True)
     results = out / "results.jsonl"
-    done, made, seen = measured(results), 0, set()
-    for method, step, head in list(candidates(work, every)):
+    done, made, jobs = measured(results), 0, {}
+    for method, step, head in candidates(work, every):
         todo = [ds for ds in SLICE if (method, step, ds) not in done]
-        if not todo or (method, step) in seen:  # the finished head may also be an EVERY-th checkpoint
+        if not todo or (method, step) in jobs:  # the finished head may also be an EVERY-th checkpoint
             continue
-        seen.add((method, step))
-        if step > 0:  # keep a copy: the trainer deletes old checkpoints, perhaps while this one is measured
-            copy = out / "heads" / f"{method}-{step}"
-            if not copy.exists():
-                shutil.copytree(head, copy, ignore=shutil.ignore_patterns("checkpoint-*", "*.pt", "*.jsonl"))
-            head = copy
+        try:  # copies first, all of them: measuring takes minutes, and the trainer prunes checkpoints meanwhile
+            jobs[method, step] = (keep_copy(head, out / "heads" / f"{method}-{step}") if step > 0 else head, todo)
+        except OSError as e:
+            print(f"slice {method} step {step}: could not copy {head} ({e}); skipped", flush=True)
+    for (method, step), (head, todo) in jobs.items():
         for ds in todo:
-            r = measure(method, ds, str(head))
+            try:
+                r = measure(method, ds, str(head))
+            except Exception:  # logged and tried again at the next poll; the other heads are still measured
+                print(f"slice {method} step {step} {ds}: failed\n{traceback.format_exc()}", flush=True)
+                continue
             row = {"method": method, "step": step, "tokens_seen": tokens_seen(work / method, step), "dataset": ds,
                    "head": str(head), "k": K, **{k: r[k] for k in ("prompts", "max_tokens", "mean_acceptance_length",
                                                                    "acceptance_per_position", "output_tokens",
@@ -116,7 +143,7 @@ def measure_pending(work: Path, every: int = EVERY, measure: Measure = engine_me
 def table(work: Path) -> str:
     """The learning curve's benchmark columns, as markdown."""
     results = work / "slices" / "results.jsonl"
-    rows = [json.loads(line) for line in results.read_text().splitlines() if line] if results.exists() else []
+    rows = records(results)
     by: dict[tuple[str, int], dict[str, dict]] = {}
     for r in rows:
         by.setdefault((r["method"], r["step"]), {})[r["dataset"]] = r

@@ -9,6 +9,10 @@ an empty assistant turn for `peagle data prepare --regenerate` to fill with the 
 With --multi-turn it keeps the first --max-turns user turns of conversations that have at least two, each followed
 by an empty assistant turn: regenerated turn by turn, every later question sees SmolLM2's own earlier answers, so
 the histories the heads learn from reach thousands of tokens, as a chat's do.
+
+ShareGPT repeats some conversations; each first turn is picked once (since 2026-12-02: prompts.jsonl, -2 and -3 in
+data/heads were made before and repeat 27, 37 and 104 first turns; `git show 9997126:scripts/make_head_prompts.py`
+is the script that made them).
 """
 from __future__ import annotations
 
@@ -47,6 +51,7 @@ def main() -> None:
         if (not users or users[0] in taken or (args.multi_turn and len(users) < 2)
                 or not all(20 <= len(u) <= args.max_chars and u.isascii() for u in users)):
             continue
+        taken.add(users[0])  # ShareGPT repeats conversations: each first turn once
         (code if CODE.search(users[0]) else other).append(users)
         if len(code) >= 4 * want_code and len(other) >= 4 * (args.num - want_code):
             break

@@ -83,36 +83,56 @@ def test_benchmark_prompts_never_enter_the_regenerated_data(prompt_set):
 
 
 def test_benchmark_slices_measure_each_checkpoint_once_and_resume(tmp_path, monkeypatch):
-    """The slice lane measures the bundled heads and every EVERY-th settled checkpoint, from a copy (the trainer
-    prunes checkpoints), counts the training tokens up to each step (a resumed run's repeated steps once), and a
-    second pass after a kill measures only what is missing."""
+    """The slice lane measures the bundled heads, every EVERY-th settled checkpoint and the finished head, each once
+    and from a copy (the trainer prunes checkpoints); it counts the training tokens up to each step (a resumed run's
+    repeated steps once), and a second pass after a kill measures only what is missing."""
     slices = script("campaign_slices")
-    monkeypatch.setattr(slices, "SETTLE_SECONDS", 0)
     run = tmp_path / "peagle"
-    for step in (20, 40):
+
+    def checkpoint(step: int):
         (run / f"checkpoint-{step}" / "head").mkdir(parents=True)
         (run / f"checkpoint-{step}" / "head" / "config.json").write_text("{}")
+
+    for step in (20, 40):
+        checkpoint(step)
     logs = [{"step": s, "tokens": 100} for s in (1, 2, 3)] + [{"step": 3, "tokens": 100}] + \
-           [{"step": s, "tokens": 10} for s in range(4, 41)]
-    (run / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in logs))
+           [{"step": s, "tokens": 10} for s in range(4, 81)]
+    (run / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in logs) + '{"step": 81, "tok')
     calls = []
 
     def fake(method, dataset, head):
         calls.append((method, dataset, Path(head).name))
         if len(calls) == 4:
             raise KeyboardInterrupt  # killed mid-pass
+        if len(calls) == 5:
+            raise RuntimeError("a measurement that fails is logged and tried again")
         return {"prompts": 2, "max_tokens": 8, "mean_acceptance_length": 1.5, "acceptance_per_position": [0.5, 0.0],
                 "output_tokens": 16, "outputs_sha256": "same", "seconds": 0.1}
 
+    monkeypatch.setattr(slices, "SETTLE_SECONDS", 3600)  # just written: not settled, not measured yet
     with pytest.raises(KeyboardInterrupt):
         slices.measure_pending(tmp_path, every=40, measure=fake)
-    assert slices.measure_pending(tmp_path, every=40, measure=fake) == 3
+    assert {c[2] for c in calls} == {"smollm2-135m-peagle", "smollm2-135m-eagle3"}  # the bundled heads only
+    monkeypatch.setattr(slices, "SETTLE_SECONDS", 0)
+    assert slices.measure_pending(tmp_path, every=40, measure=fake) == 2  # one failed: left for the next pass
     pe, he, mt = "peagle", "humaneval", "mtbench"
-    assert [c[:2] for c in calls] == [(pe, he), (pe, mt), (pe, he), (pe, mt), (pe, mt), ("eagle3", he), ("eagle3", mt)]
-    assert calls[4][2] == "peagle-40" and (tmp_path / "slices" / "heads" / "peagle-40" / "config.json").exists()
-    rows = [json.loads(line) for line in (tmp_path / "slices" / "results.jsonl").read_text().splitlines()]
-    assert sorted((r["method"], r["step"]) for r in rows if r["dataset"] == "mtbench") == [
-        ("eagle3", 0), ("peagle", 0), ("peagle", 40)]
+    assert calls[4:] == [(pe, he, "peagle-40"), (pe, mt, "peagle-40"), ("eagle3", mt, "smollm2-135m-eagle3")]
+    assert (tmp_path / "slices" / "heads" / "peagle-40" / "config.json").exists()
+    assert slices.measure_pending(tmp_path, every=40, measure=fake) == 1 and calls[-1] == (pe, he, "peagle-40")
+
+    # the finished head (training_args.json is written last) at step 80, which is also an EVERY-th checkpoint
+    checkpoint(80)
+    (run / "config.json").write_text("{}")
+    assert slices.final_step(run) is None and not slices.finished(tmp_path)
+    (run / "training_args.json").write_text("{}")
+    assert slices.final_step(run) == 80
+    before = len(calls)
+    assert slices.measure_pending(tmp_path, every=40, measure=fake) == 2 and len(calls) == before + 2
+    assert not (tmp_path / "slices" / "heads" / "peagle-80" / "train_log.jsonl").exists()
+
+    rows = slices.records(tmp_path / "slices" / "results.jsonl")
+    assert sorted((r["method"], r["step"]) for r in rows if r["dataset"] == mt) == [
+        ("eagle3", 0), ("peagle", 0), ("peagle", 40), ("peagle", 80)]
     assert next(r for r in rows if r["step"] == 40)["tokens_seen"] == 300 + 37 * 10
     assert slices.measure_pending(tmp_path, every=40, measure=fake) == 0
     assert "| P-EAGLE | 40 | 670 | 1.500 (0.500, 0.000) |" in slices.table(tmp_path)
@@ -127,19 +147,30 @@ def test_multi_turn_prompts_are_new_conversations_of_several_turns():
     multi = [json.loads(line) for line in (heads / "prompts-multi.jsonl").read_text().splitlines() if line]
     asked = {c["messages"][0]["content"] for c in earlier}
     assert len(multi) > 1000 and not {c["id"] for c in multi} & {c["id"] for c in earlier}
+    assert len({c["messages"][0]["content"] for c in multi}) == len(multi)  # ShareGPT's repeats picked once
     for conv in multi:
         roles = [m["role"] for m in conv["messages"]]
         assert 2 <= len(roles) // 2 <= 4 and roles == ["user", "assistant"] * (len(roles) // 2)
         assert conv["messages"][0]["content"] not in asked
 
 
-def test_acceptance_benchmark_drafts_k_at_every_step():
+def test_acceptance_benchmark_measures_a_fixed_k(monkeypatch):
     """benchmarks/acceptance.py measures a head at a fixed K: the engine's adaptive default would pick K from this
     machine's timings (often none on a loaded CPU), and the campaign's slices and re-bundling gate compare K=7."""
     import sys
 
+    from peagle.engine.engine import LLMEngine
+
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from acceptance import run_one
 
-    r = run_one("peagle", 3, "humaneval", "smollm2-135m-peagle", 1, 12, max_num_seqs=1, threads=1)
-    assert r["num_drafts"] > 0 and r["steps_per_k"][:3] == [0, 0, 0] and r["mean_k"] == 3.0
+    asked = {}
+
+    def from_pretrained(model, spec, **kw):
+        asked.update(spec=spec, **kw)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(LLMEngine, "from_pretrained", from_pretrained)
+    with pytest.raises(RuntimeError, match="stop here"):
+        run_one("peagle", 5, "humaneval", "smollm2-135m-peagle", 1, 8, max_num_seqs=1, threads=1)
+    assert asked["speculation_policy"] == "fixed" and asked["spec"]["num_speculative_tokens"] == 5
