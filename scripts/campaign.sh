@@ -42,7 +42,7 @@ set -euo pipefail
 # they run stop with it (all of the group but itself), and each stage resumes next time. Long foreground commands
 # run as `cmd & wait $!`, so that a signal is acted on at once rather than when they finish.
 if [ -z "${CAMPAIGN_GROUP:-}" ]; then CAMPAIGN_GROUP=1 exec setsid bash "$0" "$@"; fi
-trap 'pgrep -g $$ | grep -vx $$ | xargs -r kill 2>/dev/null || true' EXIT
+trap 'trap "" TERM; kill -- -$$' EXIT
 trap 'exit 143' INT TERM
 cd "$(dirname "$0")/.."
 WORK="${WORK:-runs/campaign}"
