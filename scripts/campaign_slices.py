@@ -121,13 +121,14 @@ def measure_pending(work: Path, every: int = EVERY, measure: Measure = engine_me
         except OSError as e:
             print(f"slice {method} step {step}: could not copy {head} ({e}); skipped", flush=True)
     for (method, step), (head, todo) in jobs.items():
+        tokens = tokens_seen(work / method, step)
         for ds in todo:
             try:
                 r = measure(method, ds, str(head))
             except Exception:  # logged and tried again at the next poll; the other heads are still measured
                 print(f"slice {method} step {step} {ds}: failed\n{traceback.format_exc()}", flush=True)
                 continue
-            row = {"method": method, "step": step, "tokens_seen": tokens_seen(work / method, step), "dataset": ds,
+            row = {"method": method, "step": step, "tokens_seen": tokens, "dataset": ds,
                    "head": str(head), "k": K, **{k: r[k] for k in ("prompts", "max_tokens", "mean_acceptance_length",
                                                                    "acceptance_per_position", "output_tokens",
                                                                    "outputs_sha256", "seconds")}}
