@@ -20,8 +20,10 @@
 #     1c.       the same for data/heads/prompts-multi.jsonl (ShareGPT conversations of 2-4 user turns, each later
 #               question after SmolLM2's own earlier answers: histories of thousands of tokens), committed as
 #               data/heads/smollm2-regenerated-multi.jsonl.gz
-#     4. eagle3 once 1c is done: the bundled EAGLE-3 head continued like stage 3 (it reads the teacher outputs
-#               stage 3 has cached, so it costs its core about half as much per step)
+#     4. eagle3 once 1c is done: the bundled EAGLE-3 head continued like stage 3, on the teacher outputs the two
+#               heads share (--share-teacher-cache: whichever reaches a row first runs the target, the other reads
+#               the row and deletes it, so the target's forward runs once per row and the cache stays small)
+#     7. eagle3 round 2: EAGLE-3 continued from stage 4's head like stage 6
 #   training lane
 #     2. data   every conversation the bundled heads have not trained on (data/heads/smollm2-regenerated-2.jsonl
 #               from line FIRST_UNSEEN on, stage 1's answers, and the first CODE_FIRST of stage 1b's, the ones
@@ -29,13 +31,17 @@
 #               conversations, and those 32 apart
 #     3. peagle continue the bundled P-EAGLE head on them with the cheapest step that learns as much
 #               (docs/heads.md, "Recipe search": 8 COD depths at r 0.7, frozen LM head), checkpoint every 20
-#               steps, held-out evaluation every 100
+#               steps, held-out evaluation every 100 (the same 32 conversations in every round)
+#     5. data   round 2, once 1c is done: the code answers past the first CODE_FIRST and every multi-turn
+#               conversation, in WORK/round2 (a round's folders are laid out like WORK's)
+#     6. peagle round 2: P-EAGLE continued from stage 3's head, with --max-seq-len 4096 (the multi-turn histories)
 #   slice lane (mostly asleep): scripts/campaign_slices.py measures the bundled heads and every 200th step's
-#             checkpoint of both on the first 16 HumanEval and 16 MT-Bench prompts (K 7), into WORK/slices
-#   5. accept once both heads are done: benchmarks/acceptance.py on both continued heads into WORK/acceptance;
-#             re-bundling stays a decision (scripts/bundle_head.py HEAD NAME --acceptance
-#             WORK/acceptance/acceptance.json refuses a head whose benchmark acceptance is not 2% above the bundle's
-#             on every set)
+#             checkpoint of both heads in both rounds on the first 16 HumanEval and 16 MT-Bench prompts (K 7), into
+#             ROUND/slices
+#   accept, when a round's two heads are both done (by whichever lane finishes the round): benchmarks/acceptance.py on
+#             both into ROUND/acceptance, and the round's teacher cache deleted; re-bundling stays a decision
+#             (scripts/bundle_head.py HEAD NAME --acceptance ROUND/acceptance/acceptance.json refuses a head whose
+#             benchmark acceptance is not 2% above the bundle's on every set)
 # Each lane writes its output, with a line when each of its stages starts, to WORK/logs/LANE.log.
 set -euo pipefail
 # Its own process group, so that stopping the campaign (kill PID) stops everything it started: the lanes and what
@@ -47,7 +53,8 @@ trap 'exit 143' INT TERM
 cd "$(dirname "$0")/.."
 WORK="${WORK:-runs/campaign}"
 FIRST_UNSEEN="${FIRST_UNSEEN:-1217}"   # the second bundle trained on lines 1-1,216 of smollm2-regenerated-2.jsonl
-CODE_FIRST="${CODE_FIRST:-1280}"       # code answers in this round's training data: those committed when it was fixed
+CODE_FIRST="${CODE_FIRST:-1280}"       # code answers in round 1's training data: those committed when it was fixed
+ROUND2="$WORK/round2"                   # round 2's folders: its data, heads, teacher cache, slices and acceptance
 LR="${LR:-5e-4}"                       # a continuation's rate (docs/heads.md, "The second bundle")
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 mkdir -p "$WORK/logs"
@@ -80,17 +87,47 @@ restore regen-code data/heads/smollm2-regenerated-code.jsonl.gz
 restore regen-multi data/heads/smollm2-regenerated-multi.jsonl.gz
 regenerate data/heads/prompts-3.jsonl regen3 >> "$WORK/logs/data.log" 2>&1 & wait $!   # stage 1
 
-COMMON=(--data "$WORK/train-data" --eval-data "$WORK/heldout-data" --eval-every 100 --eval-depths 8 --lr "$LR"
-        --save-every 20 --resume latest --teacher-cache "$WORK/teacher-cache" --no-progress)
+# common ROUND: the training flags every stage shares, on ROUND's data and teacher cache (held out: round 1's 32)
+common() {
+  COMMON=(--data "$1/train-data" --eval-data "$WORK/heldout-data" --eval-every 100 --eval-depths 8 --lr "$LR"
+          --save-every 20 --resume latest --teacher-cache "$1/teacher-cache" --share-teacher-cache --no-progress)
+}
+# train ROUND METHOD INIT [FLAG...]: continue INIT (a bundled head's name or a finished run) on ROUND's data into
+# ROUND/METHOD, unless that head is already done (training_args.json is written last, after the head)
+train() {
+  local round=$1 method=$2 init=$3
+  shift 3
+  [ -f "$round/$method/training_args.json" ] && return 0
+  log "train $method in $round from $init"
+  common "$round"
+  peagle train --method "$method" --init-head "$init" --out "$round/$method" --freeze-lm-head "$@" "${COMMON[@]}"
+}
+# finish_round ROUND: once both of ROUND's heads are done, their benchmark acceptance (stage 5) and the teacher
+# cache's removal (nobody reads it again); run by both lanes, done by the one that finishes the round last
+finish_round() {
+  local round=$1
+  [ -f "$round/peagle/training_args.json" ] && [ -f "$round/eagle3/training_args.json" ] || return 0
+  (
+    flock -n 8 || exit 0   # the other lane is finishing it
+    rm -rf "$round/teacher-cache"
+    if [ ! -f "$round/acceptance/acceptance.md" ]; then
+      log "acceptance of $round's heads"
+      python3 benchmarks/acceptance.py --peagle-head "$round/peagle" --eagle3-head "$round/eagle3" \
+        --out "$round/acceptance"
+      log "$round done; compare $round/acceptance/acceptance.md with docs/heads/acceptance.md"
+    fi
+  ) 8> "$round/.finish.lock"
+}
 
 data_lane() {
   regenerate data/heads/prompts-code.jsonl regen-code         # stage 1b
   regenerate data/heads/prompts-multi.jsonl regen-multi 4096  # stage 1c
   until [ -f "$WORK/heldout-data/peagle_data.json" ]; do sleep 60; done   # (a failed stage 2 stops the campaign)
-  if [ ! -f "$WORK/eagle3/training_args.json" ]; then   # written last, after the head
-    log "stage 4: EAGLE-3"
-    peagle train --method eagle3 --init-head smollm2-135m-eagle3 --out "$WORK/eagle3" --freeze-lm-head "${COMMON[@]}"
-  fi
+  train "$WORK" eagle3 smollm2-135m-eagle3                    # stage 4
+  finish_round "$WORK"
+  until [ -f "$ROUND2/train-data/peagle_data.json" ]; do sleep 60; done
+  train "$ROUND2" eagle3 "$WORK/eagle3" --max-seq-len 4096    # stage 7
+  finish_round "$ROUND2"
 }
 
 training_lane() {
@@ -119,11 +156,24 @@ EOF
     peagle data prepare --input "$WORK/train.jsonl" --out "$WORK/train-data"
     peagle data prepare --input "$WORK/heldout.jsonl" --out "$WORK/heldout-data"
   fi
-  if [ ! -f "$WORK/peagle/training_args.json" ]; then
-    log "stage 3: P-EAGLE"
-    peagle train --method peagle --init-head smollm2-135m-peagle --out "$WORK/peagle" --num-depths 8 \
-      --cod-ratio 0.7 --freeze-lm-head "${COMMON[@]}"
-  fi
+  local peagle=(--num-depths 8 --cod-ratio 0.7)
+  train "$WORK" peagle smollm2-135m-peagle "${peagle[@]}"     # stage 3
+  until [ -f "$WORK/regen-multi/peagle_data.json" ]; do sleep 60; done   # stage 1c's end
+  round2_data                                                 # stage 5
+  finish_round "$WORK"
+  train "$ROUND2" peagle "$WORK/peagle" "${peagle[@]}" --max-seq-len 4096   # stage 6
+  finish_round "$ROUND2"
+}
+
+# Round 2's data: the code answers past round 1's first CODE_FIRST and every multi-turn conversation (none of them
+# held out: those stay round 1's 32, so that every round's evaluations compare).
+round2_data() {
+  [ -f "$ROUND2/train-data/peagle_data.json" ] && return 0
+  log "stage 5: round 2's data"
+  mkdir -p "$ROUND2"
+  { tail -n "+$((CODE_FIRST + 1))" "$WORK/regen-code/regenerated.jsonl"; cat "$WORK/regen-multi/regenerated.jsonl"; } \
+    > "$ROUND2/train.jsonl"
+  peagle data prepare --input "$ROUND2/train.jsonl" --out "$ROUND2/train-data"
 }
 
 # lane NAME FUNCTION: FUNCTION (with set -e) with its output in WORK/logs/NAME.log; when it fails, the campaign stops
@@ -139,14 +189,8 @@ lane() {
 }
 lane data data_lane & data=$!
 lane training training_lane & training=$!
-python3 scripts/campaign_slices.py --work "$WORK" --watch >> "$WORK/logs/slices.log" 2>&1 & slices=$!
+python3 scripts/campaign_slices.py --work "$WORK" --work "$ROUND2" --watch >> "$WORK/logs/slices.log" 2>&1 & slices=$!
 wait $training
 wait $data
 wait $slices || log "the slice lane failed: see $WORK/logs/slices.log"
-
-if [ ! -f "$WORK/acceptance/acceptance.md" ]; then
-  log "stage 5: acceptance"
-  python3 benchmarks/acceptance.py --peagle-head "$WORK/peagle" --eagle3-head "$WORK/eagle3" \
-    --out "$WORK/acceptance" & wait $!
-fi
-log "done; compare $WORK/acceptance/acceptance.md with docs/heads/acceptance.md"
+log "done: both rounds"

@@ -5,6 +5,10 @@ held-out conversations. Cheap enough to run beside training: a few CPU-minutes p
 
     python3 scripts/campaign_slices.py --work runs/campaign --watch    # scripts/campaign.sh runs this beside training
     python3 scripts/campaign_slices.py --work runs/campaign            # measure what is pending once, print the table
+    python3 scripts/campaign_slices.py --work runs/campaign --work runs/campaign/round2 --watch   # two rounds
+
+A later round (--work given again) continues the heads the round before finished, so its step 0 is that round's
+last row, and only the first round measures the bundled heads.
 
 A checkpoint's head is copied to WORK/slices/heads/ before it is measured (the trainer prunes old checkpoints), and
 every result is appended to WORK/slices/results.jsonl as it finishes: a killed run measures only what is missing.
@@ -58,13 +62,14 @@ def final_step(run: Path) -> int | None:
     return max(cks) if cks else 0
 
 
-def candidates(work: Path, every: int) -> Iterator[tuple[str, int, Path]]:
-    """(method, step, head folder) of everything the slice should measure: the bundled head as step 0, each
-    `every`-th checkpoint, and the finished head."""
+def candidates(work: Path, every: int, bundled: bool = True) -> Iterator[tuple[str, int, Path]]:
+    """(method, step, head folder) of everything the slice should measure: the bundled head as step 0 (when the
+    round starts from it), each `every`-th checkpoint, and the finished head."""
     from peagle.model.heads import resolve_head
 
     for method in METHODS:
-        yield method, 0, resolve_head(None, method=method)
+        if bundled:
+            yield method, 0, resolve_head(None, method=method)
         run = work / method
         for ck in sorted(run.glob("checkpoint-*/head"), key=lambda p: int(p.parent.name.split("-")[1])):
             step = int(ck.parent.name.split("-")[1])
@@ -106,13 +111,13 @@ def engine_measure(method: str, dataset: str, head: str) -> dict:
     return run_one(method, K, dataset, head, SLICE[dataset], MAX_TOKENS, max_num_seqs=16, threads=1)
 
 
-def measure_pending(work: Path, every: int = EVERY, measure: Measure = engine_measure) -> int:
+def measure_pending(work: Path, every: int = EVERY, measure: Measure = engine_measure, bundled: bool = True) -> int:
     """Measure every candidate not yet in WORK/slices/results.jsonl; returns how many runs it made."""
     out = work / "slices"
     (out / "heads").mkdir(parents=True, exist_ok=True)
     results = out / "results.jsonl"
     done, made, jobs = measured(results), 0, {}
-    for method, step, head in candidates(work, every):
+    for method, step, head in candidates(work, every, bundled):
         todo = [ds for ds in SLICE if (method, step, ds) not in done]
         if not todo or (method, step) in jobs:  # the finished head may also be an EVERY-th checkpoint
             continue
@@ -168,18 +173,26 @@ def finished(work: Path) -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--work", default="runs/campaign")
+    ap.add_argument("--work", action="append", type=Path,
+                    help="a round's folder (runs/campaign); again for each later round, in order")
     ap.add_argument("--every", type=int, default=EVERY, help="measure every N-th step's checkpoint")
-    ap.add_argument("--watch", action="store_true", help="keep measuring new checkpoints until both heads finish")
+    ap.add_argument("--watch", action="store_true", help="keep measuring new checkpoints until every round's heads "
+                                                         "finish")
     args = ap.parse_args()
-    work = Path(args.work)
+    rounds = args.work or [Path("runs/campaign")]
+
+    def measure_all() -> None:
+        for i, work in enumerate(rounds):
+            measure_pending(work, args.every, bundled=i == 0)
+
     while True:
-        measure_pending(work, args.every)
-        if not args.watch or finished(work):
+        measure_all()
+        if not args.watch or all(finished(w) for w in rounds):
             break
         time.sleep(POLL_SECONDS)
-    measure_pending(work, args.every)
-    print(table(work))
+    measure_all()
+    for work in rounds:
+        print(f"{work}:\n{table(work)}\n")
 
 
 if __name__ == "__main__":

@@ -137,6 +137,14 @@ def test_benchmark_slices_measure_each_checkpoint_once_and_resume(tmp_path, monk
     assert slices.measure_pending(tmp_path, every=40, measure=fake) == 0
     assert "| P-EAGLE | 40 | 670 | 1.500 (0.500, 0.000) |" in slices.table(tmp_path)
 
+    # a later round starts from this one's heads: it measures its own checkpoints but not the bundled heads again
+    later = tmp_path / "round2"
+    (later / "eagle3" / "checkpoint-40" / "head").mkdir(parents=True)
+    (later / "eagle3" / "checkpoint-40" / "head" / "config.json").write_text("{}")
+    before = len(calls)
+    assert slices.measure_pending(later, every=40, measure=fake, bundled=False) == 2
+    assert {c[2] for c in calls[before:]} == {"eagle3-40"} and not slices.finished(later)
+
 
 def test_multi_turn_prompts_are_new_conversations_of_several_turns():
     """data/heads/prompts-multi.jsonl (make_head_prompts.py --multi-turn): 2-4 user turns, each followed by a turn

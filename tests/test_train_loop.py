@@ -146,6 +146,30 @@ def test_teacher_cache_gives_identical_training(tmp_path):
     assert again.teacher_cache.misses == 0 and again.teacher_cache.hits == 2
 
 
+def test_a_shared_teacher_cache_computes_each_row_once_and_ends_empty(tmp_path):
+    """Two heads on one pass of the same data sharing a cache (--share-teacher-cache) each train exactly as a plain
+    run; whichever reaches a row first computes it, the other reads and deletes it, so the cache ends empty."""
+    target = make_tiny_model(tmp_path / "t", "llama", num_hidden_layers=8, vocab_size=128)
+    save_rows(_random_rows(4, 40, 128, seed=6), tmp_path / "data", {})
+    shared = dict(teacher_cache=str(tmp_path / "cache"), share_teacher_cache=True, max_steps=2)
+    first = Trainer(_cfg(tmp_path / "a", target, tmp_path / "data", **shared))
+    second = Trainer(_cfg(tmp_path / "b", target, tmp_path / "data", method="eagle3", **shared))
+    plain = Trainer(_cfg(tmp_path / "c", target, tmp_path / "data", method="eagle3", max_steps=2))
+    cache_dir = first.teacher_cache.dir
+    first.train_step()                     # rows of step 1 computed and kept
+    assert len(list(cache_dir.glob("*.safetensors"))) == 2
+    assert second.train_step()["loss"] == plain.train_step()["loss"]   # read and deleted
+    assert second.train_step()["loss"] == plain.train_step()["loss"]   # the second run ahead: it computes step 2
+    first.train_step()                     # ... and the first reads those
+    assert (first.teacher_cache.misses, first.teacher_cache.hits) == (2, 2)
+    assert (second.teacher_cache.misses, second.teacher_cache.hits) == (2, 2)
+    assert list(cache_dir.glob("*.safetensors")) == []
+    for k, v in plain.head.state_dict().items():
+        assert torch.equal(v, second.head.state_dict()[k]), k
+    with pytest.raises(ValueError, match="--teacher-cache"):
+        TrainConfig(target=str(target), data=str(tmp_path / "data"), share_teacher_cache=True)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # a short real run raises acceptance
 # ---------------------------------------------------------------------------------------------------------------

@@ -116,6 +116,10 @@ def _add_checkpoint_args(p) -> None:
             help="folder that keeps the target's outputs for every training row (about (3H + Vd) x 2 bytes per "
                  "token), so epochs after the first, resumed runs and other heads on the same data skip the "
                  "target's forward pass")
+    _option(p, "share_teacher_cache", action="store_true",
+            help="with --teacher-cache: the cache serves exactly two one-pass runs on the same data (two heads); "
+                 "whichever reaches a row first computes and writes it, the other reads and deletes it, so the "
+                 "cache holds only the rows between them (a later epoch recomputes)")
 
 
 def _add_runtime_args(p) -> None:

@@ -83,6 +83,7 @@ class TrainConfig:
     init_head: str | None = None  # start from a trained head's weights (fresh optimizer)
     fresh_mask_hidden: bool = False  # with init_head: mask_hidden from N(0, 1), not the head's
     teacher_cache: str | None = None  # folder keeping the target's outputs per training row (epochs 2+ skip it)
+    share_teacher_cache: bool = False  # the cache serves exactly two one-pass runs: the second to read a row deletes it
     seed: int = 0
     device: str = "auto"
     limit: int | None = None  # use at most this many conversations
@@ -120,6 +121,8 @@ class TrainConfig:
             raise ValueError(f"--optimizer must be adamw or muon, not {self.optimizer!r}")
         if self.batch_size < 1 or self.max_seq_len < 3:
             raise ValueError("--batch-size must be >= 1 and --max-seq-len >= 3")
+        if self.share_teacher_cache and not self.teacher_cache:
+            raise ValueError("--share-teacher-cache needs --teacher-cache FOLDER: the cache the two runs share")
         if self.eval_depths is None:
             self.eval_depths = self.num_depths
         if self.target_dtype is None:
@@ -251,7 +254,7 @@ class Trainer:
         if cfg.teacher_cache:
             from peagle.train.teacher_cache import TeacherCache
 
-            self.teacher_cache = TeacherCache(cfg.teacher_cache, self.teacher)
+            self.teacher_cache = TeacherCache(cfg.teacher_cache, self.teacher, shared=cfg.share_teacher_cache)
         self._build_optimizer()
         self.step = 0
         self.history: list[dict] = []
