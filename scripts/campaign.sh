@@ -6,9 +6,11 @@
 #   mkdir -p runs && nohup bash scripts/campaign.sh >> runs/campaign.log 2>&1 &     # WORK=runs/campaign
 #   kill PID                                                                       # stops every lane and what it runs
 #
-# Stages (each one skips itself when its output is complete), in two lanes of one core each: data in one, training
-# in the other, so that the heads train while the data engine still answers. Data is what the heads lack, and it
-# travels in git, where a checkpoint does not.
+# Progress outlives a machine only as data and as re-bundled heads (scripts/campaign_rounds.py): the heads train
+# in rounds of ROWS conversations, each small enough to finish in one working session, each gated against the
+# bundled head (measured side by side on this machine) and re-bundled only when clearly better; the round's end moves
+# the head's cursor in data/heads/campaign.json, committed with the bundles, so that the next round trains on new
+# conversations. Stages (each skips itself when its output is complete), in lanes of one core each:
 #   1. regen  SmolLM2's answers to data/heads/prompts-3.jsonl (new ShareGPT prompts; made once, resumable; the
 #             answers so far are committed as data/heads/smollm2-regenerated-3.jsonl.gz with
 #             `gzip -c runs/campaign/regen3/regenerated.jsonl > data/heads/smollm2-regenerated-3.jsonl.gz`)
@@ -20,29 +22,24 @@
 #     1c.       the same for data/heads/prompts-multi.jsonl (ShareGPT conversations of 2-4 user turns, each later
 #               question after SmolLM2's own earlier answers: histories of thousands of tokens), committed as
 #               data/heads/smollm2-regenerated-multi.jsonl.gz
-#     4. eagle3 once 1c is done: the bundled EAGLE-3 head continued like stage 3, on the teacher outputs the two
-#               heads share (--share-teacher-cache: whichever reaches a row first runs the target, the other reads
-#               the row and deletes it, so the target's forward runs once per row and the cache stays small)
-#     7. eagle3 round 2: EAGLE-3 continued from stage 4's head like stage 6
+#     4. eagle3 rounds, once 1c is done: like stage 3, on the teacher outputs the two heads share when their cursors
+#               meet (--share-teacher-cache: whichever reaches a row first runs the target, the other reads the row
+#               and deletes it)
 #   training lane
-#     2. data   every conversation the bundled heads have not trained on (data/heads/smollm2-regenerated-2.jsonl
-#               from line FIRST_UNSEEN on, stage 1's answers, and the first CODE_FIRST of stage 1b's, the ones
-#               committed when this round's data was fixed), without the bundled heads' 32 held-out
-#               conversations, and those 32 apart
-#     3. peagle continue the bundled P-EAGLE head on them with the cheapest step that learns as much
-#               (docs/heads.md, "Recipe search": 8 COD depths at r 0.7, frozen LM head), checkpoint every 20
-#               steps, held-out evaluation every 100 (the same 32 conversations in every round)
-#     5. data   round 2, once 1c is done: the code answers past the first CODE_FIRST and every multi-turn
-#               conversation, in WORK/round2 (a round's folders are laid out like WORK's)
-#     6. peagle round 2: P-EAGLE continued from stage 3's head, with --max-seq-len 4096 (the multi-turn histories)
+#     2. data   the pool: every conversation the second bundle had not trained on, in a fixed order that only grows
+#               at its end (data/heads/smollm2-regenerated-2.jsonl from line FIRST_UNSEEN on, stage 1's answers
+#               and the first CODE_FIRST of stage 1b's; then the rest of 1b's; then 1c's as they come), without the
+#               bundled heads' 32 held-out conversations, which are kept apart for evaluation
+#     3. peagle rounds: the bundled P-EAGLE head continued on the next ROWS conversations past its cursor with the
+#               cheapest step that learns as much (docs/heads.md, "Recipe search": 8 COD depths at r 0.7, frozen LM
+#               head), checkpoint every 20 steps, held-out evaluation every 100 (the same 32 conversations in every
+#               round); then the gate: benchmarks/acceptance.py at K=7 on all of HumanEval and MT-Bench for the
+#               bundled head and the round's, and scripts/campaign_rounds.py close, which re-bundles the round's
+#               head if it beats the bundle by 2% on both sets, records the round and advances the cursor
 #   slice lane (mostly asleep): scripts/campaign_slices.py measures the bundled heads and every 200th step's
-#             checkpoint of both heads in both rounds on the first 16 HumanEval and 16 MT-Bench prompts (K 7), into
-#             ROUND/slices
-#   accept, when a round's two heads are both done (by whichever lane finishes the round): benchmarks/acceptance.py on
-#             both into ROUND/acceptance, and the round's teacher cache deleted; re-bundling stays a decision
-#             (scripts/bundle_head.py HEAD NAME --acceptance ROUND/acceptance/acceptance.json refuses a head whose
-#             benchmark acceptance is not 2% above the bundle's on every set)
-# Each lane writes its output, with a line when each of its stages starts, to WORK/logs/LANE.log.
+#             checkpoint of every round on the first 16 HumanEval and 16 MT-Bench prompts (K 7), into ROUND/slices
+# Each lane writes its output, with a line when each of its stages starts, to WORK/logs/LANE.log. After a round that
+# re-bundled, commit peagle/heads/ and data/heads/campaign.json (the next round starts from the new bundle).
 set -euo pipefail
 # Its own process group, so that stopping the campaign (kill PID) stops everything it started: the lanes and what
 # they run stop with it (all of the group but itself), and each stage resumes next time. Long foreground commands
@@ -54,7 +51,7 @@ cd "$(dirname "$0")/.."
 WORK="${WORK:-runs/campaign}"
 FIRST_UNSEEN="${FIRST_UNSEEN:-1217}"   # the second bundle trained on lines 1-1,216 of smollm2-regenerated-2.jsonl
 CODE_FIRST="${CODE_FIRST:-1280}"       # code answers in round 1's training data: those committed when it was fixed
-ROUND2="$WORK/round2"                   # round 2's folders: its data, heads, teacher cache, slices and acceptance
+ROWS="${ROWS:-3200}"                   # conversations per round: about 800 P-EAGLE steps, 75 minutes of a Zen 4 core
 LR="${LR:-5e-4}"                       # a continuation's rate (docs/heads.md, "The second bundle")
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 mkdir -p "$WORK/logs"
@@ -87,47 +84,64 @@ restore regen-code data/heads/smollm2-regenerated-code.jsonl.gz
 restore regen-multi data/heads/smollm2-regenerated-multi.jsonl.gz
 regenerate data/heads/prompts-3.jsonl regen3 >> "$WORK/logs/data.log" 2>&1 & wait $!   # stage 1
 
-# common ROUND: the training flags every stage shares, on ROUND's data and teacher cache (held out: round 1's 32)
+# common ROUND: the training flags every stage shares, on ROUND's data and teacher cache (held out: the same 32)
 common() {
   COMMON=(--data "$1/train-data" --eval-data "$WORK/heldout-data" --eval-every 100 --eval-depths 8 --lr "$LR"
-          --save-every 20 --resume latest --teacher-cache "$1/teacher-cache" --share-teacher-cache --no-progress)
+          --save-every 20 --resume latest --teacher-cache "$1/teacher-cache" --share-teacher-cache
+          --max-seq-len 4096 --no-progress)
 }
-# train ROUND METHOD INIT [FLAG...]: continue INIT (a bundled head's name or a finished run) on ROUND's data into
-# ROUND/METHOD, unless that head is already done (training_args.json is written last, after the head)
+# train ROUND METHOD [FLAG...]: continue the bundled METHOD head on ROUND's data into ROUND/METHOD, unless that
+# head is already done (training_args.json is written last, after the head)
 train() {
-  local round=$1 method=$2 init=$3
-  shift 3
+  local round=$1 method=$2
+  shift 2
   [ -f "$round/$method/training_args.json" ] && return 0
-  log "train $method in $round from $init"
+  log "train $method in $round from smollm2-135m-$method"
   common "$round"
-  peagle train --method "$method" --init-head "$init" --out "$round/$method" --freeze-lm-head "$@" "${COMMON[@]}"
+  peagle train --method "$method" --init-head "smollm2-135m-$method" --out "$round/$method" --freeze-lm-head "$@" \
+    "${COMMON[@]}"
 }
-# finish_round ROUND: once both of ROUND's heads are done, their benchmark acceptance (stage 5) and the teacher
-# cache's removal (nobody reads it again); run by both lanes, done by the one that finishes the round last
-finish_round() {
-  local round=$1
-  [ -f "$round/peagle/training_args.json" ] && [ -f "$round/eagle3/training_args.json" ] || return 0
-  (
-    flock -n 8 || exit 0   # the other lane is finishing it
-    rm -rf "$round/teacher-cache"
-    if [ ! -f "$round/acceptance/acceptance.md" ]; then
-      log "acceptance of $round's heads"
-      python3 benchmarks/acceptance.py --peagle-head "$round/peagle" --eagle3-head "$round/eagle3" \
-        --out "$round/acceptance"
-      log "$round done; compare $round/acceptance/acceptance.md with docs/heads/acceptance.md"
-    fi
-  ) 8> "$round/.finish.lock"
+# gate ROUND METHOD: the bundled head and the round's, at K=7 on all of HumanEval and MT-Bench, side by side on this
+# machine (the bundle's figures kept per bundle under WORK/baseline); then re-bundle, record and advance
+gate() {
+  local round=$1 method=$2 base
+  base="$WORK/baseline/$method-$(sha256sum "peagle/heads/smollm2-135m-$method/model.safetensors" | cut -c1-12)"
+  log "acceptance at K=7 of the bundled $method head and of $round's"
+  python3 benchmarks/acceptance.py --methods "$method" --k 7 "--$method-head" "smollm2-135m-$method" --out "$base"
+  python3 benchmarks/acceptance.py --methods "$method" --k 7 "--$method-head" "$round/$method" \
+    --out "$round/acceptance-$method"
+  python3 scripts/campaign_rounds.py close --method "$method" --round "$round" \
+    --acceptance "$round/acceptance-$method/acceptance.json" --baseline "$base/acceptance.json"
+}
+# rounds METHOD [FLAG...]: round after round of METHOD while the pool has ROWS new conversations for it
+rounds() {
+  local method=$1 round status pool
+  shift
+  pool=("$WORK/train.jsonl" "$WORK/regen-code/regenerated.jsonl:$((CODE_FIRST + 1))"
+        "$WORK/regen-multi/regenerated.jsonl")
+  while true; do
+    set +e
+    round=$(python3 scripts/campaign_rounds.py next --method "$method" --rows "$ROWS" --rounds "$WORK/rounds" \
+      --heldout "$WORK/heldout.jsonl" "${pool[@]}")
+    status=$?
+    set -e
+    [ "$status" -eq 3 ] && { log "$method: the pool has fewer than $ROWS new conversations; rounds stop"; return 0; }
+    [ "$status" -eq 0 ] || return "$status"
+    (
+      flock 8   # the other head may be preparing the same round
+      [ -f "$round/train-data/peagle_data.json" ] || peagle data prepare --input "$round/train.jsonl" \
+        --out "$round/train-data"
+    ) 8> "$round/.prepare.lock"
+    train "$round" "$method" "$@"
+    gate "$round" "$method"
+  done
 }
 
 data_lane() {
   regenerate data/heads/prompts-code.jsonl regen-code         # stage 1b
   regenerate data/heads/prompts-multi.jsonl regen-multi 4096  # stage 1c
   until [ -f "$WORK/heldout-data/peagle_data.json" ]; do sleep 60; done   # (a failed stage 2 stops the campaign)
-  train "$WORK" eagle3 smollm2-135m-eagle3                    # stage 4
-  finish_round "$WORK"
-  until [ -f "$ROUND2/train-data/peagle_data.json" ]; do sleep 60; done
-  train "$ROUND2" eagle3 "$WORK/eagle3" --max-seq-len 4096    # stage 7
-  finish_round "$ROUND2"
+  rounds eagle3                                               # stage 4
 }
 
 training_lane() {
@@ -144,7 +158,7 @@ training_lane() {
     python3 scripts/split_head_data.py --inputs data/heads/smollm2-regenerated.jsonl "${new[@]}" \
       --train "$WORK/all.jsonl" --heldout "$WORK/heldout.jsonl"
     # Only conversations the bundled heads have not seen train; the held-out ones come from the first file.
-    python3 - "$WORK" "${new[@]}" <<'EOF'
+    python3 - "$WORK" "${new[@]}" <<'PY'
 import json, sys
 work, new = sys.argv[1], sys.argv[2:]
 unseen = {json.loads(l)["id"] for f in new for l in open(f) if l.strip()}
@@ -152,28 +166,10 @@ with open(f"{work}/train.jsonl", "w") as out:
     for line in open(f"{work}/all.jsonl"):
         if line.strip() and json.loads(line)["id"] in unseen:
             out.write(line)
-EOF
-    peagle data prepare --input "$WORK/train.jsonl" --out "$WORK/train-data"
+PY
     peagle data prepare --input "$WORK/heldout.jsonl" --out "$WORK/heldout-data"
   fi
-  local peagle=(--num-depths 8 --cod-ratio 0.7)
-  train "$WORK" peagle smollm2-135m-peagle "${peagle[@]}"     # stage 3
-  until [ -f "$WORK/regen-multi/peagle_data.json" ]; do sleep 60; done   # stage 1c's end
-  round2_data                                                 # stage 5
-  finish_round "$WORK"
-  train "$ROUND2" peagle "$WORK/peagle" "${peagle[@]}" --max-seq-len 4096   # stage 6
-  finish_round "$ROUND2"
-}
-
-# Round 2's data: the code answers past round 1's first CODE_FIRST and every multi-turn conversation (none of them
-# held out: those stay round 1's 32, so that every round's evaluations compare).
-round2_data() {
-  [ -f "$ROUND2/train-data/peagle_data.json" ] && return 0
-  log "stage 5: round 2's data"
-  mkdir -p "$ROUND2"
-  { tail -n "+$((CODE_FIRST + 1))" "$WORK/regen-code/regenerated.jsonl"; cat "$WORK/regen-multi/regenerated.jsonl"; } \
-    > "$ROUND2/train.jsonl"
-  peagle data prepare --input "$ROUND2/train.jsonl" --out "$ROUND2/train-data"
+  rounds peagle --num-depths 8 --cod-ratio 0.7                # stage 3
 }
 
 # lane NAME FUNCTION: FUNCTION (with set -e) with its output in WORK/logs/NAME.log; when it fails, the campaign stops
@@ -189,8 +185,7 @@ lane() {
 }
 lane data data_lane & data=$!
 lane training training_lane & training=$!
-python3 scripts/campaign_slices.py --work "$WORK" --work "$ROUND2" --watch >> "$WORK/logs/slices.log" 2>&1 & slices=$!
+python3 scripts/campaign_slices.py --work "$WORK" --rounds "$WORK/rounds" --watch >> "$WORK/logs/slices.log" 2>&1 &
 wait $training
 wait $data
-wait $slices || log "the slice lane failed: see $WORK/logs/slices.log"
-log "done: both rounds"
+log "done: the pool is used up for both heads; add data (stages 1b, 1c) for more rounds"

@@ -5,10 +5,11 @@ held-out conversations. Cheap enough to run beside training: a few CPU-minutes p
 
     python3 scripts/campaign_slices.py --work runs/campaign --watch    # scripts/campaign.sh runs this beside training
     python3 scripts/campaign_slices.py --work runs/campaign            # measure what is pending once, print the table
-    python3 scripts/campaign_slices.py --work runs/campaign --work runs/campaign/round2 --watch   # two rounds
+    python3 scripts/campaign_slices.py --work runs/campaign --rounds runs/campaign/rounds --watch   # every round
 
-A later round (--work given again) continues the heads the round before finished, so its step 0 is that round's
-last row, and only the first round measures the bundled heads.
+A round (a folder under --rounds, or --work given again) continues a bundled head, whose step 0 the first --work
+measures once; each round's folder holds its own checkpoints and slices. With --rounds, --watch goes on until it is
+stopped (scripts/campaign.sh stops it when its rounds end), looking for new rounds as they start.
 
 A checkpoint's head is copied to WORK/slices/heads/ before it is measured (the trainer prunes old checkpoints), and
 every result is appended to WORK/slices/results.jsonl as it finishes: a killed run measures only what is missing.
@@ -175,24 +176,31 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", action="append", type=Path,
                     help="a round's folder (runs/campaign); again for each later round, in order")
+    ap.add_argument("--rounds", type=Path, help="a folder of rounds (scripts/campaign_rounds.py): each subfolder is "
+                                                "a round, measured without the bundled heads")
     ap.add_argument("--every", type=int, default=EVERY, help="measure every N-th step's checkpoint")
     ap.add_argument("--watch", action="store_true", help="keep measuring new checkpoints until every round's heads "
                                                          "finish")
     args = ap.parse_args()
-    rounds = args.work or [Path("runs/campaign")]
+    works = args.work or [Path("runs/campaign")]
+
+    def rounds() -> list[Path]:
+        found = sorted(p for p in args.rounds.iterdir() if p.is_dir()) if args.rounds and args.rounds.exists() else []
+        return works + found
 
     def measure_all() -> None:
-        for i, work in enumerate(rounds):
+        for i, work in enumerate(rounds()):
             measure_pending(work, args.every, bundled=i == 0)
 
     while True:
         measure_all()
-        if not args.watch or all(finished(w) for w in rounds):
+        if not args.watch or (not args.rounds and all(finished(w) for w in works)):
             break
         time.sleep(POLL_SECONDS)
     measure_all()
-    for work in rounds:
-        print(f"{work}:\n{table(work)}\n")
+    for work in rounds():
+        if (work / "slices" / "results.jsonl").exists():
+            print(f"{work}:\n{table(work)}\n")
 
 
 if __name__ == "__main__":

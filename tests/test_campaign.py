@@ -182,3 +182,79 @@ def test_acceptance_benchmark_measures_a_fixed_k(monkeypatch):
     with pytest.raises(RuntimeError, match="stop here"):
         run_one("peagle", 5, "humaneval", "smollm2-135m-peagle", 1, 8, max_num_seqs=1, threads=1)
     assert asked["speculation_policy"] == "fixed" and asked["spec"]["num_speculative_tokens"] == 5
+
+
+def conversations(path: Path, ids: list[str]) -> None:
+    with open(path, "a") as f:
+        for i in ids:
+            f.write(json.dumps({"id": i, "messages": [{"role": "user", "content": i}]}) + "\n")
+
+
+def test_campaign_rounds_move_past_their_rows_and_rebundle_only_a_better_head(tmp_path):
+    """A round trains on the next ROWS conversations of the pool past the head's cursor (held-out ones never); the
+    pool only grows at its end, so a row keeps its place; closing a round re-bundles its head only when it beats
+    the bundled one measured on the same machine, records it once, and moves the cursor either way (the next round
+    never repeats a round's rows, which from the same bundle and seed would repeat its result)."""
+    rounds_mod = script("campaign_rounds")
+    state, rounds = tmp_path / "campaign.json", tmp_path / "rounds"
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    conversations(first, [f"a{i}" for i in range(6)])
+    conversations(second, ["skipped", "b0", "held", "b1"])
+    sources, heldout = [str(first), f"{second}:2"], {"held", "a2"}
+    assert [json.loads(line)["id"] for line in rounds_mod.pool(sources, heldout)] == [
+        "a0", "a1", "a3", "a4", "a5", "b0", "b1"]
+
+    one = rounds_mod.next_round("peagle", 4, rounds, sources, heldout, state)
+    assert one.name == "rows-000000-000004"
+    assert [json.loads(line)["id"] for line in (one / "train.jsonl").read_text().splitlines()] == [
+        "a0", "a1", "a3", "a4"]
+    assert rounds_mod.next_round("eagle3", 4, rounds, sources, heldout, state) == one  # same cursor: one folder
+
+    (one / "peagle").mkdir()
+    (one / "peagle" / "train_log.jsonl").write_text(
+        "".join(json.dumps({"step": s, "tokens": 10}) + "\n" for s in (1, 2, 2, 3)) + '{"step": 4, "tok')
+    (one / "teacher-cache").mkdir()
+    better, baseline = tmp_path / "better.json", tmp_path / "baseline.json"
+    better.write_text(json.dumps(rows("peagle", {"humaneval": 1.60, "mtbench": 1.50})))
+    baseline.write_text(json.dumps(rows("peagle", {"humaneval": 1.50, "mtbench": 1.40})))
+    bundled = []
+    rec = rounds_mod.close_round("peagle", one, better, baseline, state, bundle_fn=lambda *a: bundled.append(a))
+    assert bundled == [(one / "peagle", "smollm2-135m-peagle")] and rec["bundled"] and rec["why_not"] == []
+    assert (rec["rows"], rec["steps"], rec["tokens"], rec["k"]) == ([0, 4], 3, 30, 7)
+    assert rec["mean_acceptance_length"] == {"humaneval": 1.60, "mtbench": 1.50}
+    assert (one / "teacher-cache").exists()  # EAGLE-3's cursor is still at this round: it will read the cache
+    assert rounds_mod.close_round("peagle", one, better, baseline, state, bundle_fn=bundled.append) == rec
+    assert len(bundled) == 1 and len(json.loads(state.read_text())["rounds"]) == 1  # closed twice, recorded once
+
+    # the pool is short of a second round of 4 until more answers arrive at a source's end
+    assert rounds_mod.next_round("peagle", 4, rounds, sources, heldout, state) is None
+    conversations(second, ["b2", "b3"])
+    two = rounds_mod.next_round("peagle", 4, rounds, sources, heldout, state)
+    assert two.name == "rows-000004-000008"
+    assert [json.loads(line)["id"] for line in (two / "train.jsonl").read_text().splitlines()] == [
+        "a5", "b0", "b1", "b2"]
+
+    # a round that is not clearly better is recorded and passed over, but not bundled
+    (two / "peagle").mkdir()
+    (two / "peagle" / "train_log.jsonl").write_text(json.dumps({"step": 1, "tokens": 5}) + "\n")
+    (two / "teacher-cache").mkdir()
+    rec = rounds_mod.close_round("peagle", two, baseline, baseline, state, bundle_fn=bundled.append)
+    assert not rec["bundled"] and len(rec["why_not"]) == 2 and len(bundled) == 1
+    assert json.loads(state.read_text())["trained_rows"] == {"peagle": 8, "eagle3": 0}
+    assert not (two / "teacher-cache").exists()  # EAGLE-3 is not at this round: nobody reads its cache again
+    with pytest.raises(SystemExit, match="cursor is at row 0"):  # EAGLE-3 closing a round it did not start at
+        rounds_mod.close_round("eagle3", two, better, baseline, state, bundle_fn=bundled.append)
+
+    # greedy outputs that differ between the heads on one machine are a losslessness bug, never a better head
+    three = rounds_mod.next_round("eagle3", 4, rounds, sources, heldout, state)
+    (three / "eagle3").mkdir()
+    (three / "eagle3" / "train_log.jsonl").write_text(json.dumps({"step": 1, "tokens": 5}) + "\n")
+    good, base = (rows("eagle3", {"humaneval": v, "mtbench": v}) for v in (1.9, 1.5))
+    for r in good + base:
+        r["outputs_sha256"] = "same"
+    good[0]["outputs_sha256"] = "different"
+    better.write_text(json.dumps(good))
+    baseline.write_text(json.dumps(base))
+    rec = rounds_mod.close_round("eagle3", three, better, baseline, state, bundle_fn=bundled.append)
+    assert not rec["bundled"] and rec["why_not"] == [
+        "the two heads' greedy outputs differ on one machine: a losslessness bug, not a better head"]

@@ -1,0 +1,171 @@
+"""The campaign's rounds: how its progress survives fresh machines.
+
+Checkpoints stay out of git and a machine may not be kept, so the only training that outlives a session is a
+re-bundled head. The campaign therefore trains in *rounds* small enough to finish on one machine in a working
+session: a round continues the bundled head on the next ROWS conversations of the campaign's pool that it has not
+trained on, measures the finished head against the bundled one side by side on this machine, and re-bundles it
+only when it is clearly better. Either way the head's cursor moves past the round's rows, so the next round, on
+this machine or a fresh one, trains on new conversations (repeating a round from the same bundle, data and seed
+would only reproduce its result). data/heads/campaign.json, committed with the bundles, keeps the cursors and a
+record of every round: the learning curve's rows.
+
+    python3 scripts/campaign_rounds.py next --method peagle --rows 3200 --rounds runs/campaign/rounds \\
+        --heldout runs/campaign/heldout.jsonl SOURCE[:FIRST_LINE]...     # prints the round's folder
+    python3 scripts/campaign_rounds.py close --method peagle --round ROUND --acceptance NEW.json \\
+        --baseline BUNDLED.json                                           # gate, bundle, record, advance
+
+The pool is the SOURCE files in order (from line FIRST_LINE, 1-based), less the held-out conversations: sources only
+ever grow at their end (answers are appended as they are made), so a row's place in the pool never changes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from bundle_head import MIN_GAIN, bundle, deepest_mal, not_better  # noqa: E402
+
+STATE = ROOT / "data" / "heads" / "campaign.json"
+BUNDLES = {"peagle": "smollm2-135m-peagle", "eagle3": "smollm2-135m-eagle3"}
+# What the cursors count (scripts/campaign.sh composes it; changing its order would make them meaningless)
+POOL = ("the conversations the second bundle had not trained on, in this order, less the 32 held out: "
+        "smollm2-regenerated-2 from line 1,217, smollm2-regenerated-3, the first 1,280 code answers; the rest of the "
+        "code answers; the multi-turn conversations as they are answered")
+NOT_ENOUGH_ROWS = 3  # `next`'s exit status when the pool has fewer than ROWS new conversations (yet)
+
+
+def load_state(path: Path = STATE) -> dict:
+    if path.exists():
+        return json.loads(path.read_text())
+    return {"pool": POOL, "trained_rows": {m: 0 for m in BUNDLES}, "rounds": []}
+
+
+def save_state(state: dict, path: Path = STATE) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def pool(sources: list[str], heldout: set[str]) -> list[str]:
+    """The pool's lines: each SOURCE[:FIRST_LINE] in order, held-out conversation ids left out."""
+    lines = []
+    for source in sources:
+        path, _, first = source.partition(":")
+        for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+            if n >= int(first or 1) and line.strip() and json.loads(line)["id"] not in heldout:
+                lines.append(line)
+    return lines
+
+
+def round_dir(rounds: Path, first: int, rows: int) -> Path:
+    """A round's folder, named by its rows: two heads at the same cursor share it (its data and teacher cache)."""
+    return rounds / f"rows-{first:06d}-{first + rows:06d}"
+
+
+def next_round(method: str, rows: int, rounds: Path, sources: list[str], heldout: set[str],
+               state_path: Path = STATE) -> Path | None:
+    """The folder of `method`'s next round, with its train.jsonl written; None when the pool is short of ROWS."""
+    first = load_state(state_path)["trained_rows"][method]
+    lines = pool(sources, heldout)[first:first + rows]
+    if len(lines) < rows:
+        return None
+    out = round_dir(rounds, first, rows)
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / "train.jsonl").exists():
+        tmp = out / "train.jsonl.tmp"
+        tmp.write_text("\n".join(lines) + "\n")
+        tmp.replace(out / "train.jsonl")
+    return out
+
+
+def tokens_and_steps(run: Path) -> tuple[int, int]:
+    """Training tokens and steps of a finished run, from its train_log.jsonl (a resumed step counted once)."""
+    per_step = {}
+    for line in (run / "train_log.jsonl").read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by a kill
+            continue
+        per_step[rec["step"]] = rec["tokens"]
+    return sum(per_step.values()), max(per_step, default=0)
+
+
+def close_round(method: str, round_path: Path, acceptance: Path, baseline: Path, state_path: Path = STATE,
+                bundle_fn=bundle, min_gain: float = MIN_GAIN) -> dict:
+    """Gate the round's finished head against the bundled one (both measured on this machine), re-bundle it when it
+    is clearly better, record the round and move the head's cursor past its rows. Closing a round twice records it
+    once."""
+    state = load_state(state_path)
+    first, end = (int(x) for x in round_path.name.split("-")[1:3])
+    for rec in state["rounds"]:
+        if rec["method"] == method and rec["rows"] == [first, end]:
+            return rec
+    if state["trained_rows"][method] != first:
+        raise SystemExit(f"{round_path}: {method}'s cursor is at row {state['trained_rows'][method]:,}, not at this "
+                         f"round's first row {first:,}; was the round closed already?")
+    new, old = json.loads(acceptance.read_text()), json.loads(baseline.read_text())
+    reasons = not_better(new, old, method, min_gain)
+    # Greedy speculative decoding is lossless, so on one machine both heads must have produced the same tokens.
+    digests = {(r["dataset"], r["outputs_sha256"]) for r in new + old if r["method"] == method and "outputs_sha256" in r}
+    if len(digests) != len({ds for ds, _ in digests}):
+        reasons.append("the two heads' greedy outputs differ on one machine: a losslessness bug, not a better head")
+    tokens, steps = tokens_and_steps(round_path / method)
+    rec = {"method": method, "rows": [first, end], "steps": steps, "tokens": tokens,
+           "mean_acceptance_length": {ds: v for ds, (k, v) in deepest_mal(new, method).items()},
+           "bundled_mean_acceptance_length": {ds: v for ds, (k, v) in deepest_mal(old, method).items()},
+           "k": max(k for k, _ in deepest_mal(new, method).values()),
+           "bundled": not reasons, "why_not": reasons,
+           "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": platform.processor()
+           or platform.machine()}
+    if not reasons:
+        bundle_fn(round_path / method, BUNDLES[method])
+    state["trained_rows"][method] = end
+    state["rounds"].append(rec)
+    save_state(state, state_path)
+    # The teacher outputs the heads share are kept only while the other head has this round still to train.
+    other = next(m for m in BUNDLES if m != method)
+    if state["trained_rows"][other] != first:
+        shutil.rmtree(round_path / "teacher-cache", ignore_errors=True)
+    return rec
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    nxt = sub.add_parser("next", help="write the next round's train.jsonl and print its folder")
+    nxt.add_argument("--method", choices=BUNDLES, required=True)
+    nxt.add_argument("--rows", type=int, required=True, help="conversations per round")
+    nxt.add_argument("--rounds", type=Path, required=True, help="the folder that holds the rounds")
+    nxt.add_argument("--heldout", type=Path, required=True, help="the held-out conversations (never trained on)")
+    nxt.add_argument("sources", nargs="+", help="the pool's files in order, each as PATH or PATH:FIRST_LINE")
+    close = sub.add_parser("close", help="gate, re-bundle if clearly better, record the round, advance the cursor")
+    close.add_argument("--method", choices=BUNDLES, required=True)
+    close.add_argument("--round", type=Path, required=True)
+    close.add_argument("--acceptance", type=Path, required=True, help="the round's head, measured here")
+    close.add_argument("--baseline", type=Path, required=True, help="the bundled head, measured here")
+    args = ap.parse_args()
+    if args.command == "next":
+        heldout = {json.loads(line)["id"] for line in args.heldout.read_text().splitlines() if line.strip()}
+        out = next_round(args.method, args.rows, args.rounds, args.sources, heldout)
+        if out is None:
+            print(f"campaign_rounds: fewer than {args.rows:,} conversations past {args.method}'s cursor yet",
+                  file=sys.stderr)
+            sys.exit(NOT_ENOUGH_ROWS)
+        print(out)
+    else:
+        rec = close_round(args.method, args.round, args.acceptance, args.baseline)
+        mals = ", ".join(f"{ds} {v:.3f} against {rec['bundled_mean_acceptance_length'].get(ds, float('nan')):.3f}"
+                         for ds, v in rec["mean_acceptance_length"].items())
+        print(f"campaign_rounds: {args.method} rows {rec['rows'][0]:,}-{rec['rows'][1]:,} ({rec['steps']} steps, "
+              f"{rec['tokens']:,} tokens): K={rec['k']} {mals}: "
+              + ("re-bundled" if rec["bundled"] else "not bundled (" + "; ".join(rec["why_not"]) + ")"))
+
+
+if __name__ == "__main__":
+    main()
