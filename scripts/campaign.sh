@@ -40,6 +40,9 @@
 #             checkpoint of every round on the first 16 HumanEval and 16 MT-Bench prompts (K 7), into ROUND/slices
 # Each lane writes its output, with a line when each of its stages starts, to WORK/logs/LANE.log. After a round that
 # re-bundled, commit peagle/heads/ and data/heads/campaign.json (the next round starts from the new bundle).
+# All of it in one braced group, which bash reads whole before running: editing this file while a campaign runs
+# (a commit, a pull) cannot change what the running one does next.
+{
 set -euo pipefail
 # Its own process group, so that stopping the campaign (kill PID) stops everything it started: the lanes and what
 # they run stop with it (all of the group but itself), and each stage resumes next time. Long foreground commands
@@ -51,7 +54,10 @@ cd "$(dirname "$0")/.."
 WORK="${WORK:-runs/campaign}"
 FIRST_UNSEEN="${FIRST_UNSEEN:-1217}"   # the second bundle trained on lines 1-1,216 of smollm2-regenerated-2.jsonl
 CODE_FIRST="${CODE_FIRST:-1280}"       # code answers in round 1's training data: those committed when it was fixed
-ROWS="${ROWS:-3200}"                   # conversations per round: about 800 P-EAGLE steps, 75 minutes of a Zen 4 core
+# ROWS: conversations per round, sized to finish within a session: P-EAGLE's step (4 conversations) took about 5.5 s
+# on a Zen 4 core, whose AVX-512 BF16 the trainer's bf16 compute uses, and 20-28 s on a Zen 3 core, which has no bf16
+# instructions (docs/heads.md, "Rounds that fit a session")
+if [ -z "${ROWS:-}" ]; then grep -qw -e avx512_bf16 -e amx_bf16 /proc/cpuinfo && ROWS=3200 || ROWS=800; fi
 LR="${LR:-5e-4}"                       # a continuation's rate (docs/heads.md, "The second bundle")
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 mkdir -p "$WORK/logs"
@@ -189,3 +195,5 @@ python3 scripts/campaign_slices.py --work "$WORK" --rounds "$WORK/rounds" --watc
 wait $training
 wait $data
 log "done: the pool is used up for both heads; add data (stages 1b, 1c) for more rounds"
+exit
+}
