@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shutil
 import sys
 import time
@@ -84,6 +83,14 @@ def next_round(method: str, rows: int, rounds: Path, sources: list[str], heldout
     return out
 
 
+def machine_name() -> str:
+    """The CPU and the kernels it ran, as benchmarks/acceptance.py's reports name them."""
+    from peagle.bench.plan import machine
+
+    m = machine()
+    return f"{m['cuda'] or m['cpu']}, {m['kernels']['kernels']} kernels"
+
+
 def tokens_and_steps(run: Path) -> tuple[int, int]:
     """Training tokens and steps of a finished run, from its train_log.jsonl (a resumed step counted once)."""
     per_step = {}
@@ -121,8 +128,7 @@ def close_round(method: str, round_path: Path, acceptance: Path, baseline: Path,
            "bundled_mean_acceptance_length": {ds: v for ds, (k, v) in deepest_mal(old, method).items()},
            "k": max(k for k, _ in deepest_mal(new, method).values()),
            "bundled": not reasons, "why_not": reasons,
-           "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": platform.processor()
-           or platform.machine()}
+           "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine_name()}
     if not reasons:
         bundle_fn(round_path / method, BUNDLES[method])
     state["trained_rows"][method] = end
