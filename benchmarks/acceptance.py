@@ -34,6 +34,7 @@ def run_one(method: str, k: int, dataset: str, head: str, num_prompts: int | Non
 
     torch.set_num_threads(threads)
     from peagle.bench.datasets import load_dataset
+    from peagle.bench.plan import machine
     from peagle.engine.engine import LLMEngine
     from peagle.engine.sampling import SamplingParams
 
@@ -50,7 +51,8 @@ def run_one(method: str, k: int, dataset: str, head: str, num_prompts: int | Non
     seconds = time.perf_counter() - t0
     tokens = [o.token_ids for o in outs]
     digest = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
-    return {"method": method, "k": k, "dataset": dataset, "head": head, "prompts": len(prompts),
+    return {"method": method, "k": k, "dataset": dataset, "head": head, "machine": machine()["summary"],
+            "prompts": len(prompts),
             "max_tokens": max_tokens, "max_num_seqs": max_num_seqs,
             "output_tokens": sum(map(len, tokens)), "seconds": round(seconds, 1), "outputs_sha256": digest,
             **engine.stats.as_dict()}
@@ -59,7 +61,13 @@ def run_one(method: str, k: int, dataset: str, head: str, num_prompts: int | Non
 def report(results: list[dict]) -> str:
     from peagle.bench.plan import machine
 
-    lines = [f"Measured by `python benchmarks/acceptance.py` on {machine()['summary']}; greedy, chat template, up to "
+    # Each run names the machine it ran on (runs are kept and added to over time, not always on one machine).
+    where: dict[str, list[str]] = {}
+    for r in results:
+        where.setdefault(r.get("machine") or machine()["summary"], []).append(
+            f"{r['dataset']} {'P-EAGLE' if r['method'] == 'peagle' else 'EAGLE-3'} K={r['k']}")
+    on = next(iter(where)) if len(where) == 1 else "; ".join(f"{m} ({', '.join(runs)})" for m, runs in where.items())
+    lines = [f"Measured by `python benchmarks/acceptance.py` on {on}; greedy, chat template, up to "
              f"{', '.join(sorted({str(r['max_tokens']) for r in results}))} new tokens per prompt.", ""]
     for ds in dict.fromkeys(r["dataset"] for r in results):
         rows = sorted((r for r in results if r["dataset"] == ds), key=lambda r: (r["method"] != "peagle", r["k"]))
