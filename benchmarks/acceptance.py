@@ -62,11 +62,15 @@ def report(results: list[dict]) -> str:
     from peagle.bench.plan import machine
 
     # Each run names the machine it ran on (runs are kept and added to over time, not always on one machine).
-    where: dict[str, list[str]] = {}
+    where: dict[str, dict[str, list[str]]] = {}
     for r in results:
-        where.setdefault(r.get("machine") or machine()["summary"], []).append(
-            f"{r['dataset']} {'P-EAGLE' if r['method'] == 'peagle' else 'EAGLE-3'} K={r['k']}")
-    on = next(iter(where)) if len(where) == 1 else "; ".join(f"{m} ({', '.join(runs)})" for m, runs in where.items())
+        where.setdefault(r.get("machine") or machine()["summary"], {}).setdefault(
+            "P-EAGLE" if r["method"] == "peagle" else "EAGLE-3", []).append(f"{r['dataset']} K={r['k']}")
+    every = {m: sorted(f"{r['dataset']} K={r['k']}" for r in results
+                       if ("P-EAGLE" if r["method"] == "peagle" else "EAGLE-3") == m) for m in ("P-EAGLE", "EAGLE-3")}
+    on = next(iter(where)) if len(where) == 1 else " and ".join(
+        f"{m} ({', '.join(f'the {name} runs' if sorted(runs) == every[name] else f'{name} ' + ', '.join(runs) for name, runs in by.items())})"
+        for m, by in where.items())
     lines = [f"Measured by `python benchmarks/acceptance.py` on {on}; greedy, chat template, up to "
              f"{', '.join(sorted({str(r['max_tokens']) for r in results}))} new tokens per prompt.", ""]
     for ds in dict.fromkeys(r["dataset"] for r in results):
