@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 from bundle_head import MIN_GAIN, bundle, deepest_mal, not_better  # noqa: E402
+from campaign_slices import records, tokens_seen  # noqa: E402
 
 STATE = ROOT / "data" / "heads" / "campaign.json"
 BUNDLES = {"peagle": "smollm2-135m-peagle", "eagle3": "smollm2-135m-eagle3"}
@@ -93,14 +94,8 @@ def machine_name() -> str:
 
 def tokens_and_steps(run: Path) -> tuple[int, int]:
     """Training tokens and steps of a finished run, from its train_log.jsonl (a resumed step counted once)."""
-    per_step = {}
-    for line in (run / "train_log.jsonl").read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short by a kill
-            continue
-        per_step[rec["step"]] = rec["tokens"]
-    return sum(per_step.values()), max(per_step, default=0)
+    steps = max((rec["step"] for rec in records(run / "train_log.jsonl")), default=0)
+    return tokens_seen(run, steps), steps
 
 
 def close_round(method: str, round_path: Path, acceptance: Path, baseline: Path, state_path: Path = STATE,
