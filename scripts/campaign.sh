@@ -22,13 +22,17 @@
 #     1c.       the same for data/heads/prompts-multi.jsonl (ShareGPT conversations of 2-4 user turns, each later
 #               question after SmolLM2's own earlier answers: histories of thousands of tokens), committed as
 #               data/heads/smollm2-regenerated-multi.jsonl.gz
-#     4. eagle3 rounds, once 1c is done: like stage 3, on the teacher outputs the two heads share when their cursors
+#     1d.       the same for data/heads/prompts-4.jsonl (the last usable ShareGPT first turns, up to 4,000
+#               characters, and 6,000 more documented functions from a wider set of installed packages, shuffled
+#               together: scripts/mix_prompts.py), committed as data/heads/smollm2-regenerated-4.jsonl.gz
+#     4. eagle3 rounds, once 1d is done: like stage 3, on the teacher outputs the two heads share when their cursors
 #               meet (--share-teacher-cache: whichever reaches a row first runs the target, the other reads the row
 #               and deletes it)
 #   training lane
 #     2. data   the pool: every conversation the second bundle had not trained on, in a fixed order that only grows
 #               at its end (data/heads/smollm2-regenerated-2.jsonl from line FIRST_UNSEEN on, stage 1's answers
-#               and the first CODE_FIRST of stage 1b's; then the rest of 1b's; then 1c's as they come), without the
+#               and the first CODE_FIRST of stage 1b's; then the rest of 1b's and 1c's, shuffled together so that
+#               no round is all code; then 1d's as they come), without the
 #               bundled heads' 32 held-out conversations, which are kept apart for evaluation
 #     3. peagle rounds: the bundled P-EAGLE head continued on the next ROWS conversations past its cursor with the
 #               cheapest step that learns as much (docs/heads.md, "Recipe search": 8 COD depths at r 0.7, frozen LM
@@ -88,6 +92,7 @@ regenerate() {
 restore regen3 data/heads/smollm2-regenerated-3.jsonl.gz
 restore regen-code data/heads/smollm2-regenerated-code.jsonl.gz
 restore regen-multi data/heads/smollm2-regenerated-multi.jsonl.gz
+restore regen4 data/heads/smollm2-regenerated-4.jsonl.gz
 regenerate data/heads/prompts-3.jsonl regen3 >> "$WORK/logs/data.log" 2>&1 & wait $!   # stage 1
 
 # common ROUND: the training flags every stage shares, on ROUND's data and teacher cache (held out: the same 32)
@@ -123,8 +128,9 @@ gate() {
 rounds() {
   local method=$1 round status pool
   shift
-  pool=("$WORK/train.jsonl" "$WORK/regen-code/regenerated.jsonl:$((CODE_FIRST + 1))"
-        "$WORK/regen-multi/regenerated.jsonl")
+  # (the second source is a group of two finished files, shuffled together: campaign_rounds.py)
+  pool=("$WORK/train.jsonl" "$WORK/regen-code/regenerated.jsonl:$((CODE_FIRST + 1))+$WORK/regen-multi/regenerated.jsonl"
+        "$WORK/regen4/regenerated.jsonl")
   while true; do
     set +e
     round=$(python3 scripts/campaign_rounds.py next --method "$method" --rows "$ROWS" --rounds "$WORK/rounds" \
@@ -146,6 +152,7 @@ rounds() {
 data_lane() {
   regenerate data/heads/prompts-code.jsonl regen-code         # stage 1b
   regenerate data/heads/prompts-multi.jsonl regen-multi 4096  # stage 1c
+  regenerate data/heads/prompts-4.jsonl regen4 2048           # stage 1d (prompts of up to 4,000 characters)
   until [ -f "$WORK/heldout-data/peagle_data.json" ]; do sleep 60; done   # (a failed stage 2 stops the campaign)
   rounds eagle3                                               # stage 4
 }
@@ -194,6 +201,6 @@ lane training training_lane & training=$!
 python3 scripts/campaign_slices.py --work "$WORK" --rounds "$WORK/rounds" --watch >> "$WORK/logs/slices.log" 2>&1 &
 wait $training
 wait $data
-log "done: the pool is used up for both heads; add data (stages 1b, 1c) for more rounds"
+log "done: the pool is used up for both heads; add data (a stage like 1d, appended to the pool) for more rounds"
 exit
 }

@@ -15,12 +15,16 @@ record of every round: the learning curve's rows.
         --baseline BUNDLED.json                                           # gate, bundle, record, advance
 
 The pool is the SOURCE files in order (from line FIRST_LINE, 1-based), less the held-out conversations: sources only
-ever grow at their end (answers are appended as they are made), so a row's place in the pool never changes.
+ever grow at their end (answers are appended as they are made), so a row's place in the pool never changes. A
+SOURCE may be a group of finished files joined by "+" (PATH[:FIRST_LINE]+PATH...): their lines are shuffled together
+with a fixed seed, so that a round past the group's start trains on a mix of them, not on one file's kind alone (a
+group's files must be complete, or its order would change as they grew).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import shutil
 import sys
 import time
@@ -36,7 +40,8 @@ BUNDLES = {"peagle": "smollm2-135m-peagle", "eagle3": "smollm2-135m-eagle3"}
 # What the cursors count (scripts/campaign.sh composes it; changing its order would make them meaningless)
 POOL = ("the conversations the second bundle had not trained on, in this order, less the 32 held out: "
         "smollm2-regenerated-2 from line 1,217, smollm2-regenerated-3, the first 1,280 code answers; the rest of the "
-        "code answers; the multi-turn conversations as they are answered")
+        "code answers and the multi-turn conversations, shuffled together (seed 0); the answers to prompts-4 "
+        "(chat and code, mixed) as they are answered")
 NOT_ENOUGH_ROWS = 3  # `next`'s exit status when the pool has fewer than ROWS new conversations (yet)
 
 
@@ -52,15 +57,23 @@ def save_state(state: dict, path: Path = STATE) -> None:
     tmp.replace(path)
 
 
+GROUP_SEED = 0
+
+
+def source_lines(source: str, heldout: set[str]) -> list[str]:
+    """One SOURCE's lines: PATH[:FIRST_LINE], or finished files joined by "+" and shuffled together."""
+    if "+" in source:
+        lines = [line for part in source.split("+") for line in source_lines(part, heldout)]
+        random.Random(GROUP_SEED).shuffle(lines)
+        return lines
+    path, _, first = source.partition(":")
+    return [line for n, line in enumerate(Path(path).read_text().splitlines(), 1)
+            if n >= int(first or 1) and line.strip() and json.loads(line)["id"] not in heldout]
+
+
 def pool(sources: list[str], heldout: set[str]) -> list[str]:
-    """The pool's lines: each SOURCE[:FIRST_LINE] in order, held-out conversation ids left out."""
-    lines = []
-    for source in sources:
-        path, _, first = source.partition(":")
-        for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-            if n >= int(first or 1) and line.strip() and json.loads(line)["id"] not in heldout:
-                lines.append(line)
-    return lines
+    """The pool's lines: each SOURCE in order, held-out conversation ids left out."""
+    return [line for source in sources for line in source_lines(source, heldout)]
 
 
 def round_dir(rounds: Path, first: int, rows: int) -> Path:
@@ -144,7 +157,8 @@ def main() -> None:
     nxt.add_argument("--rows", type=int, required=True, help="conversations per round")
     nxt.add_argument("--rounds", type=Path, required=True, help="the folder that holds the rounds")
     nxt.add_argument("--heldout", type=Path, required=True, help="the held-out conversations (never trained on)")
-    nxt.add_argument("sources", nargs="+", help="the pool's files in order, each as PATH or PATH:FIRST_LINE")
+    nxt.add_argument("sources", nargs="+", help="the pool's files in order, each as PATH or PATH:FIRST_LINE, or "
+                     "finished files joined by + to be shuffled together")
     close = sub.add_parser("close", help="gate, re-bundle if clearly better, record the round, advance the cursor")
     close.add_argument("--method", choices=BUNDLES, required=True)
     close.add_argument("--round", type=Path, required=True)

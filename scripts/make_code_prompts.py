@@ -3,6 +3,8 @@ library and of installed packages, each given as its signature and docstring (th
 for `peagle data prepare --regenerate` to complete with the target's own answer.
 
     python3 scripts/make_code_prompts.py --num 4000 --first-id 0 --out data/heads/prompts-code.jsonl
+    python3 scripts/make_code_prompts.py --num 6000 --first-id 4000 --packages "$(python3 scripts/make_code_prompts.py \
+        --list-wide)" --exclude data/heads/prompts-code.jsonl --out data/heads/prompts-code-2.jsonl
 
 Functions are read with `ast` (nothing is imported), deduplicated by their prompt, and drawn with a fixed seed from
 the sorted list, so one machine's packages give one file; it is committed, since another machine's packages differ.
@@ -20,18 +22,25 @@ from pathlib import Path
 
 PACKAGES = ("numpy", "transformers", "tokenizers", "safetensors", "fastapi", "pydantic", "starlette", "tqdm",
             "matplotlib", "scipy", "requests", "urllib3", "click", "jinja2", "yaml", "packaging", "httpx")
+# The second code file's sources: the first file's and the other pure-Python packages that `scripts/setup.sh --test`
+# and the machine image bring (a name that is not installed adds nothing).
+WIDE = PACKAGES + ("torch", "pandas", "sympy", "networkx", "datasets", "huggingface_hub", "accelerate", "pyarrow",
+                   "rich", "pygments", "jsonschema", "docutils", "IPython", "jedi", "parso", "hypothesis", "fontTools",
+                   "PIL", "prompt_toolkit", "libcst", "flask", "botocore", "boto3", "moto", "markdown_it", "anyio",
+                   "openai", "pytest", "_pytest", "attr", "dateutil", "fsspec", "multiprocess", "dill", "networkx",
+                   "pyparsing", "cryptography", "mpmath", "gguf", "prometheus_client", "regex", "loguru")
 MIN_DOC, MAX_DOC = 40, 800        # characters: a docstring that says what the function does, not a manual page
 MIN_BODY, MAX_BODY = 3, 40        # lines of the body the answer should roughly write
 
 
-def source_files() -> list[Path]:
-    """The standard library's modules (no tests) and those of the installed PACKAGES, sorted."""
+def source_files(packages: tuple[str, ...] = PACKAGES) -> list[Path]:
+    """The standard library's modules (no tests) and those of the installed packages, sorted."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = [p for p in stdlib.glob("*.py")]
     files += [p for d in ("json", "email", "http", "urllib", "asyncio", "concurrent", "importlib", "logging",
                           "xml", "collections", "unittest") for p in (stdlib / d).rglob("*.py")]
     site = Path(sysconfig.get_paths()["purelib"])
-    for name in PACKAGES:
+    for name in dict.fromkeys(packages):
         files += (site / name).rglob("*.py")
     return sorted(p for p in files if "test" not in p.relative_to(p.anchor).as_posix().lower())
 
@@ -57,15 +66,37 @@ def function_prompts(path: Path) -> list[str]:
     return out
 
 
+PROMPT = "Complete the following Python function.\n\n```python\n{function}\n```"
+
+
+def _function(prompt: str) -> str:
+    """The function a prompt asks for (PROMPT's inverse)."""
+    head, tail = PROMPT.split("{function}")
+    return prompt.removeprefix(head).removesuffix(tail)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num", type=int, default=4000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--first-id", type=int, default=0, help="number the prompts code-N from here")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--packages", help="comma-separated installed packages to read besides the standard library "
+                    f"(default: {','.join(PACKAGES)})")
+    ap.add_argument("--list-wide", action="store_true", help="print the second code file's package list and exit")
+    ap.add_argument("--exclude", action="append", default=[],
+                    help="a JSONL of code prompts (an earlier file) whose functions must not be picked again")
+    ap.add_argument("--out")
     args = ap.parse_args()
-    files = source_files()
-    seen: set[str] = set()
+    if args.list_wide:
+        print(",".join(dict.fromkeys(WIDE)))
+        return
+    if not args.out:
+        ap.error("--out is required")
+    files = source_files(tuple(args.packages.split(",")) if args.packages else PACKAGES)
+    # An earlier file's functions count as seen, so a second file never repeats one of its prompts.
+    seen: set[str] = {json.loads(line)["messages"][0]["content"] for path in args.exclude
+                      for line in open(path, encoding="utf-8") if line.strip()}
+    seen = {_function(text) for text in seen}
     prompts: list[str] = []
     for i, path in enumerate(files, 1):
         for p in function_prompts(path):
@@ -78,7 +109,7 @@ def main() -> None:
     random.Random(args.seed).shuffle(prompts)
     with open(args.out, "w", encoding="utf-8") as f:
         for n, p in enumerate(prompts[:args.num]):
-            text = f"Complete the following Python function.\n\n```python\n{p}\n```"
+            text = PROMPT.format(function=p)
             f.write(json.dumps({"id": f"code-{args.first_id + n}",
                                 "messages": [{"role": "user", "content": text},
                                              {"role": "assistant", "content": "(regenerated by the target)"}]},

@@ -75,7 +75,8 @@ def test_benchmark_prompts_never_enter_the_regenerated_data(prompt_set):
     prompts = {p.text.strip()[:200] for p in load_dataset(prompt_set)}
     heads = ROOT / "data" / "heads"
     files = [heads / "smollm2-regenerated-3.jsonl.gz", heads / "prompts-code.jsonl", heads / "prompts-multi.jsonl",
-             *heads.glob("smollm2-regenerated-code.jsonl.gz"), *heads.glob("smollm2-regenerated-multi.jsonl.gz")]
+             heads / "prompts-4.jsonl", *heads.glob("smollm2-regenerated-code.jsonl.gz"),
+             *heads.glob("smollm2-regenerated-multi.jsonl.gz"), *heads.glob("smollm2-regenerated-4.jsonl.gz")]
     for path in files:
         for line in (gzip.open if path.suffix == ".gz" else open)(path, "rt", encoding="utf-8"):
             users = [m["content"] for m in json.loads(line)["messages"] if m["role"] == "user"]
@@ -188,6 +189,39 @@ def conversations(path: Path, ids: list[str]) -> None:
     with open(path, "a") as f:
         for i in ids:
             f.write(json.dumps({"id": i, "messages": [{"role": "user", "content": i}]}) + "\n")
+
+
+def test_a_pool_group_mixes_finished_files_in_a_fixed_order(tmp_path):
+    """Finished files joined by "+" are shuffled together (so that no round past the group's start is one kind of
+    conversation alone), the same way every time; held-out rows and lines before FIRST_LINE stay out, and the
+    sources before the group keep their rows."""
+    rounds_mod = script("campaign_rounds")
+    first, code, chat = tmp_path / "first.jsonl", tmp_path / "code.jsonl", tmp_path / "chat.jsonl"
+    conversations(first, ["a0", "a1"])
+    conversations(code, [f"c{i}" for i in range(20)])
+    conversations(chat, [f"m{i}" for i in range(20)])
+    sources = [str(first), f"{code}:3+{chat}"]
+    ids = [json.loads(line)["id"] for line in rounds_mod.pool(sources, {"m5"})]
+    assert ids[:2] == ["a0", "a1"]
+    assert sorted(ids[2:]) == sorted([f"c{i}" for i in range(2, 20)] + [f"m{i}" for i in range(20) if i != 5])
+    assert ids == [json.loads(line)["id"] for line in rounds_mod.pool(sources, {"m5"})]  # a fixed order
+    head = ids[2:12]  # the group's first rows mix both files rather than run through one
+    assert any(i.startswith("c") for i in head) and any(i.startswith("m") for i in head)
+
+
+def test_mixed_prompt_files_keep_every_conversation_once(tmp_path):
+    """scripts/mix_prompts.py: every conversation of the inputs once, in a seeded order; shared ids are refused."""
+    a, b, out = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "out.jsonl"
+    conversations(a, [f"a{i}" for i in range(10)])
+    conversations(b, [f"b{i}" for i in range(10)])
+    run = [sys.executable, str(ROOT / "scripts" / "mix_prompts.py"), "--inputs", str(a), str(b), "--out", str(out)]
+    subprocess.run(run, check=True, capture_output=True)
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert sorted(ids) == sorted([f"a{i}" for i in range(10)] + [f"b{i}" for i in range(10)])
+    assert ids[:10] != [f"a{i}" for i in range(10)]
+    conversations(b, ["a3"])
+    bad = subprocess.run(run, capture_output=True, text=True)
+    assert bad.returncode != 0 and "share conversation ids" in bad.stderr
 
 
 def test_campaign_rounds_move_past_their_rows_and_rebundle_only_a_better_head(tmp_path):
