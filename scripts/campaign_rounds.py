@@ -60,13 +60,18 @@ def save_state(state: dict, path: Path = STATE) -> None:
 GROUP_SEED = 0
 
 
-def source_lines(source: str, heldout: set[str]) -> list[str]:
-    """One SOURCE's lines: PATH[:FIRST_LINE], or finished files joined by "+" and shuffled together."""
+def source_lines(source: str, heldout: set[str], group: bool = False) -> list[str]:
+    """One SOURCE's lines: PATH[:FIRST_LINE] (none while the file is not there yet), or finished files joined by
+    "+" and shuffled together."""
     if "+" in source:
-        lines = [line for part in source.split("+") for line in source_lines(part, heldout)]
+        lines = [line for part in source.split("+") for line in source_lines(part, heldout, group=True)]
         random.Random(GROUP_SEED).shuffle(lines)
         return lines
     path, _, first = source.partition(":")
+    if not Path(path).exists():  # answers not begun yet; a group's files, finished, are always there
+        if group:
+            raise SystemExit(f"campaign_rounds: {path} is missing, but a group's files must be finished")
+        return []
     return [line for n, line in enumerate(Path(path).read_text().splitlines(), 1)
             if n >= int(first or 1) and line.strip() and json.loads(line)["id"] not in heldout]
 

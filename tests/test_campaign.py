@@ -207,6 +207,10 @@ def test_a_pool_group_mixes_finished_files_in_a_fixed_order(tmp_path):
     assert ids == [json.loads(line)["id"] for line in rounds_mod.pool(sources, {"m5"})]  # a fixed order
     head = ids[2:12]  # the group's first rows mix both files rather than run through one
     assert any(i.startswith("c") for i in head) and any(i.startswith("m") for i in head)
+    # a source whose answers have not begun adds nothing yet; a group's files must be there
+    assert rounds_mod.pool([*sources, str(tmp_path / "later.jsonl")], {"m5"}) == rounds_mod.pool(sources, {"m5"})
+    with pytest.raises(SystemExit, match="must be finished"):
+        rounds_mod.pool([f"{code}+{tmp_path / 'later.jsonl'}"], set())
 
 
 def test_mixed_prompt_files_keep_every_conversation_once(tmp_path):
