@@ -24,7 +24,8 @@
 #               data/heads/smollm2-regenerated-multi.jsonl.gz
 #     1d.       the same for data/heads/prompts-4.jsonl (the last usable ShareGPT first turns, up to 4,000
 #               characters, and 6,000 more documented functions from a wider set of installed packages, shuffled
-#               together: scripts/mix_prompts.py), committed as data/heads/smollm2-regenerated-4.jsonl.gz
+#               together: scripts/mix_prompts.py; answers of up to 512 tokens), committed as
+#               data/heads/smollm2-regenerated-4.jsonl.gz
 #     4. eagle3 rounds, once 1d is done: like stage 3, on the teacher outputs the two heads share when their cursors
 #               meet (--share-teacher-cache: whichever reaches a row first runs the target, the other reads the row
 #               and deletes it)
@@ -82,11 +83,11 @@ restore() {
     gzip -dc "$committed" > "$WORK/$name/regenerated.jsonl"
   fi
 }
-# regenerate PROMPTS NAME [LEN]: SmolLM2's answers to PROMPTS in WORK/NAME, skipping the answers already there;
-# a conversation longer than LEN tokens (1024) is cut before the turn that would pass it.
+# regenerate PROMPTS NAME [LEN [NEW]]: SmolLM2's answers to PROMPTS in WORK/NAME, skipping the answers already there;
+# a conversation longer than LEN tokens (1024) is cut before the turn that would pass it, an answer at NEW tokens (256)
 regenerate() {
   log "regenerate $1"
-  peagle data prepare --input "$1" --out "$WORK/$2" --regenerate --max-new-tokens 256 \
+  peagle data prepare --input "$1" --out "$WORK/$2" --regenerate --max-new-tokens "${4:-256}" \
     --max-model-len "${3:-1024}" --batch-size 32 --max-num-seqs 16
 }
 restore regen3 data/heads/smollm2-regenerated-3.jsonl.gz
@@ -152,7 +153,9 @@ rounds() {
 data_lane() {
   regenerate data/heads/prompts-code.jsonl regen-code         # stage 1b
   regenerate data/heads/prompts-multi.jsonl regen-multi 4096  # stage 1c
-  regenerate data/heads/prompts-4.jsonl regen4 2048           # stage 1d (prompts of up to 4,000 characters)
+  # stage 1d: prompts of up to 4,000 characters; answers of up to 512 tokens, since two thirds of SmolLM2's are cut
+  # at 256 and its prompts are nearly all used, more of each answer is where more training tokens come from
+  regenerate data/heads/prompts-4.jsonl regen4 2048 512
   until [ -f "$WORK/heldout-data/peagle_data.json" ]; do sleep 60; done   # (a failed stage 2 stops the campaign)
   rounds eagle3                                               # stage 4
 }
