@@ -61,7 +61,8 @@ FIRST_UNSEEN="${FIRST_UNSEEN:-1217}"   # the second bundle trained on lines 1-1,
 CODE_FIRST="${CODE_FIRST:-1280}"       # code answers in round 1's training data: those committed when it was fixed
 # ROWS: conversations per round, sized to finish within a session: P-EAGLE's step (4 conversations) took about 5.5 s
 # on a Zen 4 core, whose AVX-512 BF16 the trainer's bf16 compute uses, and 20-28 s on a Zen 3 core, which has no bf16
-# instructions (docs/heads.md, "Rounds that fit a session")
+# instructions (docs/heads.md, "Rounds that fit a session"). ROWS sizes new rounds only: a round already begun at a
+# head's cursor is finished whatever ROWS is (ROWS=1600 when a session has about an hour left for the next round).
 if [ -z "${ROWS:-}" ]; then grep -qw -e avx512_bf16 -e amx_bf16 /proc/cpuinfo && ROWS=3200 || ROWS=800; fi
 LR="${LR:-5e-4}"                       # a continuation's rate (docs/heads.md, "The second bundle")
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"

@@ -88,8 +88,13 @@ def round_dir(rounds: Path, first: int, rows: int) -> Path:
 
 def next_round(method: str, rows: int, rounds: Path, sources: list[str], heldout: set[str],
                state_path: Path = STATE) -> Path | None:
-    """The folder of `method`'s next round, with its train.jsonl written; None when the pool is short of ROWS."""
+    """The folder of `method`'s next round, with its train.jsonl written; None when the pool is short of ROWS.
+    A round already begun at the cursor (by either head) is that round, whatever ROWS is now: a campaign restarted
+    with another ROWS (another machine, a shorter session) finishes it rather than leave it half trained."""
     first = load_state(state_path)["trained_rows"][method]
+    begun = sorted(rounds.glob(f"rows-{first:06d}-*/train.jsonl"))
+    if begun:
+        return begun[0].parent
     lines = pool(sources, heldout)[first:first + rows]
     if len(lines) < rows:
         return None

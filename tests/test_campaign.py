@@ -264,6 +264,9 @@ def test_campaign_rounds_move_past_their_rows_and_rebundle_only_a_better_head(tm
     assert rounds_mod.close_round("peagle", one, better, baseline, state, bundle_fn=bundled.append) == rec
     assert len(bundled) == 1 and len(json.loads(state.read_text())["rounds"]) == 1  # closed twice, recorded once
 
+    # a round begun at a head's cursor is resumed whatever ROWS is now
+    assert rounds_mod.next_round("eagle3", 2, rounds, sources, heldout, state) == one
+
     # the pool is short of a second round of 4 until more answers arrive at a source's end
     assert rounds_mod.next_round("peagle", 4, rounds, sources, heldout, state) is None
     conversations(second, ["b2", "b3"])
