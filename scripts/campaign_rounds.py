@@ -13,6 +13,7 @@ record of every round: the learning curve's rows.
         --heldout runs/campaign/heldout.jsonl SOURCE[:FIRST_LINE]...     # prints the round's folder
     python3 scripts/campaign_rounds.py close --method peagle --round ROUND --acceptance NEW.json \\
         --baseline BUNDLED.json                                           # gate, bundle, record, advance
+    python3 scripts/campaign_rounds.py table                              # the rounds so far, as a table
 
 The pool is the SOURCE files in order (from line FIRST_LINE, 1-based), less the held-out conversations: sources only
 ever grow at their end (answers are appended as they are made), so a row's place in the pool never changes. A
@@ -159,6 +160,23 @@ def close_round(method: str, round_path: Path, acceptance: Path, baseline: Path,
     return rec
 
 
+def table(state: dict) -> str:
+    """The rounds as a markdown table: the campaign's learning curve in benchmark acceptance, a row per round."""
+    out = ["| head | rows | steps | tokens | the head's campaign tokens so far | K | HumanEval: round / bundle | "
+           "MT-Bench: round / bundle | re-bundled | machine |", "|---|---|---:|---:|---:|---:|---|---|---|---|"]
+    seen: dict[str, int] = {}
+    for rec in state["rounds"]:
+        seen[rec["method"]] = seen.get(rec["method"], 0) + rec["tokens"]
+        cells = []
+        for ds in ("humaneval", "mtbench"):
+            new, old = rec["mean_acceptance_length"].get(ds), rec["bundled_mean_acceptance_length"].get(ds)
+            cells.append(f"{new:.3f} / {old:.3f} ({new / old - 1:+.1%})" if new and old else "")
+        verdict = "yes" if rec["bundled"] else "no: " + "; ".join(rec["why_not"])
+        out.append(f"| {rec['method']} | {rec['rows'][0]:,}-{rec['rows'][1]:,} | {rec['steps']} | {rec['tokens']:,} | "
+                   f"{seen[rec['method']]:,} | {rec['k']} | {cells[0]} | {cells[1]} | {verdict} | {rec['machine']} |")
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -174,8 +192,11 @@ def main() -> None:
     close.add_argument("--round", type=Path, required=True)
     close.add_argument("--acceptance", type=Path, required=True, help="the round's head, measured here")
     close.add_argument("--baseline", type=Path, required=True, help="the bundled head, measured here")
+    sub.add_parser("table", help="print the rounds recorded in data/heads/campaign.json as a markdown table")
     args = ap.parse_args()
-    if args.command == "next":
+    if args.command == "table":
+        print(table(load_state()))
+    elif args.command == "next":
         heldout = {json.loads(line)["id"] for line in args.heldout.read_text().splitlines() if line.strip()}
         out = next_round(args.method, args.rows, args.rounds, args.sources, heldout)
         if out is None:

@@ -275,6 +275,9 @@ def test_campaign_rounds_move_past_their_rows_and_rebundle_only_a_better_head(tm
     assert [json.loads(line)["id"] for line in (two / "train.jsonl").read_text().splitlines()] == [
         "a5", "b0", "b1", "b2"]
 
+    assert "| peagle | 0-4 | 3 | 30 | 30 | 7 | 1.600 / 1.500 (+6.7%) | 1.500 / 1.400 (+7.1%) | yes |" in \
+        rounds_mod.table(json.loads(state.read_text()))
+
     # a round that is not clearly better is recorded and passed over, but not bundled
     (two / "peagle").mkdir()
     (two / "peagle" / "train_log.jsonl").write_text(json.dumps({"step": 1, "tokens": 5}) + "\n")
