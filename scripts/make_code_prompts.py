@@ -27,7 +27,7 @@ PACKAGES = ("numpy", "transformers", "tokenizers", "safetensors", "fastapi", "py
 WIDE = PACKAGES + ("torch", "pandas", "sympy", "networkx", "datasets", "huggingface_hub", "accelerate", "pyarrow",
                    "rich", "pygments", "jsonschema", "docutils", "IPython", "jedi", "parso", "hypothesis", "fontTools",
                    "PIL", "prompt_toolkit", "libcst", "flask", "botocore", "boto3", "moto", "markdown_it", "anyio",
-                   "openai", "pytest", "_pytest", "attr", "dateutil", "fsspec", "multiprocess", "dill", "networkx",
+                   "openai", "pytest", "_pytest", "attr", "dateutil", "fsspec", "multiprocess", "dill",
                    "pyparsing", "cryptography", "mpmath", "gguf", "prometheus_client", "regex", "loguru")
 MIN_DOC, MAX_DOC = 40, 800        # characters: a docstring that says what the function does, not a manual page
 MIN_BODY, MAX_BODY = 3, 40        # lines of the body the answer should roughly write
@@ -94,9 +94,8 @@ def main() -> None:
         ap.error("--out is required")
     files = source_files(tuple(args.packages.split(",")) if args.packages else PACKAGES)
     # An earlier file's functions count as seen, so a second file never repeats one of its prompts.
-    seen: set[str] = {json.loads(line)["messages"][0]["content"] for path in args.exclude
+    seen: set[str] = {_function(json.loads(line)["messages"][0]["content"]) for path in args.exclude
                       for line in open(path, encoding="utf-8") if line.strip()}
-    seen = {_function(text) for text in seen}
     prompts: list[str] = []
     for i, path in enumerate(files, 1):
         for p in function_prompts(path):
