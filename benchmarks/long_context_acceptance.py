@@ -10,6 +10,10 @@ behind a history of that length, greedy, and the engine's own counters give the 
 
     python benchmarks/long_context_acceptance.py                          # 512, 2K, 4K, 7K; both heads, K=7
     python benchmarks/long_context_acceptance.py --lengths 512 2048 --num-questions 2 --out /tmp/lc
+    python benchmarks/long_context_acceptance.py --methods peagle --peagle-head runs/campaign/rounds/R/peagle
+
+A head other than the bundled one (a round's, a checkpoint folder) is named with --peagle-head / --eagle3-head;
+keep each head's runs in their own --out.
 
 The questions of one length share their history, so the prefix cache prefills it once. Both heads must produce the
 same tokens for every prompt (speculation is lossless); the report checks it. Each run is kept in OUT/runs/ and
@@ -91,11 +95,11 @@ def prompts(source: str, length: int, num_questions: int, tokenizer) -> tuple[li
     return [history + p.chat_messages() for p in questions], _tokens(tokenizer, history)
 
 
-def run_one(method: str, k: int, source: str, length: int, num_questions: int, max_tokens: int) -> dict:
+def run_one(method: str, head: str, k: int, source: str, length: int, num_questions: int, max_tokens: int) -> dict:
     from peagle.engine.engine import LLMEngine
     from peagle.engine.sampling import SamplingParams
 
-    spec = {"model": HEADS[method], "method": "eagle3", "num_speculative_tokens": k,
+    spec = {"model": head, "method": "eagle3", "num_speculative_tokens": k,
             "parallel_drafting": method == "peagle"}
     engine = LLMEngine.from_pretrained(None, spec, max_num_seqs=num_questions, max_model_len=MAX_MODEL_LEN,
                                        speculation_policy="fixed")
@@ -103,7 +107,7 @@ def run_one(method: str, k: int, source: str, length: int, num_questions: int, m
     t0 = time.process_time()
     outs = engine.generate(batch, SamplingParams(max_tokens=max_tokens), chat=True)
     tokens = [o.token_ids for o in outs]
-    return {"method": method, "k": k, "source": source, "length": length, "history_tokens": history_tokens,
+    return {"method": method, "head": head, "k": k, "source": source, "length": length, "history_tokens": history_tokens,
             "questions": len(batch), "max_tokens": max_tokens, "output_tokens": sum(map(len, tokens)),
             "cpu_seconds": round(time.process_time() - t0, 1),
             "outputs_sha256": hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16], **engine.stats.as_dict()}
@@ -135,6 +139,8 @@ def main() -> None:
                     help="history lengths in tokens (with the question and answer within 8,192)")
     ap.add_argument("--sources", nargs="+", choices=("chat", "code"), default=["chat", "code"])
     ap.add_argument("--methods", nargs="+", choices=tuple(HEADS), default=list(HEADS))
+    ap.add_argument("--peagle-head", default=HEADS["peagle"], help="a bundled head's name or a head's folder")
+    ap.add_argument("--eagle3-head", default=HEADS["eagle3"])
     ap.add_argument("--k", type=int, default=7)
     ap.add_argument("--num-questions", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -152,8 +158,11 @@ def main() -> None:
     todo = [(s, n, m) for s in args.sources for n in args.lengths for m in args.methods]
     for i, (source, length, method) in enumerate(todo, 1):
         path = out / "runs" / f"{source}-{length}-{method}-k{args.k}.json"
+        head = getattr(args, f"{method}_head")
+        if path.exists() and json.loads(path.read_text()).get("head", HEADS[method]) != head:
+            ap.error(f"{path} was measured with another {method} head; give this head its own --out")
         if not path.exists():
-            r = run_one(method, args.k, source, length, args.num_questions, args.max_tokens)
+            r = run_one(method, head, args.k, source, length, args.num_questions, args.max_tokens)
             path.write_text(json.dumps(r, indent=1))
             print(f"[{i}/{len(todo)}] {source} {r['history_tokens']} tokens {method}: mean acceptance length "
                   f"{r['mean_acceptance_length']:.3f} ({r['cpu_seconds']} CPU s)", flush=True)

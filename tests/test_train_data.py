@@ -114,6 +114,28 @@ def test_heldout_prompts_are_refused(tmp_path, smollm2_dir):
     assert main(["data", "prepare", "--input", "mt-bench", "--out", str(tmp_path / "no")]) == 2
 
 
+def test_pack_to_joins_conversations_in_order(tmp_path, smollm2_dir, tokenizer):
+    """--pack-to joins consecutive conversations into long rows: every token and mask bit kept once, in order, no row
+    over the limit unless one conversation alone is."""
+    from peagle.cli import main
+
+    convs = [[{"role": "user", "content": f"Question {i}: " + "word " * (10 * i)},
+              {"role": "assistant", "content": f"Answer {i}. " + "more " * (7 * i)}] for i in range(1, 9)]
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps({"id": f"c{i}", "messages": m}) + "\n" for i, m in enumerate(convs)))
+    singles = [render_conversation(tokenizer, m) for m in convs]
+    limit = len(singles[0].input_ids) + len(singles[1].input_ids) + 5  # the first two fit, later ones go alone
+    assert main(["data", "prepare", "--input", str(src), "--out", str(tmp_path / "p"), "--target", str(smollm2_dir),
+                 "--pack-to", str(limit)]) == 0
+    rows = load_rows(tmp_path / "p")
+    assert rows[0]["id"] == "c0+c1" and len(rows) < len(convs)
+    assert [i for r in rows for i in r["id"].split("+")] == [f"c{i}" for i in range(len(convs))]
+    assert sum((r["input_ids"] for r in rows), []) == sum((r.input_ids for r in singles), [])
+    assert sum((r["loss_mask"] for r in rows), []) == sum((r.loss_mask for r in singles), [])
+    assert all(len(r["input_ids"]) <= limit or "+" not in r["id"] for r in rows)
+    assert json.loads((tmp_path / "p" / "peagle_data.json").read_text())["packed_to"] == limit
+
+
 def test_regenerate_turn_by_turn_and_resume(tmp_path, tokenizer):
     from peagle.train.data_cmd import regenerate
 

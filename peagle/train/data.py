@@ -282,6 +282,25 @@ def build_rows(conversations: Iterable[tuple[str, list[dict]]], tokenizer, max_l
         yield {"id": cid, "input_ids": r.input_ids, "loss_mask": r.loss_mask}
 
 
+def pack_rows(rows: Iterable[dict], pack_to: int) -> Iterator[dict]:
+    """Consecutive rows joined, in order, into rows of at most `pack_to` tokens (a row already longer stays alone):
+    long training sequences from short conversations, so that a head learns to draft behind thousands of tokens of
+    history it must mostly ignore, as users' long chats and pasted files are (docs/training.md, "Data").
+    Each part keeps its own loss mask; the joined id lists the parts' ids with "+"."""
+    ids: list[str] = []
+    tokens: list[int] = []
+    mask: list[int] = []
+    for r in rows:
+        if tokens and len(tokens) + len(r["input_ids"]) > pack_to:
+            yield {"id": "+".join(ids), "input_ids": tokens, "loss_mask": mask}
+            ids, tokens, mask = [], [], []
+        ids.append(r["id"])
+        tokens = tokens + list(r["input_ids"])
+        mask = mask + list(r["loss_mask"])
+    if tokens:
+        yield {"id": "+".join(ids), "input_ids": tokens, "loss_mask": mask}
+
+
 def save_rows(rows: Iterable[dict], out: str | Path, meta: dict) -> dict:
     """Write rows as a Hugging Face `datasets` folder (columns id, input_ids, loss_mask) plus peagle_data.json."""
     import datasets

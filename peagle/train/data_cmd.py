@@ -18,7 +18,7 @@ from typing import Callable
 
 from peagle import cli_args
 from peagle.train.data import (DATA_META, HeldOutDataError, HeldOutGuard, build_rows, iter_conversations,
-                               save_rows)
+                               pack_rows, save_rows)
 
 # answers a batch of chat prompts: (text, finished) per prompt; finished is False when max_new_tokens cut the answer
 Generator = Callable[[list[list[dict]]], list[tuple[str, bool]]]
@@ -38,6 +38,9 @@ def register(name: str, parser) -> None:
     p.add_argument("--limit", type=cli_args.positive_int, default=None, help="use at most this many conversations")
     p.add_argument("--max-seq-len", type=cli_args.positive_int, default=None,
                    help="truncate rendered conversations to this many tokens")
+    p.add_argument("--pack-to", type=cli_args.positive_int, default=None,
+                   help="join consecutive conversations into training rows of up to this many tokens (long "
+                        "histories from short conversations; train with --max-seq-len at least this)")
     p.add_argument("--regenerate", action="store_true", help="replace every assistant turn with the target's answer")
     p.add_argument("--temperature", type=cli_args.temperature, default=0.0, help="regeneration temperature (0: greedy)")
     p.add_argument("--max-new-tokens", type=cli_args.positive_int, default=512, help="longest regenerated answer")
@@ -73,10 +76,12 @@ def run(args) -> int:
                                  args.max_num_seqs)
             kept = regenerate(kept, gen, tokenizer, out / "regenerated.jsonl", args.batch_size,
                               args.max_model_len - args.max_new_tokens)
-        rows = list(build_rows(kept, tokenizer, args.max_seq_len, None, report))  # fills `report`
+        rows = build_rows(kept, tokenizer, args.max_seq_len, None, report)  # fills `report`
+        rows = list(pack_rows(rows, args.pack_to) if args.pack_to else rows)
         meta = save_rows(rows, out, {"source": str(args.input), "target": str(args.target or "embedded"),
                                      "target_dir": str(target_dir), "regenerated": bool(args.regenerate),
                                      "temperature": args.temperature if args.regenerate else None,
+                                     "packed_to": args.pack_to,
                                      "refused": report["refused"], "refused_examples": report["refused_examples"],
                                      "skipped_without_supervised_tokens": report["empty"]})
     except (HeldOutDataError, FileNotFoundError, ValueError) as e:
@@ -89,7 +94,8 @@ def run(args) -> int:
         print(f"peagle data: refused {report['refused']} conversation(s) containing held-out evaluation prompts "
               f"(HumanEval / MT-Bench are what `peagle bench` measures acceptance on; training on them would inflate "
               f"it), e.g. {report['refused_examples'][0]}", file=sys.stderr)
-    print(f"peagle data: wrote {meta['num_rows']} conversations, {meta['num_tokens']} tokens "
+    packed = f" rows of up to {args.pack_to} tokens" if args.pack_to else " conversations"
+    print(f"peagle data: wrote {meta['num_rows']}{packed}, {meta['num_tokens']} tokens "
           f"({meta['num_supervised_tokens']} supervised) to {args.out} ({DATA_META} describes them)", file=sys.stderr)
     return 0
 
