@@ -35,12 +35,14 @@
 #               and the first CODE_FIRST of stage 1b's; then the rest of 1b's and 1c's, shuffled together so that
 #               no round is all code; then 1d's as they come), without the
 #               bundled heads' 32 held-out conversations, which are kept apart for evaluation
-#     3. peagle rounds: the bundled P-EAGLE head continued on the next ROWS conversations past its cursor with the
-#               cheapest step that learns as much (docs/heads.md, "Recipe search": 8 COD depths at r 0.7, frozen LM
-#               head), checkpoint every 20 steps, held-out evaluation every 100 (the same 32 conversations in every
-#               round); then the gate: benchmarks/acceptance.py at K=7 on all of HumanEval and MT-Bench for the
-#               bundled head and the round's, and scripts/campaign_rounds.py close, which re-bundles the round's
-#               head if it beats the bundle by 2% on both sets, records the round and advances the cursor
+#     3. peagle rounds: the P-EAGLE head continued on the next ROWS conversations past its cursor, joined into rows of
+#               up to PACK tokens (long histories), with the cheapest step that learns as much (docs/heads.md, "Recipe
+#               search": 8 COD depths at r 0.7, frozen LM head); a round continues the last round's head when it is
+#               on this machine, bundled or not (else the bundle: campaign_rounds.py start); checkpoint every 20
+#               steps, held-out evaluation every 100 (the same 32 conversations in every round); then the gate:
+#               benchmarks/acceptance.py at K=7 on all of HumanEval and MT-Bench for the bundled head and the
+#               round's, and scripts/campaign_rounds.py close, which re-bundles the round's head if it beats the
+#               bundle by 2% on both sets, records the round and advances the cursor
 #   slice lane (mostly asleep): scripts/campaign_slices.py measures the bundled heads and every 200th step's
 #             checkpoint of every round on the first 16 HumanEval and 16 MT-Bench prompts (K 7), into ROUND/slices
 # Each lane writes its output, with a line when each of its stages starts, to WORK/logs/LANE.log. After a round that
@@ -65,6 +67,10 @@ CODE_FIRST="${CODE_FIRST:-1280}"       # code answers in round 1's training data
 # head's cursor is finished whatever ROWS is (ROWS=1600 when a session has about an hour left for the next round).
 if [ -z "${ROWS:-}" ]; then grep -qw -e avx512_bf16 -e amx_bf16 /proc/cpuinfo && ROWS=3200 || ROWS=800; fi
 LR="${LR:-5e-4}"                       # a continuation's rate (docs/heads.md, "The second bundle")
+# PACK: new rounds train on rows of up to PACK tokens joined from consecutive conversations (docs/training.md, "Data":
+# long histories), one row per step (about as many tokens as 4 conversations); 0 trains on single conversations, 4
+# per step. A round already prepared keeps its rows.
+PACK="${PACK:-4096}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 mkdir -p "$WORK/logs"
 exec 9> "$WORK/.lock"   # one campaign per WORK: a second would train into the same folders
@@ -99,20 +105,26 @@ regenerate data/heads/prompts-3.jsonl regen3 >> "$WORK/logs/data.log" 2>&1 & wai
 
 # common ROUND: the training flags every stage shares, on ROUND's data and teacher cache (held out: the same 32)
 common() {
-  COMMON=(--data "$1/train-data" --eval-data "$WORK/heldout-data" --eval-every 100 --eval-depths 8 --lr "$LR"
+  local rows_per_step=4
+  grep -q '"packed_to": [0-9]' "$1/train-data/peagle_data.json" && rows_per_step=1
+  COMMON=(--data "$1/train-data" --batch-size "$rows_per_step" --eval-data "$WORK/heldout-data" --eval-every 100 --eval-depths 8 --lr "$LR"
           --save-every 20 --resume latest --teacher-cache "$1/teacher-cache" --share-teacher-cache
           --max-seq-len 4096 --no-progress)
 }
-# train ROUND METHOD [FLAG...]: continue the bundled METHOD head on ROUND's data into ROUND/METHOD, unless that
-# head is already done (training_args.json is written last, after the head)
+# train ROUND METHOD [FLAG...]: continue METHOD's last round's head (or the bundle: campaign_rounds.py start) on
+# ROUND's data into ROUND/METHOD, unless that head is already done (training_args.json is written last, after the
+# head); the head a round starts from is fixed when it begins, in ROUND/METHOD.started_from
 train() {
   local round=$1 method=$2
   shift 2
   [ -f "$round/$method/training_args.json" ] && return 0
-  log "train $method in $round from smollm2-135m-$method"
+  [ -f "$round/$method.started_from" ] || python3 scripts/campaign_rounds.py start --method "$method" \
+    --rounds "$WORK/rounds" > "$round/$method.started_from"
+  local from
+  from=$(cat "$round/$method.started_from")
+  log "train $method in $round from $from"
   common "$round"
-  peagle train --method "$method" --init-head "smollm2-135m-$method" --out "$round/$method" --freeze-lm-head "$@" \
-    "${COMMON[@]}"
+  peagle train --method "$method" --init-head "$from" --out "$round/$method" --freeze-lm-head "$@" "${COMMON[@]}"
 }
 # gate ROUND METHOD: the bundled head and the round's, at K=7 on all of HumanEval and MT-Bench, side by side on this
 # machine (the bundle's figures kept per bundle under WORK/baseline); then re-bundle, record and advance
@@ -143,8 +155,11 @@ rounds() {
     [ "$status" -eq 0 ] || return "$status"
     (
       flock 8   # the other head may be preparing the same round
-      [ -f "$round/train-data/peagle_data.json" ] || peagle data prepare --input "$round/train.jsonl" \
-        --out "$round/train-data"
+      if [ ! -f "$round/train-data/peagle_data.json" ]; then
+        pack=()
+        [ "$PACK" -gt 0 ] && pack=(--pack-to "$PACK")
+        peagle data prepare --input "$round/train.jsonl" --out "$round/train-data" "${pack[@]}"
+      fi
     ) 8> "$round/.prepare.lock"
     train "$round" "$method" "$@"
     gate "$round" "$method"

@@ -13,7 +13,13 @@ record of every round: the learning curve's rows.
         --heldout runs/campaign/heldout.jsonl SOURCE[:FIRST_LINE]...     # prints the round's folder
     python3 scripts/campaign_rounds.py close --method peagle --round ROUND --acceptance NEW.json \\
         --baseline BUNDLED.json                                           # gate, bundle, record, advance
+    python3 scripts/campaign_rounds.py start --method peagle --rounds runs/campaign/rounds   # the head to continue
     python3 scripts/campaign_rounds.py table                              # the rounds so far, as a table
+
+A round continues the head of the method's last round when that head is on this machine, bundled or not: a round
+that gained on one set only (code answers move HumanEval, not MT-Bench) is not thrown away, and the gain of the next
+rounds adds to it until the head clears the bundle on both sets. On a fresh machine the line starts again from the
+bundle.
 
 The pool is the SOURCE files in order (from line FIRST_LINE, 1-based), less the held-out conversations: sources only
 ever grow at their end (answers are appended as they are made), so a row's place in the pool never changes. A
@@ -108,6 +114,17 @@ def next_round(method: str, rows: int, rounds: Path, sources: list[str], heldout
     return out
 
 
+def start_head(method: str, rounds: Path, state_path: Path = STATE) -> str:
+    """The head `method`'s next round continues: its last recorded round's, when that head is on this machine;
+    otherwise the bundled head's name."""
+    last = [rec for rec in load_state(state_path)["rounds"] if rec["method"] == method]
+    if last:
+        head = round_dir(rounds, last[-1]["rows"][0], last[-1]["rows"][1] - last[-1]["rows"][0]) / method
+        if (head / "model.safetensors").exists() and (head / "training_args.json").exists():
+            return str(head)
+    return BUNDLES[method]
+
+
 def machine_name() -> str:
     """The CPU and the kernels it ran, as benchmarks/acceptance.py's reports name them."""
     from peagle.bench.plan import machine
@@ -142,7 +159,12 @@ def close_round(method: str, round_path: Path, acceptance: Path, baseline: Path,
     if len(digests) != len({ds for ds, _ in digests}):
         reasons.append("the two heads' greedy outputs differ on one machine: a losslessness bug, not a better head")
     tokens, steps = tokens_and_steps(round_path / method)
-    rec = {"method": method, "rows": [first, end], "steps": steps, "tokens": tokens,
+    data_meta = round_path / "train-data" / "peagle_data.json"
+    packed_to = json.loads(data_meta.read_text()).get("packed_to") if data_meta.exists() else None
+    started = round_path / f"{method}.started_from"
+    started_from = started.read_text().strip() if started.exists() else BUNDLES[method]
+    rec = {"method": method, "rows": [first, end], "steps": steps, "tokens": tokens, "packed_to": packed_to,
+           "started_from": started_from,
            "mean_acceptance_length": {ds: v for ds, (k, v) in deepest_mal(new, method).items()},
            "bundled_mean_acceptance_length": {ds: v for ds, (k, v) in deepest_mal(old, method).items()},
            "k": max(k for k, _ in deepest_mal(new, method).values()),
@@ -160,10 +182,19 @@ def close_round(method: str, round_path: Path, acceptance: Path, baseline: Path,
     return rec
 
 
+def _start_name(started_from: str) -> str:
+    """'the bundle', or the rows of the round whose head a round continued."""
+    if started_from in BUNDLES.values():
+        return "the bundle"
+    first, end = Path(started_from).parent.name.split("-")[1:3]
+    return f"rows {int(first):,}-{int(end):,}'s head"
+
+
 def table(state: dict) -> str:
     """The rounds as a markdown table: the campaign's learning curve in benchmark acceptance, a row per round."""
     out = ["| head | rows | steps | tokens | the head's campaign tokens so far | K | HumanEval: round / bundle | "
-           "MT-Bench: round / bundle | re-bundled | machine |", "|---|---|---:|---:|---:|---:|---|---|---|---|"]
+           "MT-Bench: round / bundle | re-bundled | started from | rows per step | machine |",
+           "|---|---|---:|---:|---:|---:|---|---|---|---|---|---|"]
     seen: dict[str, int] = {}
     for rec in state["rounds"]:
         seen[rec["method"]] = seen.get(rec["method"], 0) + rec["tokens"]
@@ -173,7 +204,10 @@ def table(state: dict) -> str:
             cells.append(f"{new:.3f} / {old:.3f} ({new / old - 1:+.1%})" if new and old else "")
         verdict = "yes" if rec["bundled"] else "no: " + "; ".join(rec["why_not"])
         out.append(f"| {rec['method']} | {rec['rows'][0]:,}-{rec['rows'][1]:,} | {rec['steps']} | {rec['tokens']:,} | "
-                   f"{seen[rec['method']]:,} | {rec['k']} | {cells[0]} | {cells[1]} | {verdict} | {rec['machine']} |")
+                   f"{seen[rec['method']]:,} | {rec['k']} | {cells[0]} | {cells[1]} | {verdict} | "
+                   f"{_start_name(rec.get('started_from', BUNDLES[rec['method']]))} | "
+                   f"{'1 packed to ' + str(rec['packed_to']) + ' tokens' if rec.get('packed_to') else '4 conversations'}"
+                   f" | {rec['machine']} |")
     return "\n".join(out)
 
 
@@ -192,10 +226,15 @@ def main() -> None:
     close.add_argument("--round", type=Path, required=True)
     close.add_argument("--acceptance", type=Path, required=True, help="the round's head, measured here")
     close.add_argument("--baseline", type=Path, required=True, help="the bundled head, measured here")
+    start = sub.add_parser("start", help="print the head the method's next round continues (a folder or a bundle)")
+    start.add_argument("--method", choices=BUNDLES, required=True)
+    start.add_argument("--rounds", type=Path, required=True, help="the folder that holds the rounds")
     sub.add_parser("table", help="print the rounds recorded in data/heads/campaign.json as a markdown table")
     args = ap.parse_args()
     if args.command == "table":
         print(table(load_state()))
+    elif args.command == "start":
+        print(start_head(args.method, args.rounds))
     elif args.command == "next":
         heldout = {json.loads(line)["id"] for line in args.heldout.read_text().splitlines() if line.strip()}
         out = next_round(args.method, args.rows, args.rounds, args.sources, heldout)

@@ -302,3 +302,30 @@ def test_campaign_rounds_move_past_their_rows_and_rebundle_only_a_better_head(tm
     rec = rounds_mod.close_round("eagle3", three, better, baseline, state, bundle_fn=bundled.append)
     assert not rec["bundled"] and rec["why_not"] == [
         "the two heads' greedy outputs differ on one machine: a losslessness bug, not a better head"]
+
+
+def test_a_round_continues_the_last_rounds_head_when_it_is_on_this_machine(tmp_path):
+    """A round that did not clear the gate is not thrown away: the next round continues its head (bundled or not)
+    while that head is on this machine; with none (a fresh machine, a first round) the bundle is the start. The
+    record says where a round started and whether its rows were packed."""
+    rounds_mod = script("campaign_rounds")
+    state, rounds = tmp_path / "campaign.json", tmp_path / "rounds"
+    src = tmp_path / "pool.jsonl"
+    conversations(src, [f"c{i}" for i in range(8)])
+    assert rounds_mod.start_head("peagle", rounds, state) == "smollm2-135m-peagle"
+    one = rounds_mod.next_round("peagle", 4, rounds, [str(src)], set(), state)
+    (one / "peagle.started_from").write_text("smollm2-135m-peagle\n")
+    (one / "peagle").mkdir()
+    (one / "peagle" / "train_log.jsonl").write_text(json.dumps({"step": 1, "tokens": 7}) + "\n")
+    (one / "train-data").mkdir()
+    (one / "train-data" / "peagle_data.json").write_text(json.dumps({"packed_to": 4096}))
+    same = tmp_path / "same.json"
+    same.write_text(json.dumps(rows("peagle", {"humaneval": 1.5, "mtbench": 1.4})))
+    rec = rounds_mod.close_round("peagle", one, same, same, state, bundle_fn=lambda *a: None)
+    assert not rec["bundled"] and (rec["started_from"], rec["packed_to"]) == ("smollm2-135m-peagle", 4096)
+    # its head is not finished on disk (no weights): the bundle again
+    assert rounds_mod.start_head("peagle", rounds, state) == "smollm2-135m-peagle"
+    for name in ("model.safetensors", "training_args.json"):
+        (one / "peagle" / name).write_text("x")
+    assert rounds_mod.start_head("peagle", rounds, state) == str(one / "peagle")
+    assert rounds_mod.start_head("eagle3", rounds, state) == "smollm2-135m-eagle3"  # each head its own line
