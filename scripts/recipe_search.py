@@ -36,6 +36,7 @@ VARIANTS = {
     "warm-eagle3": ("warm start from the bundled EAGLE-3 head", {"init_head": "smollm2-135m-eagle3"}),
     "lk-hybrid": ("loss lk_hybrid (acceptance, KL-weighted while it is low; eta 3)", {"loss": "lk_hybrid"}),
     "feature-noise": ("uniform noise +-0.1 x RMS on the target's features", {"feature_noise": 0.1}),
+    "ce": ("loss ce: cross-entropy on the target's argmax (what greedy verification accepts)", {"loss": "ce"}),
 }
 SCRATCH = dict(method="peagle", num_layers=2, num_depths=12, draft_vocab_size=8192, batch_size=4, lr=1e-3,
                warmup_ratio=0.05, min_lr_ratio=0.1, eval_fraction=0.05, eval_samples=32, eval_depths=8, seed=0,
