@@ -26,14 +26,18 @@
 #               characters, and 6,000 more documented functions from a wider set of installed packages, shuffled
 #               together: scripts/mix_prompts.py; answers of up to 512 tokens), committed as
 #               data/heads/smollm2-regenerated-4.jsonl.gz
-#     4. eagle3 rounds, once 1d is done: like stage 3, on the teacher outputs the two heads share when their cursors
+#     1e.       questions SmolLM2 writes itself (scripts/make_self_prompts.py: ShareGPT is used up; made once,
+#               resumable, committed as data/heads/prompts-self.jsonl as it grows), shuffled with 5,000 more
+#               functions (data/heads/prompts-code-3.jsonl) into data/heads/prompts-5.jsonl and answered like 1d,
+#               committed as data/heads/smollm2-regenerated-5.jsonl.gz
+#     4. eagle3 rounds, once 1e is done: like stage 3, on the teacher outputs the two heads share when their cursors
 #               meet (--share-teacher-cache: whichever reaches a row first runs the target, the other reads the row
 #               and deletes it)
 #   training lane
 #     2. data   the pool: every conversation the second bundle had not trained on, in a fixed order that only grows
 #               at its end (data/heads/smollm2-regenerated-2.jsonl from line FIRST_UNSEEN on, stage 1's answers
 #               and the first CODE_FIRST of stage 1b's; then the rest of 1b's and 1c's, shuffled together so that
-#               no round is all code; then 1d's as they come), without the
+#               no round is all code; then 1d's, then 1e's as they come), without the
 #               bundled heads' 32 held-out conversations, which are kept apart for evaluation
 #     3. peagle rounds: the P-EAGLE head continued on the next ROWS conversations past its cursor, joined into rows of
 #               up to PACK tokens (long histories), with the cheapest step that learns as much (docs/heads.md, "Recipe
@@ -101,6 +105,7 @@ restore regen3 data/heads/smollm2-regenerated-3.jsonl.gz
 restore regen-code data/heads/smollm2-regenerated-code.jsonl.gz
 restore regen-multi data/heads/smollm2-regenerated-multi.jsonl.gz
 restore regen4 data/heads/smollm2-regenerated-4.jsonl.gz
+restore regen5 data/heads/smollm2-regenerated-5.jsonl.gz
 regenerate data/heads/prompts-3.jsonl regen3 >> "$WORK/logs/data.log" 2>&1 & wait $!   # stage 1
 
 # common ROUND: the training flags every stage shares, on ROUND's data and teacher cache (held out: the same 32)
@@ -144,7 +149,7 @@ rounds() {
   shift
   # (the second source is a group of two finished files, shuffled together: campaign_rounds.py)
   pool=("$WORK/train.jsonl" "$WORK/regen-code/regenerated.jsonl:$((CODE_FIRST + 1))+$WORK/regen-multi/regenerated.jsonl"
-        "$WORK/regen4/regenerated.jsonl")
+        "$WORK/regen4/regenerated.jsonl" "$WORK/regen5/regenerated.jsonl")
   while true; do
     set +e
     round=$(python3 scripts/campaign_rounds.py next --method "$method" --rows "$ROWS" --rounds "$WORK/rounds" \
@@ -172,6 +177,14 @@ data_lane() {
   # stage 1d: prompts of up to 4,000 characters; answers of up to 512 tokens, since two thirds of SmolLM2's are cut
   # at 256 and its prompts are nearly all used, more of each answer is where more training tokens come from
   regenerate data/heads/prompts-4.jsonl regen4 2048 512
+  # stage 1e: ShareGPT is used up, so chat questions SmolLM2 writes itself, mixed with 5,000 more functions
+  log "stage 1e: questions the target writes (data/heads/prompts-self.jsonl)"
+  python3 scripts/make_self_prompts.py --num 5000 --first-id 30000 --exclude data/heads/prompts.jsonl \
+    --exclude data/heads/prompts-2.jsonl --exclude data/heads/prompts-3.jsonl \
+    --exclude data/heads/prompts-multi.jsonl --exclude data/heads/prompts-4.jsonl --out data/heads/prompts-self.jsonl
+  [ -f data/heads/prompts-5.jsonl ] || python3 scripts/mix_prompts.py --inputs data/heads/prompts-self.jsonl \
+    data/heads/prompts-code-3.jsonl --seed 0 --out data/heads/prompts-5.jsonl
+  regenerate data/heads/prompts-5.jsonl regen5 2048 512
   until [ -f "$WORK/heldout-data/peagle_data.json" ]; do sleep 60; done   # (a failed stage 2 stops the campaign)
   rounds eagle3                                               # stage 4
 }

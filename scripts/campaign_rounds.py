@@ -48,7 +48,8 @@ BUNDLES = {"peagle": "smollm2-135m-peagle", "eagle3": "smollm2-135m-eagle3"}
 POOL = ("the conversations the second bundle had not trained on, in this order, less the 32 held out: "
         "smollm2-regenerated-2 from line 1,217, smollm2-regenerated-3, the first 1,280 code answers; the rest of the "
         "code answers and the multi-turn conversations, shuffled together (seed 0); the answers to prompts-4 "
-        "(chat and code, mixed) as they are answered")
+        "(chat and code, mixed); the answers to prompts-5 (questions the target wrote and code, mixed) as they are "
+        "answered")
 NOT_ENOUGH_ROWS = 3  # `next`'s exit status when the pool has fewer than ROWS new conversations (yet)
 
 

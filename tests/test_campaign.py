@@ -66,8 +66,8 @@ def test_heldout_split_is_stable_as_data_grows(tmp_path):
 
 @pytest.mark.parametrize("prompt_set", ["humaneval", "mtbench"])
 def test_benchmark_prompts_never_enter_the_regenerated_data(prompt_set):
-    """The committed prompts and answers come from ShareGPT and from installed packages' functions: no HumanEval or
-    MT-Bench prompt among them."""
+    """The committed prompts and answers come from ShareGPT, installed packages' functions and the target's own
+    questions: no HumanEval or MT-Bench prompt among them."""
     import gzip
 
     from peagle.bench.datasets import load_dataset
@@ -75,8 +75,9 @@ def test_benchmark_prompts_never_enter_the_regenerated_data(prompt_set):
     prompts = {p.text.strip()[:200] for p in load_dataset(prompt_set)}
     heads = ROOT / "data" / "heads"
     files = [heads / "smollm2-regenerated-3.jsonl.gz", heads / "prompts-code.jsonl", heads / "prompts-multi.jsonl",
-             heads / "prompts-4.jsonl", *heads.glob("smollm2-regenerated-code.jsonl.gz"),
-             *heads.glob("smollm2-regenerated-multi.jsonl.gz"), *heads.glob("smollm2-regenerated-4.jsonl.gz")]
+             heads / "prompts-4.jsonl", heads / "prompts-code-3.jsonl", *heads.glob("prompts-self.jsonl"),
+             *heads.glob("prompts-5.jsonl"), *heads.glob("smollm2-regenerated-code.jsonl.gz"),
+             *heads.glob("smollm2-regenerated-multi.jsonl.gz"), *heads.glob("smollm2-regenerated-[45].jsonl.gz")]
     for path in files:
         for line in (gzip.open if path.suffix == ".gz" else open)(path, "rt", encoding="utf-8"):
             users = [m["content"] for m in json.loads(line)["messages"] if m["role"] == "user"]
@@ -329,3 +330,39 @@ def test_a_round_continues_the_last_rounds_head_when_it_is_on_this_machine(tmp_p
         (one / "peagle" / name).write_text("x")
     assert rounds_mod.start_head("peagle", rounds, state) == str(one / "peagle")
     assert rounds_mod.start_head("eagle3", rounds, state) == "smollm2-135m-eagle3"  # each head its own line
+
+
+def test_self_prompts_are_new_clean_questions_and_resume(tmp_path, one_thread):
+    """The target's own questions (ShareGPT is used up): each ended by the target, ASCII, new against the excluded
+    files and each other, none a benchmark prompt; a rerun with a larger --num appends after the last attempt and
+    keeps what was there."""
+    mod = script("make_self_prompts")
+    from peagle.train.data import HeldOutGuard
+
+    guard, seen = HeldOutGuard(), set()
+    assert mod.keep("How do I bake sourdough bread at home?", True, seen, guard)
+    assert not mod.keep("how do I bake   SOURDOUGH bread at home", True, seen, guard)  # the same words
+    assert not mod.keep("What is the capital of France, and why?", False, seen, guard)  # cut by max_tokens
+    assert not mod.keep("Qu'est-ce que c'est, café ?", True, seen, guard)  # not ASCII
+    assert not mod.keep("Hi", True, seen, guard)  # too short
+    from peagle.bench.datasets import load_dataset
+
+    humaneval = load_dataset("humaneval", 1)[0].chat_messages()[-1]["content"]
+    assert not mod.keep(humaneval, True, seen, guard)  # a benchmark prompt never becomes training data
+    exclude = tmp_path / "earlier.jsonl"
+    exclude.write_text(json.dumps({"id": "x", "messages": [{"role": "user", "content": "An earlier question."}]}))
+    out = tmp_path / "self.jsonl"
+    argv = [sys.executable, str(ROOT / "scripts" / "make_self_prompts.py"), "--first-id", "100", "--batch", "4",
+            "--exclude", str(exclude), "--out", str(out)]
+    subprocess.run(argv + ["--num", "3"], check=True, capture_output=True)
+    first = out.read_text().splitlines()
+    subprocess.run(argv + ["--num", "5"], check=True, capture_output=True)
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert out.read_text().splitlines()[:3] == first
+    assert [r["id"] for r in recs] == [f"self-{i}" for i in range(100, 105)]
+    attempts = [r["attempt"] for r in recs]
+    assert attempts == sorted(set(attempts))  # every attempt is sampled once, resumed after the last one
+    questions = [r["messages"][0]["content"] for r in recs]
+    assert len({mod.normalized(q) for q in questions}) == 5 and "an earlier question" not in map(mod.normalized,
+                                                                                                   questions)
+    assert all(r["messages"][1] == {"role": "assistant", "content": mod.PLACEHOLDER} for r in recs)
