@@ -59,7 +59,11 @@ def main() -> None:
     args = ap.parse_args()
 
     out = Path(args.out)
-    kept = [json.loads(line) for line in out.read_text().splitlines() if line.strip()] if out.exists() else []
+    text = out.read_text() if out.exists() else ""
+    if text and not text.endswith("\n"):  # killed mid-line: that question is asked again
+        text = text[:text.rfind("\n") + 1]
+        out.write_text(text)
+    kept = [json.loads(line) for line in text.splitlines() if line.strip()]
     if len(kept) >= args.num:
         print(f"make_self_prompts: {out} already holds {len(kept)} questions", file=sys.stderr)
         return

@@ -356,6 +356,8 @@ def test_self_prompts_are_new_clean_questions_and_resume(tmp_path, one_thread):
             "--exclude", str(exclude), "--out", str(out)]
     subprocess.run(argv + ["--num", "3"], check=True, capture_output=True)
     first = out.read_text().splitlines()
+    with out.open("a") as f:
+        f.write('{"id": "self-103", "attem')  # killed mid-line
     subprocess.run(argv + ["--num", "5"], check=True, capture_output=True)
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert out.read_text().splitlines()[:3] == first
