@@ -367,4 +367,4 @@ def test_self_prompts_are_new_clean_questions_and_resume(tmp_path, one_thread):
     questions = [r["messages"][0]["content"] for r in recs]
     assert len({mod.normalized(q) for q in questions}) == 5 and "an earlier question" not in map(mod.normalized,
                                                                                                    questions)
-    assert all(r["messages"][1] == {"role": "assistant", "content": mod.PLACEHOLDER} for r in recs)
+    assert all(r["messages"][1] == {"role": "assistant", "content": mod.PLACEHOLDER_ANSWER} for r in recs)
