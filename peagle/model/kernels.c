@@ -279,86 +279,132 @@ void peagle_rope_bf16(uint16_t *x, const uint16_t *cos_, const uint16_t *sin_, i
     }
 }
 
-/* Attention for up to ROWS_PER_PASS query rows of one cache slot and one key/value head: query heads h0..h0+hn-1
-   of its G over the row's keys 0..n_r-1 of K/V [*, D], D = 8 nd. Rows and heads are blocked only so that each key
-   and value row is loaded and widened once for all of them (a prefill has hundreds of rows per slot); every
-   (row, head) does the same arithmetic in every block shape. nd and hn are compile-time constants at each call
-   site, so the vectors and the accumulator chains stay in registers. */
+/* hsum8's tree for eight vectors at once: lane e of the result is hsum8(a[e]), bit for bit (the same additions of
+   the same operands in the same order), so eight keys' scores cost one transpose-and-add instead of eight trees. */
+static inline __m256 hsum8x8(const __m256 a[8]) {
+    __m256 b[4];
+    for (int e = 0; e < 4; e++) /* lanes l + (l + 4) of keys e (low half) and e + 4 (high half) */
+        b[e] = _mm256_add_ps(_mm256_permute2f128_ps(a[e], a[e + 4], 0x20), _mm256_permute2f128_ps(a[e], a[e + 4], 0x31));
+    __m256 c01 = _mm256_add_ps(_mm256_shuffle_ps(b[0], b[1], 0x44), _mm256_shuffle_ps(b[0], b[1], 0xee));
+    __m256 c23 = _mm256_add_ps(_mm256_shuffle_ps(b[2], b[3], 0x44), _mm256_shuffle_ps(b[2], b[3], 0xee));
+    return _mm256_add_ps(_mm256_shuffle_ps(c01, c23, 0x88), _mm256_shuffle_ps(c01, c23, 0xdd)); /* keys 0-3 | 4-7 */
+}
+
+/* Attention for NR (<= ROWS_PER_PASS) query rows of one cache slot and one key/value head: query heads
+   h0..h0+HN-1 of its G over the row's keys 0..n_r-1 of K/V [*, D], D = 8 nd. Rows and heads are blocked only so
+   that each key and value row is loaded and widened once for all of them (a prefill has hundreds of rows per slot);
+   every (row, head) does the same arithmetic in every block shape:
+     score_j = hsum8(q[0] k_j[0] + q[1] k_j[1] + ... ) * scale, one FMA chain over the D / 8 vectors, hsum8's tree;
+     out = (sum_j e^(score_j - max) v_j, in key order) / (sum of the e^ by a fixed tree).
+   nd, NR and HN are compile-time constants at each call site, so vectors and accumulators stay in registers. kf:
+   scratch for eight widened key rows; pt: for the weights key-major. */
 static inline __attribute__((always_inline)) void attend_block(
-        const int nd, const int hn, int h0, int nr, const uint16_t *q0, long q_stride, const int64_t *pos,
+        const int nd, const int NR, const int HN, int h0, const uint16_t *q0, long q_stride, const int64_t *pos,
         const uint16_t *Kg, const uint16_t *Vg, uint16_t *o0, long o_stride, int G, int g, float scale,
-        float *scores, int ld) {
-    int D = 8 * nd, n[ROWS_PER_PASS], nmax = 0;
-    for (int r = 0; r < nr; r++) {
+        float *scores, int ld, float *kf, float *pt) {
+    int D = 8 * nd, n[ROWS_PER_PASS], nmax = 0, nmin = 1 << 30;
+    #pragma GCC unroll 4
+    for (int r = 0; r < NR; r++) {
         n[r] = (int)pos[r] + 1;
         nmax = n[r] > nmax ? n[r] : nmax;
+        nmin = n[r] < nmin ? n[r] : nmin;
     }
     {
         __m256 qv[ROWS_PER_PASS][HEADS_PER_PASS][32];
-        for (int r = 0; r < nr; r++)
-            for (int i = 0; i < hn; i++)
+        #pragma GCC unroll 4
+        for (int r = 0; r < NR; r++)
+            #pragma GCC unroll 4
+            for (int i = 0; i < HN; i++)
                 for (int c = 0; c < nd; c++)
                     qv[r][i][c] = bf16x8_to_f32(q0 + r * q_stride + (size_t)(g * G + h0 + i) * D + 8 * c);
-        /* scores: per (row, head, key) one FMA chain over D, then one fixed tree; keys two at a time only so
-           that their chains overlap */
-        for (int j = 0; j < nmax; j += 2) {
-            int two = j + 1 < nmax;
-            __m256 kv[2][32];
-            for (int e = 0; e <= two; e++)
-                for (int c = 0; c < nd; c++) kv[e][c] = bf16x8_to_f32(Kg + (size_t)(j + e) * D + 8 * c);
-            for (int r = 0; r < nr; r++)
-                for (int e = 0; e <= two && j + e < n[r]; e++) {
-                    __m256 a[HEADS_PER_PASS];
-                    for (int i = 0; i < hn; i++) a[i] = _mm256_mul_ps(qv[r][i][0], kv[e][0]);
+        const __m256 sv = _mm256_set1_ps(scale);
+        /* scores, eight keys at a time: keys widened once into kf, then per (row, head) eight FMA chains */
+        for (int j = 0; j < nmax; j += 8) {
+            int nk = nmax - j < 8 ? nmax - j : 8;
+            for (int e = 0; e < nk; e++)
+                for (int c = 0; c < nd; c++)
+                    _mm256_storeu_ps(kf + e * D + 8 * c, bf16x8_to_f32(Kg + (size_t)(j + e) * D + 8 * c));
+            for (int e = nk; e < 8; e++) /* past the last key: scores the softmax overwrites with -inf */
+                for (int c = 0; c < nd; c++) _mm256_storeu_ps(kf + e * D + 8 * c, _mm256_setzero_ps());
+            for (int r = 0; r < NR; r++) {
+                if (j >= n[r]) continue;
+                for (int i = 0; i < HN; i++) {
+                    __m256 a[8];
+                    #pragma GCC unroll 8
+                    for (int e = 0; e < 8; e++) a[e] = _mm256_mul_ps(qv[r][i][0], _mm256_loadu_ps(kf + e * D));
                     for (int c = 1; c < nd; c++)
-                        for (int i = 0; i < hn; i++) a[i] = _mm256_fmadd_ps(qv[r][i][c], kv[e][c], a[i]);
-                    for (int i = 0; i < hn; i++)
-                        scores[(size_t)(r * HEADS_PER_PASS + i) * ld + j + e] = hsum8(a[i]) * scale;
+                        #pragma GCC unroll 8
+                        for (int e = 0; e < 8; e++)
+                            a[e] = _mm256_fmadd_ps(qv[r][i][c], _mm256_loadu_ps(kf + e * D + 8 * c), a[e]);
+                    _mm256_storeu_ps(scores + (size_t)(r * HEADS_PER_PASS + i) * ld + j,
+                                     _mm256_mul_ps(hsum8x8(a), sv));
                 }
+            }
         }
-        /* softmax per (row, head); the padding to whole vectors gets exactly 0 */
-        float inv[ROWS_PER_PASS][HEADS_PER_PASS];
-        for (int r = 0; r < nr; r++)
-            for (int i = 0; i < hn; i++) {
-                float *s = scores + (size_t)(r * HEADS_PER_PASS + i) * ld;
-                int npad = (n[r] + 7) / 8 * 8;
-                for (int j = n[r]; j < npad; j++) s[j] = -INFINITY;
-                __m256 mv = _mm256_set1_ps(-INFINITY), sum = _mm256_setzero_ps();
-                for (int j = 0; j < npad; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
-                mv = _mm256_max_ps(mv, _mm256_permute2f128_ps(mv, mv, 1)); /* max of all 8 lanes, in every lane */
-                mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, 0x4e));
-                mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, 0xb1));
-                for (int j = 0; j < npad; j += 8) {
-                    __m256 sj = _mm256_loadu_ps(s + j);
-                    __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(sj, mv)),
-                                             _mm256_cmp_ps(sj, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
-                    _mm256_storeu_ps(s + j, e);
-                    sum = _mm256_add_ps(sum, e);
-                }
-                inv[r][i] = 1.0f / hsum8(sum);
+    }
+    /* softmax per (row, head); the padding to whole vectors gets exactly 0 */
+    float inv[ROWS_PER_PASS][HEADS_PER_PASS];
+    #pragma GCC unroll 4
+    for (int r = 0; r < NR; r++)
+        #pragma GCC unroll 4
+        for (int i = 0; i < HN; i++) {
+            float *s = scores + (size_t)(r * HEADS_PER_PASS + i) * ld;
+            int npad = (n[r] + 7) / 8 * 8;
+            for (int j = n[r]; j < npad; j++) s[j] = -INFINITY;
+            __m256 mv = _mm256_set1_ps(-INFINITY), sum = _mm256_setzero_ps();
+            for (int j = 0; j < npad; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
+            mv = _mm256_max_ps(mv, _mm256_permute2f128_ps(mv, mv, 1)); /* max of all 8 lanes, in every lane */
+            mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, 0x4e));
+            mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, 0xb1));
+            for (int j = 0; j < npad; j += 8) {
+                __m256 sj = _mm256_loadu_ps(s + j);
+                __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(sj, mv)),
+                                         _mm256_cmp_ps(sj, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
+                _mm256_storeu_ps(s + j, e);
+                sum = _mm256_add_ps(sum, e);
             }
-        /* weighted values: each (row, head, dimension) sums over its keys in order, 16 dimensions per pass */
-        for (int r = 0; r < nr; r++)
-            for (int c = 0; c < nd; c += 2) {
-                int two = c + 1 < nd;
-                __m256 acc0[HEADS_PER_PASS], acc1[HEADS_PER_PASS];
-                for (int i = 0; i < hn; i++) acc0[i] = acc1[i] = _mm256_setzero_ps();
-                for (int j = 0; j < n[r]; j++) {
-                    const uint16_t *vj = Vg + (size_t)j * D + 8 * c;
-                    __m256 v0 = bf16x8_to_f32(vj), v1 = two ? bf16x8_to_f32(vj + 8) : _mm256_setzero_ps();
-                    for (int i = 0; i < hn; i++) {
-                        __m256 p = _mm256_broadcast_ss(scores + (size_t)(r * HEADS_PER_PASS + i) * ld + j);
-                        acc0[i] = _mm256_fmadd_ps(p, v0, acc0[i]);
-                        acc1[i] = _mm256_fmadd_ps(p, v1, acc1[i]);
-                    }
-                }
-                for (int i = 0; i < hn; i++) {
-                    uint16_t *o = o0 + r * o_stride + (size_t)(g * G + h0 + i) * D + 8 * c;
-                    __m256 iv = _mm256_set1_ps(inv[r][i]);
-                    store_bf16x8(o, _mm256_mul_ps(acc0[i], iv), 8);
-                    if (two) store_bf16x8(o + 8, _mm256_mul_ps(acc1[i], iv), 8);
-                }
+            inv[r][i] = 1.0f / hsum8(sum);
+        }
+    /* weighted values: each (row, head, dimension) sums over its keys in order, 8 dimensions per pass, every row's
+       accumulators in registers so that each value row is widened once for all rows (the keys all rows share),
+       then each row's remaining keys. The weights are first interleaved key-major (pt[j][r, i]) so that one pointer
+       reaches all of a key's weights. */
+    const int W = NR * HN;
+    #pragma GCC unroll 4
+    for (int r = 0; r < NR; r++)
+        #pragma GCC unroll 4
+        for (int i = 0; i < HN; i++) {
+            const float *s = scores + (size_t)(r * HEADS_PER_PASS + i) * ld;
+            for (int j = 0; j < n[r]; j++) pt[(size_t)j * W + r * HN + i] = s[j];
+        }
+    for (int c = 0; c < nd; c++) {
+        __m256 acc[ROWS_PER_PASS][HEADS_PER_PASS];
+        #pragma GCC unroll 4
+        for (int r = 0; r < NR; r++)
+            #pragma GCC unroll 4
+            for (int i = 0; i < HN; i++) acc[r][i] = _mm256_setzero_ps();
+        for (int j = 0; j < nmin; j++) {
+            __m256 vj = bf16x8_to_f32(Vg + (size_t)j * D + 8 * c);
+            const float *p = pt + (size_t)j * W;
+            #pragma GCC unroll 4
+            for (int r = 0; r < NR; r++)
+                #pragma GCC unroll 4
+                for (int i = 0; i < HN; i++) acc[r][i] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + r * HN + i), vj, acc[r][i]);
+        }
+        #pragma GCC unroll 4
+        for (int r = 0; r < NR; r++)
+            for (int j = nmin; j < n[r]; j++) {
+                __m256 vj = bf16x8_to_f32(Vg + (size_t)j * D + 8 * c);
+                const float *p = pt + (size_t)j * W + r * HN;
+                #pragma GCC unroll 4
+                for (int i = 0; i < HN; i++) acc[r][i] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + i), vj, acc[r][i]);
             }
+        #pragma GCC unroll 4
+        for (int r = 0; r < NR; r++)
+            #pragma GCC unroll 4
+            for (int i = 0; i < HN; i++)
+                store_bf16x8(o0 + r * o_stride + (size_t)(g * G + h0 + i) * D + 8 * c,
+                             _mm256_mul_ps(acc[r][i], _mm256_set1_ps(inv[r][i])), 8);
     }
 }
 
@@ -385,7 +431,10 @@ int peagle_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, c
     #pragma omp parallel num_threads(nthreads)
     {
         int ld = max_len + 8, TB = (T + ROWS_PER_PASS - 1) / ROWS_PER_PASS;
-        float *scores = malloc((size_t)ROWS_PER_PASS * HEADS_PER_PASS * ld * sizeof(float));
+        /* per thread: the score rows of a pass, the same weights key-major, eight widened key rows (D <= 256) */
+        size_t rows_ld = (size_t)ROWS_PER_PASS * HEADS_PER_PASS * ld;
+        float *scores = malloc((2 * rows_ld + 8 * 256) * sizeof(float));
+        float *pt = scores + rows_ld, *kf = pt + rows_ld;
         if (!scores) {
             #pragma omp atomic write
             failed = 1;
@@ -403,16 +452,25 @@ int peagle_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, c
                 long os = (long)nh * D;
                 for (int h0 = 0; h0 < G; h0 += HEADS_PER_PASS) {
                     int hn = G - h0 < HEADS_PER_PASS ? G - h0 : HEADS_PER_PASS;
-#define PASS(ND, HN) attend_block(ND, HN, h0, nr, q0, q_stride, positions + bt, Kg, Vg, o0, os, G, g, scale, scores, ld)
+#define PASS(ND, NR, HN)                                                                                             \
+    attend_block(ND, NR, HN, h0, q0, q_stride, positions + bt, Kg, Vg, o0, os, G, g, scale, scores, ld, kf, pt)
+#define ROWS(ND, HN)                                                                                                 \
+    switch (nr) {                                                                                                    \
+        case 1: PASS(ND, 1, HN); break;                                                                              \
+        case 2: PASS(ND, 2, HN); break;                                                                              \
+        case 3: PASS(ND, 3, HN); break;                                                                              \
+        default: PASS(ND, 4, HN); break;                                                                             \
+    }
 #define PASSES(ND)                                                                                                   \
     switch (hn) {                                                                                                    \
-        case 1: PASS(ND, 1); break;                                                                                  \
-        case 2: PASS(ND, 2); break;                                                                                  \
-        case 3: PASS(ND, 3); break;                                                                                  \
-        default: PASS(ND, 4); break;                                                                                 \
+        case 1: ROWS(ND, 1); break;                                                                                  \
+        case 2: ROWS(ND, 2); break;                                                                                  \
+        case 3: ROWS(ND, 3); break;                                                                                  \
+        default: ROWS(ND, 4); break;                                                                                 \
     }
                     if (nd == 8) PASSES(8) else if (nd == 16) PASSES(16) else PASSES(nd)
 #undef PASSES
+#undef ROWS
 #undef PASS
                 }
             }
