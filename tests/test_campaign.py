@@ -368,3 +368,37 @@ def test_self_prompts_are_new_clean_questions_and_resume(tmp_path, one_thread):
     assert len({mod.normalized(q) for q in questions}) == 5 and "an earlier question" not in map(mod.normalized,
                                                                                                    questions)
     assert all(r["messages"][1] == {"role": "assistant", "content": mod.PLACEHOLDER_ANSWER} for r in recs)
+
+
+def test_draft_vocab_variant_keeps_trained_rows_and_loads(tmp_path):
+    """The vocabulary experiment's head: every token it keeps has its trained row, the mapping is consistent, and
+    the engine's loader takes it."""
+    import torch
+    from safetensors.torch import load_file
+
+    from peagle.model.checkpoint import load_head
+    from peagle.model.heads import resolve_head
+    from peagle.train.vocab import used_ids
+
+    data = tmp_path / "conversations.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "Sort a list."},
+                                                     {"role": "assistant", "content": f"Use sorted(xs) or xs.sort() {i}"
+                                                                                      " zebra quokka axolotl"}]}) + "\n"
+                            for i in range(40)))
+    head = Path(resolve_head("smollm2-135m-peagle", None, "peagle"))
+    old = load_file(head / "model.safetensors")
+    for mode, size in (("add", 8200), ("reselect", 8192)):
+        out = tmp_path / mode
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "draft_vocab_variant.py"), "--head", str(head),
+                        "--data", str(data), "--mode", mode, "--size", str(size), "--out", str(out)], check=True,
+                       capture_output=True)
+        new = load_file(out / "model.safetensors")
+        old_ids, new_ids = used_ids(old["d2t"]), used_ids(new["d2t"])
+        assert new_ids.numel() == size and bool((new_ids[1:] > new_ids[:-1]).all())
+        assert torch.equal(new["t2d"].nonzero().flatten(), new_ids)
+        both = torch.isin(new_ids, old_ids)
+        if mode == "add":
+            assert bool(torch.isin(old_ids, new_ids).all())
+        assert torch.equal(new["lm_head.weight"][both], old["lm_head.weight"][torch.isin(old_ids, new_ids)])
+        table = torch.zeros(old["t2d"].numel(), old["lm_head.weight"].shape[1], dtype=torch.bfloat16)  # compact head
+        assert load_head(out, target_embeddings=table).config.draft_vocab_size == size
