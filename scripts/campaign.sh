@@ -109,12 +109,14 @@ restore regen5 data/heads/smollm2-regenerated-5.jsonl.gz
 regenerate data/heads/prompts-3.jsonl regen3 >> "$WORK/logs/data.log" 2>&1 & wait $!   # stage 1
 
 # common ROUND: the training flags every stage shares, on ROUND's data and teacher cache (held out: the same 32)
+# (--attn-chunk 512: the deeper COD rows attend in chunks whose own block is computed densely though a chain is at
+#  most 7 long; smaller chunks waste less, the same outputs: about 1 CPU-second a step, docs/heads.md)
 common() {
   local rows_per_step=4
   grep -q '"packed_to": [0-9]' "$1/train-data/peagle_data.json" && rows_per_step=1
   COMMON=(--data "$1/train-data" --batch-size "$rows_per_step" --eval-data "$WORK/heldout-data" --eval-every 100 --eval-depths 8 --lr "$LR"
           --save-every 20 --resume latest --teacher-cache "$1/teacher-cache" --share-teacher-cache
-          --max-seq-len 4096 --no-progress)
+          --max-seq-len 4096 --attn-chunk 512 --no-progress)
 }
 # train ROUND METHOD [FLAG...]: continue METHOD's last round's head (or the bundle: campaign_rounds.py start) on
 # ROUND's data into ROUND/METHOD, unless that head is already done (training_args.json is written last, after the
