@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from peagle.model.loading import resolve_model
+from peagle.model.loading import load_tokenizer, resolve_model
 from peagle.model.target import TargetModel
 from peagle.train.vocab import mapping, select_draft_vocab, used_ids
 
@@ -52,7 +52,6 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--target", default=None, help="the head's target [the embedded SmolLM2-135M-Instruct]")
     args = ap.parse_args()
-    from transformers import AutoTokenizer
 
     src, out = Path(args.head), Path(args.out)
     weights = load_file(src / "model.safetensors")
@@ -60,7 +59,7 @@ def main() -> None:
     model_dir = resolve_model(args.target)
     target = TargetModel.from_pretrained(model_dir, dtype=torch.bfloat16)
     rows_of_target = target.output_embeddings().detach().float()
-    counts, left_out = answer_token_counts(args.data, AutoTokenizer.from_pretrained(model_dir), rows_of_target.shape[0])
+    counts, left_out = answer_token_counts(args.data, load_tokenizer(model_dir), rows_of_target.shape[0])
     old = used_ids(weights["d2t"])
     score = counts.double()
     if args.mode == "add":
@@ -72,10 +71,8 @@ def main() -> None:
     with_bias = lambda x: torch.cat([x, torch.ones(x.shape[0], 1)], 1)  # noqa: E731
     fit = torch.linalg.lstsq(with_bias(rows_of_target[old]), trained).solution
     rows = with_bias(rows_of_target[new]) @ fit
-    where_old = {int(t): i for i, t in enumerate(old)}
-    kept = [(j, where_old[int(t)]) for j, t in enumerate(new) if int(t) in where_old]
-    for j, i in kept:
-        rows[j] = trained[i]
+    kept = torch.isin(new, old)  # both vocabularies are ascending target ids
+    rows[kept] = trained[torch.searchsorted(old, new[kept])]
     weights["d2t"], weights["t2d"] = mapping(new, rows_of_target.shape[0])
     weights["lm_head.weight"] = rows.to(weights["lm_head.weight"].dtype).contiguous()
     out.mkdir(parents=True, exist_ok=True)
@@ -85,7 +82,8 @@ def main() -> None:
         if (src / name).exists():
             shutil.copy(src / name, out / name)
     total = int(left_out.sum())
-    print(f"{out}: {args.size} rows ({len(kept)} trained rows kept, {args.size - len(kept)} mapped from the target's); "
+    n_kept = int(kept.sum())
+    print(f"{out}: {args.size} rows ({n_kept} trained rows kept, {args.size - n_kept} mapped from the target's); "
           f"answer-token coverage of the left-out conversations: head's vocabulary {left_out[old].sum() / total:.4f}, "
           f"new {left_out[new].sum() / total:.4f} ({total} tokens)")
 
