@@ -146,6 +146,22 @@ def test_teacher_cache_gives_identical_training(tmp_path):
     assert again.teacher_cache.misses == 0 and again.teacher_cache.hits == 2
 
 
+def test_teacher_ahead_trains_identically_on_a_second_thread(tmp_path):
+    """--teacher-ahead runs the target for the next step's rows on a worker thread: the same losses and weights as
+    computing them in place, every row after the first step computed by the worker, through a teacher cache too."""
+    target = make_tiny_model(tmp_path / "t", "llama", num_hidden_layers=4, vocab_size=128)
+    save_rows(_random_rows(6, 40, 128, seed=8), tmp_path / "data", {})
+    plain = Trainer(_cfg(tmp_path / "a", target, tmp_path / "data", max_steps=6))
+    ahead = Trainer(_cfg(tmp_path / "b", target, tmp_path / "data", max_steps=6, teacher_ahead=True,
+                         teacher_cache=str(tmp_path / "cache")))
+    for _ in range(6):  # 2 epochs of 3 steps
+        assert plain.train_step()["loss"] == ahead.train_step()["loss"]
+    assert ahead.teacher_ahead_hits == 12
+    for k, v in plain.head.state_dict().items():
+        assert torch.equal(v, ahead.head.state_dict()[k]), k
+    assert not ahead._ahead  # nothing left queued past the last step
+
+
 def test_a_shared_teacher_cache_computes_each_row_once_and_ends_empty(tmp_path):
     """Two heads on one pass of the same data sharing a cache (--share-teacher-cache) each train exactly as a plain
     run; whichever reaches a row first computes it, the other reads and deletes it, so the cache ends empty."""

@@ -120,6 +120,9 @@ def _add_checkpoint_args(p) -> None:
             help="with --teacher-cache: the cache serves exactly two one-pass runs on the same data (two heads); "
                  "whichever reaches a row first computes and writes it, the other reads and deletes it, so the "
                  "cache holds only the rows between them (a later epoch recomputes)")
+    _option(p, "teacher_ahead", action="store_true",
+            help="run the target for the next step's rows in a second thread while this step trains the head: on a "
+                 "CPU the two halves of a step overlap on two cores (the same weights as without it)")
 
 
 def _add_runtime_args(p) -> None:

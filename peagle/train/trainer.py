@@ -19,6 +19,7 @@ import resource
 import shutil
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -84,6 +85,7 @@ class TrainConfig:
     fresh_mask_hidden: bool = False  # with init_head: mask_hidden from N(0, 1), not the head's
     teacher_cache: str | None = None  # folder keeping the target's outputs per training row (epochs 2+ skip it)
     share_teacher_cache: bool = False  # the cache serves exactly two one-pass runs: the second to read a row deletes it
+    teacher_ahead: bool = False  # the next step's target outputs are computed in a second thread while this step trains
     seed: int = 0
     device: str = "auto"
     limit: int | None = None  # use at most this many conversations
@@ -255,6 +257,12 @@ class Trainer:
             from peagle.train.teacher_cache import TeacherCache
 
             self.teacher_cache = TeacherCache(cfg.teacher_cache, self.teacher, shared=cfg.share_teacher_cache)
+        # --teacher-ahead: one worker thread runs the target for the next step's rows while this step trains the head
+        # (the native kernels and PyTorch's ops release the GIL), so on a CPU the two halves of a step overlap on two
+        # cores. Futures are keyed by row; a row not computed ahead is computed in place, as without the flag.
+        self._ahead: dict[int, Future] = {}
+        self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="teacher") if cfg.teacher_ahead else None
+        self.teacher_ahead_hits = 0
         self._build_optimizer()
         self.step = 0
         self.history: list[dict] = []
@@ -471,6 +479,9 @@ class Trainer:
             count += self._count(el)
             tokens += ids.numel()
             work.append((ids, el, segs, index))
+        self._compute_ahead([index for _, _, segs, index in work if segs])
+        if self.step + 1 < self.total_steps:
+            self._compute_ahead(self.batch_indices(self.step + 1)[1][self.rank::self.world])
         totals = self._all_reduce(torch.tensor([count, tokens], dtype=torch.float64))
         global_count = float(totals[0])
         scale = self.world / max(global_count, 1.0)  # DDP averages gradients over ranks
@@ -492,9 +503,16 @@ class Trainer:
                     if seq_of != w:
                         seq, seq_of = None, w
                         t1, c1 = time.time(), time.process_time()
-                        seq = self._noisy(self._teacher_seq(work[w][0], work[w][3]), epoch, work[w][3])
-                        teacher_s += time.time() - t1
-                        teacher_cpu_s += time.process_time() - c1
+                        ahead = self._ahead.pop(work[w][3], None)
+                        if ahead is not None:
+                            seq, cpu = ahead.result()
+                            self.teacher_ahead_hits += 1
+                        else:
+                            seq = self._teacher_seq(work[w][0], work[w][3])
+                            cpu = time.process_time() - c1
+                        seq = self._noisy(seq, epoch, work[w][3])
+                        teacher_s += time.time() - t1  # with --teacher-ahead: the wait for the worker thread
+                        teacher_cpu_s += cpu
                     with self._autocast():
                         loss, stats = self.model(seq, work[w][1], seg)
                 (loss * scale).backward()
@@ -502,6 +520,8 @@ class Trainer:
             correct += stats.correct
             total += stats.total
         del seq
+        for _, _, _, index in work:  # a row with nothing to supervise was queued for this step but not used
+            self._ahead.pop(index, None)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.head.parameters(), cfg.max_grad_norm) \
             if cfg.max_grad_norm > 0 else torch.tensor(0.0)
         lr = self.scheduler.get_last_lr()[0]  # this step's; the scheduler then moves on to the next
@@ -518,6 +538,20 @@ class Trainer:
                 "seconds": dt, "teacher_seconds": teacher_s,
                 "teacher_cpu_seconds": teacher_cpu_s, "units": len(units),
                 "tokens_per_s": float(totals[1]) / dt, "peak_mem_gib": peak_memory_gib(self.device)}
+
+    def _compute_ahead(self, indices: list[int]) -> None:
+        """With --teacher-ahead, queue the target's forward for these training rows on the worker thread."""
+        if self._ahead_pool is None:
+            return
+        for index in indices:
+            if index not in self._ahead:
+                self._ahead[index] = self._ahead_pool.submit(self._teacher_in_worker, index)
+
+    def _teacher_in_worker(self, index: int) -> tuple[TeacherSeq, float]:
+        """A training row's target outputs and the CPU seconds of the thread that computed them."""
+        c = time.thread_time()
+        seq = self._teacher_seq(self._row(self.train_rows, index)[0], index)
+        return seq, time.thread_time() - c
 
     # -- evaluation ----------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -604,6 +638,8 @@ class Trainer:
                 self._barrier()
         if bar is not None:
             bar.close()
+        if self._ahead_pool is not None:
+            self._ahead_pool.shutdown()
         if self.eval_ids and (last_eval is None or last_eval["step"] != self.step):
             last_eval = self.evaluate()
             self._report_eval(last_eval)
