@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The heads' training campaign: one command, started in the background whenever work on the project begins, that
 # picks up wherever the last run stopped (on a fresh machine: from the bundled heads and the data in the
-# repository; checkpoints live under WORK, out of git). One core per lane; every stage resumes after a kill.
+# repository; checkpoints live under WORK, out of git). Two lanes on two cores; every stage resumes after a kill.
 #
 #   mkdir -p runs && nohup bash scripts/campaign.sh >> runs/campaign.log 2>&1 &     # WORK=runs/campaign
 #   kill PID                                                                       # stops every lane and what it runs
@@ -10,7 +10,10 @@
 # in rounds of ROWS conversations, each small enough to finish in one working session, each gated against the
 # bundled head (measured side by side on this machine) and re-bundled only when clearly better; the round's end moves
 # the head's cursor in data/heads/campaign.json, committed with the bundles, so that the next round trains on new
-# conversations. Stages (each skips itself when its output is complete), in lanes of one core each:
+# conversations. Stages (each skips itself when its output is complete), in two lanes: the training lane's trainer
+# runs the target for its next step in a second thread (--teacher-ahead), so it uses both cores, and the data lane
+# runs at nice 10 in what the trainer leaves (while the pool holds rounds the trainer has not reached, training is
+# what is short: docs/heads.md, "Two cores for the trainer"):
 #   1. regen  SmolLM2's answers to data/heads/prompts-3.jsonl (new ShareGPT prompts; made once, resumable; the
 #             answers so far are committed as data/heads/smollm2-regenerated-3.jsonl.gz with
 #             `gzip -c runs/campaign/regen3/regenerated.jsonl > data/heads/smollm2-regenerated-3.jsonl.gz`)
@@ -46,7 +49,7 @@
 #               steps, held-out evaluation every 100 (the same 32 conversations in every round); then the gate:
 #               benchmarks/acceptance.py at K=7 on all of HumanEval and MT-Bench for the bundled head and the
 #               round's, and scripts/campaign_rounds.py close, which re-bundles the round's head if it beats the
-#               bundle by 2% on both sets, records the round and advances the cursor
+#               bundle by 2% averaged over both sets and is lower on neither, records the round and advances the cursor
 #   slice lane (mostly asleep): scripts/campaign_slices.py measures the bundled heads and every 200th step's
 #             checkpoint of every round on the first 16 HumanEval and 16 MT-Bench prompts (K 7), into ROUND/slices
 # Each lane writes its output, with a line when each of its stages starts, to WORK/logs/LANE.log. After a round that
@@ -116,7 +119,7 @@ common() {
   grep -q '"packed_to": [0-9]' "$1/train-data/peagle_data.json" && rows_per_step=1
   COMMON=(--data "$1/train-data" --batch-size "$rows_per_step" --eval-data "$WORK/heldout-data" --eval-every 100 --eval-depths 8 --lr "$LR"
           --save-every 20 --resume latest --teacher-cache "$1/teacher-cache" --share-teacher-cache
-          --max-seq-len 4096 --attn-chunk 512 --no-progress)
+          --max-seq-len 4096 --attn-chunk 512 --teacher-ahead --no-progress)
 }
 # train ROUND METHOD [FLAG...]: continue METHOD's last round's head (or the bundle: campaign_rounds.py start) on
 # ROUND's data into ROUND/METHOD, unless that head is already done (training_args.json is written last, after the
@@ -174,6 +177,7 @@ rounds() {
 }
 
 data_lane() {
+  renice -n 10 -p "$BASHPID" > /dev/null   # what it starts inherits it
   regenerate data/heads/prompts-code.jsonl regen-code         # stage 1b
   regenerate data/heads/prompts-multi.jsonl regen-multi 4096  # stage 1c
   # stage 1d: prompts of up to 4,000 characters; answers of up to 512 tokens, since two thirds of SmolLM2's are cut
