@@ -137,10 +137,12 @@ train() {
   peagle train --method "$method" --init-head "$from" --out "$round/$method" --freeze-lm-head "$@" "${COMMON[@]}"
 }
 # gate ROUND METHOD: the bundled head and the round's, at K=7 on all of HumanEval and MT-Bench, side by side on this
-# machine (the bundle's figures kept per bundle under WORK/baseline); then re-bundle, record and advance
+# machine (the bundle's figures kept per bundle and kernel source under WORK/baseline: kernels that round otherwise
+# make other greedy text); then re-bundle, record and advance
 gate() {
   local round=$1 method=$2 base
   base="$WORK/baseline/$method-$(sha256sum "peagle/heads/smollm2-135m-$method/model.safetensors" | cut -c1-12)"
+  base="$base-kernels-$(sha256sum peagle/model/kernels.c | cut -c1-8)"
   log "acceptance at K=7 of the bundled $method head and of $round's"
   python3 benchmarks/acceptance.py --methods "$method" --k 7 "--$method-head" "smollm2-135m-$method" --out "$base"
   python3 benchmarks/acceptance.py --methods "$method" --k 7 "--$method-head" "$round/$method" \

@@ -134,8 +134,21 @@ def _attention_reference(q, kc, vc, slots, positions):
     return ref.transpose(1, 2)
 
 
+# The two ways attention scores and weighted values are computed (kernels.attention_path()), each where the CPU has
+# its instructions: avx2 on every x86-64 machine, avx512-bf16 on Zen 4 and on Intel with AVX-512 BF16 or AMX.
+ATTENTION_PATHS = [pytest.param(p, marks=pytest.mark.skipif(not kernels.cpu_has(p),
+                                                            reason=f"this CPU lacks the {p} instructions"))
+                   for p in ("avx512-bf16", "avx2")]
+
+
 @needs_native_kernels
-def test_attention_writes_the_cache_matches_float64_and_is_batch_invariant():
+def test_the_attention_path_follows_the_matrix_path():
+    assert kernels.attention_path() == ("avx512-bf16" if kernels.matmul_path() in ("amx", "avx512-bf16") else "avx2")
+
+
+@needs_native_kernels
+@pytest.mark.parametrize("path", ATTENTION_PATHS)
+def test_attention_writes_the_cache_matches_float64_and_is_batch_invariant(path):
     nh, nkv, D, max_len = 9, 3, 64, 256
     kc, vc = bf16(3, nkv, max_len, D, seed=6), bf16(3, nkv, max_len, D, seed=7)
     qkv = bf16(2, 8, nh + 2 * nkv, D, seed=8)  # the layout the model's fused projection gives
@@ -143,7 +156,7 @@ def test_attention_writes_the_cache_matches_float64_and_is_batch_invariant():
     slots = torch.tensor([2, 0])
     positions = torch.stack([200 + torch.arange(8), 17 + torch.arange(8)])
     with torch.inference_mode():
-        out = kernels.attention_bf16(q, k, v, kc, vc, slots, positions)
+        out = kernels.attention_bf16(q, k, v, kc, vc, slots, positions, path=path)
         for b in range(2):  # this call's keys and values landed at their slots and positions
             written_k, written_v = kc[slots[b]][:, positions[b]], vc[slots[b]][:, positions[b]]  # [nkv, T, D]
             assert torch.equal(written_k, k[b].transpose(0, 1)) and torch.equal(written_v, v[b].transpose(0, 1))
@@ -151,19 +164,36 @@ def test_attention_writes_the_cache_matches_float64_and_is_batch_invariant():
         for b in range(2):
             for t in range(8):
                 one = kernels.attention_bf16(q[b:b + 1, t:t + 1], k[b:b + 1, t:t + 1], v[b:b + 1, t:t + 1], kc, vc,
-                                             slots[b:b + 1], positions[b:b + 1, t:t + 1])
+                                             slots[b:b + 1], positions[b:b + 1, t:t + 1], path=path)
                 assert torch.equal(one[0, 0], out[b, t])
 
 
 @needs_native_kernels
+@pytest.mark.parametrize("path", ATTENTION_PATHS)
 @pytest.mark.parametrize("D", [8, 48, 128, 256])
-def test_attention_head_sizes(D):
+def test_attention_head_sizes(D, path):
     nh, nkv, max_len = 4, 2, 64
     kc, vc = bf16(1, nkv, max_len, D, seed=9), bf16(1, nkv, max_len, D, seed=10)
     q, k, v = bf16(1, 5, nh, D, seed=11), bf16(1, 5, nkv, D, seed=12), bf16(1, 5, nkv, D, seed=13)
     slots, positions = torch.tensor([0]), (20 + torch.arange(5))[None]
     with torch.inference_mode():
-        out = kernels.attention_bf16(q, k, v, kc, vc, slots, positions)
+        out = kernels.attention_bf16(q, k, v, kc, vc, slots, positions, path=path)
+    assert (out.double() - _attention_reference(q, kc, vc, slots, positions)).abs().max() < 0.02
+
+
+@needs_native_kernels
+@pytest.mark.parametrize("path", ATTENTION_PATHS)
+def test_attention_ignores_stale_cache_entries_past_each_rows_keys(path):
+    """Rows with an odd number of keys: the avx512-bf16 path takes values in pairs, and the pair's second row (past
+    the row's last key) must count as zeros even when the cache holds inf or NaN there."""
+    nh, nkv, D, max_len = 4, 2, 64, 32
+    kc, vc = bf16(1, nkv, max_len, D, seed=20), bf16(1, nkv, max_len, D, seed=21)
+    kc[:, :, 9:], vc[:, :, 9:] = float("nan"), float("inf")  # this call writes positions 6-8
+    q, k, v = bf16(1, 3, nh, D, seed=22), bf16(1, 3, nkv, D, seed=23), bf16(1, 3, nkv, D, seed=24)
+    slots, positions = torch.tensor([0]), (6 + torch.arange(3))[None]  # 7 to 9 keys
+    with torch.inference_mode():
+        out = kernels.attention_bf16(q, k, v, kc, vc, slots, positions, path=path)
+    assert torch.isfinite(out).all()
     assert (out.double() - _attention_reference(q, kc, vc, slots, positions)).abs().max() < 0.02
 
 

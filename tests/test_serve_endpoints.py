@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from peagle.model.kernels import build_dir
 from tests.serve_util import build_tiny, free_port, spec_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -23,7 +24,8 @@ def tiny(tmp_path_factory):
 
 def peagle(home: Path, *argv, timeout=60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "peagle.cli", *argv], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PEAGLE_HOME": str(home)})
+                          timeout=timeout, env={**os.environ, "PEAGLE_HOME": str(home),
+                                                "PEAGLE_KERNELS_DIR": str(build_dir())})
 
 
 def endpoints(home: Path) -> dict:

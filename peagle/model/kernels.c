@@ -4,7 +4,8 @@
      - AVX2 + FMA     (any x86-64 of the last ten years): bf16 weights widened to fp32, fp32 FMAs;
      - AVX-512 BF16   (AMD Zen 4/5, Intel Sapphire Rapids and later): `vdpbf16ps` pair dot products;
      - AMX            (Intel Sapphire Rapids and later): `tdpbf16ps` tiles.
-   Attention, RMSNorm and RoPE use AVX2 + FMA on every machine.
+   RMSNorm, RoPE and SiLU use AVX2 + FMA on every machine; attention too, except where the matrix path is AVX-512
+   BF16 or AMX: there its scores and weighted values use `vdpbf16ps` (one way per process, chosen by kernels.py).
 
    Batch invariance is the point (docs/design.md, "Decoding step"): a verify window of K+1 rows must compute each
    row exactly as a one-row decode step does, or greedy speculation drifts from plain greedy decoding. So every
@@ -290,6 +291,83 @@ static inline __m256 hsum8x8(const __m256 a[8]) {
     return _mm256_add_ps(_mm256_shuffle_ps(c01, c23, 0x88), _mm256_shuffle_ps(c01, c23, 0xdd)); /* keys 0-3 | 4-7 */
 }
 
+/* The softmax of each (row, head)'s scores in place, the padding to whole vectors exactly 0; inv: 1 / their sum
+   (by a fixed tree). The same on every path. */
+static inline __attribute__((always_inline)) void attend_softmax(const int NR, const int HN, const int *n,
+                                                                 float *scores, int ld,
+                                                                 float inv[ROWS_PER_PASS][HEADS_PER_PASS]) {
+    #pragma GCC unroll 4
+    for (int r = 0; r < NR; r++)
+        #pragma GCC unroll 4
+        for (int i = 0; i < HN; i++) {
+            float *s = scores + (size_t)(r * HEADS_PER_PASS + i) * ld;
+            int npad = (n[r] + 7) / 8 * 8;
+            for (int j = n[r]; j < npad; j++) s[j] = -INFINITY;
+            __m256 mv = _mm256_set1_ps(-INFINITY), sum = _mm256_setzero_ps();
+            for (int j = 0; j < npad; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
+            mv = _mm256_max_ps(mv, _mm256_permute2f128_ps(mv, mv, 1)); /* max of all 8 lanes, in every lane */
+            mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, 0x4e));
+            mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, 0xb1));
+            for (int j = 0; j < npad; j += 8) {
+                __m256 sj = _mm256_loadu_ps(s + j);
+                __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(sj, mv)),
+                                         _mm256_cmp_ps(sj, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
+                _mm256_storeu_ps(s + j, e);
+                sum = _mm256_add_ps(sum, e);
+            }
+            inv[r][i] = 1.0f / hsum8(sum);
+        }
+}
+
+/* The weighted values of the AVX2 path, in fp32: out = inv * sum_j p_j v_j, in key order. */
+static inline __attribute__((always_inline)) void attend_pv_fma(
+        const int nd, const int NR, const int HN, int h0, const int *n, int nmin, const uint16_t *Vg, uint16_t *o0,
+        long o_stride, int G, int g, const float *scores, int ld, float *pt,
+        float inv[ROWS_PER_PASS][HEADS_PER_PASS]) {
+    const int D = 8 * nd;
+    /* weighted values: each (row, head, dimension) sums over its keys in order, 8 dimensions per pass, every row's
+       accumulators in registers so that each value row is widened once for all rows (the keys all rows share),
+       then each row's remaining keys. The weights are first interleaved key-major (pt[j][r, i]) so that one pointer
+       reaches all of a key's weights. */
+    const int W = NR * HN;
+    #pragma GCC unroll 4
+    for (int r = 0; r < NR; r++)
+        #pragma GCC unroll 4
+        for (int i = 0; i < HN; i++) {
+            const float *s = scores + (size_t)(r * HEADS_PER_PASS + i) * ld;
+            for (int j = 0; j < n[r]; j++) pt[(size_t)j * W + r * HN + i] = s[j];
+        }
+    for (int c = 0; c < nd; c++) {
+        __m256 acc[ROWS_PER_PASS][HEADS_PER_PASS];
+        #pragma GCC unroll 4
+        for (int r = 0; r < NR; r++)
+            #pragma GCC unroll 4
+            for (int i = 0; i < HN; i++) acc[r][i] = _mm256_setzero_ps();
+        for (int j = 0; j < nmin; j++) {
+            __m256 vj = bf16x8_to_f32(Vg + (size_t)j * D + 8 * c);
+            const float *p = pt + (size_t)j * W;
+            #pragma GCC unroll 4
+            for (int r = 0; r < NR; r++)
+                #pragma GCC unroll 4
+                for (int i = 0; i < HN; i++) acc[r][i] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + r * HN + i), vj, acc[r][i]);
+        }
+        #pragma GCC unroll 4
+        for (int r = 0; r < NR; r++)
+            for (int j = nmin; j < n[r]; j++) {
+                __m256 vj = bf16x8_to_f32(Vg + (size_t)j * D + 8 * c);
+                const float *p = pt + (size_t)j * W + r * HN;
+                #pragma GCC unroll 4
+                for (int i = 0; i < HN; i++) acc[r][i] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + i), vj, acc[r][i]);
+            }
+        #pragma GCC unroll 4
+        for (int r = 0; r < NR; r++)
+            #pragma GCC unroll 4
+            for (int i = 0; i < HN; i++)
+                store_bf16x8(o0 + r * o_stride + (size_t)(g * G + h0 + i) * D + 8 * c,
+                             _mm256_mul_ps(acc[r][i], _mm256_set1_ps(inv[r][i])), 8);
+    }
+}
+
 /* Attention for NR (<= ROWS_PER_PASS) query rows of one cache slot and one key/value head: query heads
    h0..h0+HN-1 of its G over the row's keys 0..n_r-1 of K/V [*, D], D = 8 nd. Rows and heads are blocked only so
    that each key and value row is loaded and widened once for all of them (a prefill has hundreds of rows per slot);
@@ -342,82 +420,61 @@ static inline __attribute__((always_inline)) void attend_block(
             }
         }
     }
-    /* softmax per (row, head); the padding to whole vectors gets exactly 0 */
     float inv[ROWS_PER_PASS][HEADS_PER_PASS];
-    #pragma GCC unroll 4
-    for (int r = 0; r < NR; r++)
-        #pragma GCC unroll 4
-        for (int i = 0; i < HN; i++) {
-            float *s = scores + (size_t)(r * HEADS_PER_PASS + i) * ld;
-            int npad = (n[r] + 7) / 8 * 8;
-            for (int j = n[r]; j < npad; j++) s[j] = -INFINITY;
-            __m256 mv = _mm256_set1_ps(-INFINITY), sum = _mm256_setzero_ps();
-            for (int j = 0; j < npad; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
-            mv = _mm256_max_ps(mv, _mm256_permute2f128_ps(mv, mv, 1)); /* max of all 8 lanes, in every lane */
-            mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, 0x4e));
-            mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, 0xb1));
-            for (int j = 0; j < npad; j += 8) {
-                __m256 sj = _mm256_loadu_ps(s + j);
-                __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(sj, mv)),
-                                         _mm256_cmp_ps(sj, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
-                _mm256_storeu_ps(s + j, e);
-                sum = _mm256_add_ps(sum, e);
-            }
-            inv[r][i] = 1.0f / hsum8(sum);
-        }
-    /* weighted values: each (row, head, dimension) sums over its keys in order, 8 dimensions per pass, every row's
-       accumulators in registers so that each value row is widened once for all rows (the keys all rows share),
-       then each row's remaining keys. The weights are first interleaved key-major (pt[j][r, i]) so that one pointer
-       reaches all of a key's weights. */
-    const int W = NR * HN;
-    #pragma GCC unroll 4
-    for (int r = 0; r < NR; r++)
-        #pragma GCC unroll 4
-        for (int i = 0; i < HN; i++) {
-            const float *s = scores + (size_t)(r * HEADS_PER_PASS + i) * ld;
-            for (int j = 0; j < n[r]; j++) pt[(size_t)j * W + r * HN + i] = s[j];
-        }
-    for (int c = 0; c < nd; c++) {
-        __m256 acc[ROWS_PER_PASS][HEADS_PER_PASS];
-        #pragma GCC unroll 4
-        for (int r = 0; r < NR; r++)
-            #pragma GCC unroll 4
-            for (int i = 0; i < HN; i++) acc[r][i] = _mm256_setzero_ps();
-        for (int j = 0; j < nmin; j++) {
-            __m256 vj = bf16x8_to_f32(Vg + (size_t)j * D + 8 * c);
-            const float *p = pt + (size_t)j * W;
-            #pragma GCC unroll 4
-            for (int r = 0; r < NR; r++)
-                #pragma GCC unroll 4
-                for (int i = 0; i < HN; i++) acc[r][i] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + r * HN + i), vj, acc[r][i]);
-        }
-        #pragma GCC unroll 4
-        for (int r = 0; r < NR; r++)
-            for (int j = nmin; j < n[r]; j++) {
-                __m256 vj = bf16x8_to_f32(Vg + (size_t)j * D + 8 * c);
-                const float *p = pt + (size_t)j * W + r * HN;
-                #pragma GCC unroll 4
-                for (int i = 0; i < HN; i++) acc[r][i] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + i), vj, acc[r][i]);
-            }
-        #pragma GCC unroll 4
-        for (int r = 0; r < NR; r++)
-            #pragma GCC unroll 4
-            for (int i = 0; i < HN; i++)
-                store_bf16x8(o0 + r * o_stride + (size_t)(g * G + h0 + i) * D + 8 * c,
-                             _mm256_mul_ps(acc[r][i], _mm256_set1_ps(inv[r][i])), 8);
-    }
+    attend_softmax(NR, HN, n, scores, ld, inv);
+    attend_pv_fma(nd, NR, HN, h0, n, nmin, Vg, o0, o_stride, G, g, scores, ld, pt, inv);
 }
+
+/* One pass of a path's attend block: nr (<= ROWS_PER_PASS) query rows x hn (<= HEADS_PER_PASS) query heads of key/value
+   head g, with nd, nr and hn turned into compile-time constants (D = 64 and 128 get their own code). */
+#define ATTEND_PARAMS                                                                                                \
+    int nd, int nr, int hn, int h0, const uint16_t *q0, long q_stride, const int64_t *pos, const uint16_t *Kg,      \
+        const uint16_t *Vg, uint16_t *o0, long o_stride, int G, int g, float scale, float *scores, int ld,          \
+        float *kf, float *pt
+#define ATTEND_ARGS h0, q0, q_stride, pos, Kg, Vg, o0, o_stride, G, g, scale, scores, ld, kf, pt
+#define ATTEND_ROWS(BLOCK, ND, HN)                                                                                   \
+    switch (nr) {                                                                                                    \
+        case 1: BLOCK(ND, 1, HN, ATTEND_ARGS); break;                                                                \
+        case 2: BLOCK(ND, 2, HN, ATTEND_ARGS); break;                                                                \
+        case 3: BLOCK(ND, 3, HN, ATTEND_ARGS); break;                                                                \
+        default: BLOCK(ND, 4, HN, ATTEND_ARGS); break;                                                               \
+    }
+#define ATTEND_HEADS(BLOCK, ND)                                                                                      \
+    switch (hn) {                                                                                                    \
+        case 1: ATTEND_ROWS(BLOCK, ND, 1); break;                                                                    \
+        case 2: ATTEND_ROWS(BLOCK, ND, 2); break;                                                                    \
+        case 3: ATTEND_ROWS(BLOCK, ND, 3); break;                                                                    \
+        default: ATTEND_ROWS(BLOCK, ND, 4); break;                                                                   \
+    }
+#define ATTEND_DISPATCH(BLOCK)                                                                                       \
+    if (nd == 8) ATTEND_HEADS(BLOCK, 8) else if (nd == 16) ATTEND_HEADS(BLOCK, 16) else ATTEND_HEADS(BLOCK, nd)
+
+typedef void (*attend_pass_fn)(ATTEND_PARAMS);
+static void attend_pass_avx2(ATTEND_PARAMS) { ATTEND_DISPATCH(attend_block) }
+#ifndef PEAGLE_NO_AVX512
+static void attend_pass_dpbf16(ATTEND_PARAMS); /* the AVX-512 BF16 section's scores */
+#endif
 
 /* Write this call's keys and values into each row's cache slot at its positions, then causal attention over the
    slot, each (query row, head) on its own, so the result never depends on which other rows share the call:
    out[b, t, h] = softmax_{j <= pos}(q[b, t, h] . K[slot_b, g, j] * scale) V[slot_b, g, j], g = h / (nh / nkv).
    q, k, v rows: base + (b*T + t) * row_stride, heads contiguous (D each). Cache: [slots, nkv, max_len, D].
-   out: [B, T, nh, D] contiguous. D: a multiple of 8, at most 256. Returns 0; -2 (nothing written) when a slot or
-   position lies outside the cache; -1 when a thread's score buffer could not be allocated (out is incomplete). */
+   out: [B, T, nh, D] contiguous. D: a multiple of 8, at most 256. dpbf16: the scores by `vdpbf16ps` (the
+   AVX-512 BF16 section) instead of fp32 FMAs; a process uses one or the other for every call. Returns 0; -2
+   (nothing written) when a slot or position lies outside the cache; -3 (nothing written) when dpbf16 is asked of a
+   library built without AVX-512 BF16; -1 when a thread's score buffer could not be allocated (out is incomplete). */
 int peagle_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, const uint16_t *v, long kv_stride,
                           uint16_t *kc, uint16_t *vc, const int64_t *slots, const int64_t *positions, uint16_t *out,
                           int B, int T, int nh, int nkv, int D, int num_slots, int max_len, float scale,
-                          int nthreads) {
+                          int nthreads, int dpbf16) {
+    attend_pass_fn attend_pass = attend_pass_avx2;
+    if (dpbf16) {
+#ifndef PEAGLE_NO_AVX512
+        attend_pass = attend_pass_dpbf16;
+#else
+        return -3;
+#endif
+    }
     for (int bt = 0; bt < B * T; bt++)
         if (slots[bt / T] < 0 || slots[bt / T] >= num_slots || positions[bt] < 0 || positions[bt] >= max_len)
             return -2;
@@ -452,26 +509,8 @@ int peagle_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, c
                 long os = (long)nh * D;
                 for (int h0 = 0; h0 < G; h0 += HEADS_PER_PASS) {
                     int hn = G - h0 < HEADS_PER_PASS ? G - h0 : HEADS_PER_PASS;
-#define PASS(ND, NR, HN)                                                                                             \
-    attend_block(ND, NR, HN, h0, q0, q_stride, positions + bt, Kg, Vg, o0, os, G, g, scale, scores, ld, kf, pt)
-#define ROWS(ND, HN)                                                                                                 \
-    switch (nr) {                                                                                                    \
-        case 1: PASS(ND, 1, HN); break;                                                                              \
-        case 2: PASS(ND, 2, HN); break;                                                                              \
-        case 3: PASS(ND, 3, HN); break;                                                                              \
-        default: PASS(ND, 4, HN); break;                                                                             \
-    }
-#define PASSES(ND)                                                                                                   \
-    switch (hn) {                                                                                                    \
-        case 1: ROWS(ND, 1); break;                                                                                  \
-        case 2: ROWS(ND, 2); break;                                                                                  \
-        case 3: ROWS(ND, 3); break;                                                                                  \
-        default: ROWS(ND, 4); break;                                                                                 \
-    }
-                    if (nd == 8) PASSES(8) else if (nd == 16) PASSES(16) else PASSES(nd)
-#undef PASSES
-#undef ROWS
-#undef PASS
+                    attend_pass(nd, nr, hn, h0, q0, q_stride, positions + bt, Kg, Vg, o0, os, G, g, scale, scores,
+                                ld, kf, pt);
                 }
             }
         free(scores);
@@ -591,6 +630,156 @@ int peagle_gemm_avx512bf16(const uint16_t *x, long ldx, const uint16_t *wp, uint
     free(xp);
     return 0;
 }
+
+/* Attention scores by `vdpbf16ps`: score_j = hsum16(dpbf16 chain over the row's D / 32 bf16 vectors of q and k_j),
+   the 16 lanes folded to 8 and then hsum8's tree, eight keys at a time (hsum8x8), times scale. Keys are read as they
+   lie in the cache (no widening), and a dot product takes a quarter of the FMA chain's instructions. The softmax and
+   the weighted values are the AVX2 pass's (attend_softmax_pv). Each (row, head) does the same arithmetic in every
+   block shape, so a decode row equals the same row inside a prefill, bit for bit. */
+
+static const uint16_t zero_key[256]; /* a key or value row of zeros (past a row's keys) */
+
+/* Weighted values by `vdpbf16ps`: the weights rounded to bf16 (as flash attention's value product does; the sum
+   they are divided by stays the fp32 one), keys taken in pairs (2m, 2m + 1), each pair's two value rows interleaved
+   so that one instruction adds both keys' products for 16 dimensions: acc = dpbf16(acc, (v_2m, v_2m+1), (p_2m,
+   p_2m+1)), pair by pair in order. A row with an odd number of keys ends on a pair whose second value row is zeros
+   (its weight is 0, and a zero row cannot hold a NaN a stale cache entry might). Pairs every row of the pass has in
+   full are interleaved once for all of them; each row's last pairs follow, so a row's chain never depends on the
+   other rows. Dimensions: 32 per chunk, the last chunk masked. */
+static inline __attribute__((always_inline)) void attend_pv_dpbf16(
+        const int nd, const int NR, const int HN, int h0, const int *n, int nmin, const uint16_t *Vg, uint16_t *o0,
+        long o_stride, int G, int g, const float *scores, int ld, float *pt,
+        float inv[ROWS_PER_PASS][HEADS_PER_PASS]) {
+    const int D = 8 * nd, nz = (D + 31) / 32, W = NR * HN, full = nmin / 2;
+    const __mmask32 last = D % 32 ? (__mmask32)((1u << (D % 32)) - 1u) : (__mmask32)0xffffffffu;
+    /* the weights as bf16 pairs, pair-major: pw[m][r, i] = (p_2m, p_2m+1); past a row's keys the scores are 0 */
+    uint32_t *pw = (uint32_t *)pt;
+    #pragma GCC unroll 4
+    for (int r = 0; r < NR; r++)
+        #pragma GCC unroll 4
+        for (int i = 0; i < HN; i++) {
+            const float *sr = scores + (size_t)(r * HEADS_PER_PASS + i) * ld;
+            int npairs = (n[r] + 1) / 2;
+            for (int m0 = 0; m0 < npairs; m0 += 8) { /* 16 scores (within the row's padding to 8) to 8 pairs */
+                uint32_t tmp[8];
+                __m512 v = _mm512_maskz_loadu_ps((__mmask16)(2 * m0 + 16 <= (n[r] + 7) / 8 * 8 ? 0xffffu : 0xffu),
+                                                 sr + 2 * m0);
+                _mm256_storeu_si256((__m256i *)tmp, f32x16_to_bf16(v));
+                int m1 = npairs - m0 < 8 ? npairs - m0 : 8;
+                for (int m = 0; m < m1; m++) pw[(size_t)(m0 + m) * W + r * HN + i] = tmp[m];
+            }
+        }
+    /* the value product's lanes hold dimensions 0-3, 8-11, 16-19, 24-27 (lo) and 4-7, ... (hi) of a chunk: put them
+       back in order for the store */
+    const __m512i first16 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i next16 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int c = 0; c < nz; c++) {
+        const __mmask32 mask = c == nz - 1 ? last : 0xffffffffu;
+        __m512 lo[ROWS_PER_PASS][HEADS_PER_PASS], hi[ROWS_PER_PASS][HEADS_PER_PASS];
+        #pragma GCC unroll 4
+        for (int r = 0; r < NR; r++)
+            #pragma GCC unroll 4
+            for (int i = 0; i < HN; i++) lo[r][i] = hi[r][i] = _mm512_setzero_ps();
+        for (int m = 0; m < full; m++) {
+            __m512i a = _mm512_maskz_loadu_epi16(mask, Vg + (size_t)(2 * m) * D + 32 * c);
+            __m512i b = _mm512_maskz_loadu_epi16(mask, Vg + (size_t)(2 * m + 1) * D + 32 * c);
+            __m512bh vl = (__m512bh)_mm512_unpacklo_epi16(a, b), vh = (__m512bh)_mm512_unpackhi_epi16(a, b);
+            const uint32_t *p = pw + (size_t)m * W;
+            #pragma GCC unroll 4
+            for (int r = 0; r < NR; r++)
+                #pragma GCC unroll 4
+                for (int i = 0; i < HN; i++) {
+                    __m512bh w = (__m512bh)_mm512_set1_epi32((int)p[r * HN + i]);
+                    lo[r][i] = _mm512_dpbf16_ps(lo[r][i], vl, w);
+                    hi[r][i] = _mm512_dpbf16_ps(hi[r][i], vh, w);
+                }
+        }
+        #pragma GCC unroll 4
+        for (int r = 0; r < NR; r++)
+            for (int m = full; m < (n[r] + 1) / 2; m++) {
+                __m512i a = _mm512_maskz_loadu_epi16(mask, Vg + (size_t)(2 * m) * D + 32 * c);
+                __m512i b = _mm512_maskz_loadu_epi16(mask, 2 * m + 1 < n[r] ? Vg + (size_t)(2 * m + 1) * D + 32 * c
+                                                                              : zero_key);
+                __m512bh vl = (__m512bh)_mm512_unpacklo_epi16(a, b), vh = (__m512bh)_mm512_unpackhi_epi16(a, b);
+                const uint32_t *p = pw + (size_t)m * W + r * HN;
+                #pragma GCC unroll 4
+                for (int i = 0; i < HN; i++) {
+                    __m512bh w = (__m512bh)_mm512_set1_epi32((int)p[i]);
+                    lo[r][i] = _mm512_dpbf16_ps(lo[r][i], vl, w);
+                    hi[r][i] = _mm512_dpbf16_ps(hi[r][i], vh, w);
+                }
+            }
+        #pragma GCC unroll 4
+        for (int r = 0; r < NR; r++)
+            #pragma GCC unroll 4
+            for (int i = 0; i < HN; i++) {
+                uint16_t *dst = o0 + r * o_stride + (size_t)(g * G + h0 + i) * D + 32 * c;
+                __m512 sc = _mm512_set1_ps(inv[r][i]);
+                __m512 d0 = _mm512_mul_ps(_mm512_permutex2var_ps(lo[r][i], first16, hi[r][i]), sc);
+                __m512 d1 = _mm512_mul_ps(_mm512_permutex2var_ps(lo[r][i], next16, hi[r][i]), sc);
+                _mm256_mask_storeu_epi16(dst, (__mmask16)mask, f32x16_to_bf16(d0));
+                _mm256_mask_storeu_epi16(dst + 16, (__mmask16)(mask >> 16), f32x16_to_bf16(d1));
+            }
+    }
+}
+
+static inline __attribute__((always_inline)) void attend_block_dpbf16(
+        const int nd, const int NR, const int HN, int h0, const uint16_t *q0, long q_stride, const int64_t *pos,
+        const uint16_t *Kg, const uint16_t *Vg, uint16_t *o0, long o_stride, int G, int g, float scale,
+        float *scores, int ld, float *kf, float *pt) {
+    (void)kf;
+    const int D = 8 * nd, nz = (D + 31) / 32;
+    const __mmask32 last = D % 32 ? (__mmask32)((1u << (D % 32)) - 1u) : (__mmask32)0xffffffffu;
+    int n[ROWS_PER_PASS], nmax = 0, nmin = 1 << 30;
+    #pragma GCC unroll 4
+    for (int r = 0; r < NR; r++) {
+        n[r] = (int)pos[r] + 1;
+        nmax = n[r] > nmax ? n[r] : nmax;
+        nmin = n[r] < nmin ? n[r] : nmin;
+    }
+    {
+        __m512bh qz[ROWS_PER_PASS][HEADS_PER_PASS][8];
+        #pragma GCC unroll 4
+        for (int r = 0; r < NR; r++)
+            #pragma GCC unroll 4
+            for (int i = 0; i < HN; i++)
+                for (int c = 0; c < nz; c++)
+                    qz[r][i][c] = (__m512bh)_mm512_maskz_loadu_epi16(c == nz - 1 ? last : 0xffffffffu,
+                                                                    q0 + r * q_stride + (size_t)(g * G + h0 + i) * D + 32 * c);
+        const __m256 sv = _mm256_set1_ps(scale);
+        for (int j = 0; j < nmax; j += 8) {
+            int nk = nmax - j < 8 ? nmax - j : 8;
+            const uint16_t *kr[8];
+            #pragma GCC unroll 8
+            for (int e = 0; e < 8; e++) kr[e] = e < nk ? Kg + (size_t)(j + e) * D : zero_key;
+            for (int r = 0; r < NR; r++) {
+                if (j >= n[r]) continue;
+                for (int i = 0; i < HN; i++) {
+                    __m512 a[8];
+                    #pragma GCC unroll 8
+                    for (int e = 0; e < 8; e++) a[e] = _mm512_setzero_ps();
+                    for (int c = 0; c < nz; c++)
+                        #pragma GCC unroll 8
+                        for (int e = 0; e < 8; e++)
+                            a[e] = _mm512_dpbf16_ps(a[e], qz[r][i][c], (__m512bh)_mm512_maskz_loadu_epi16(
+                                                        c == nz - 1 ? last : 0xffffffffu, kr[e] + 32 * c));
+                    __m256 b[8];
+                    #pragma GCC unroll 8
+                    for (int e = 0; e < 8; e++) /* lanes l + (l + 8) */
+                        b[e] = _mm256_add_ps(_mm512_castps512_ps256(a[e]),
+                                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[e]), 1)));
+                    _mm256_storeu_ps(scores + (size_t)(r * HEADS_PER_PASS + i) * ld + j,
+                                     _mm256_mul_ps(hsum8x8(b), sv));
+                }
+            }
+        }
+    }
+    float inv[ROWS_PER_PASS][HEADS_PER_PASS];
+    attend_softmax(NR, HN, n, scores, ld, inv);
+    attend_pv_dpbf16(nd, NR, HN, h0, n, nmin, Vg, o0, o_stride, G, g, scores, ld, pt, inv);
+}
+
+static void attend_pass_dpbf16(ATTEND_PARAMS) { ATTEND_DISPATCH(attend_block_dpbf16) }
 
 #pragma GCC pop_options
 #endif /* PEAGLE_NO_AVX512 */
@@ -984,6 +1173,7 @@ typedef struct {
     const uint16_t *qkv, *o, *gate_up, *down; /* packed [(nh + 2 nkv) D, H], [H, nh D], [2 I, H], [H, I] */
     int H, I, nh, nkv, D;
     float eps, scale;                          /* RMSNorm epsilon; attention scale D^-0.5 */
+    int attention_dpbf16;                      /* peagle_attention_bf16's dpbf16 */
 } peagle_layer;
 
 /* y = bf16(a + b) elementwise, like PyTorch's bf16 add (fp32 sum, one rounding). y may be a. */
@@ -1011,7 +1201,8 @@ int peagle_decoder_layer(const peagle_layer *w, const uint16_t *x, uint16_t *y, 
     if ((rc = w->gemm_qkv(normed, H, w->qkv, qkv, W, (int)M, W, H, nthreads))) goto done;
     peagle_rope_bf16(qkv, cos_, sin_, (int)M, nh + 2 * nkv, nh + nkv, D);
     if ((rc = peagle_attention_bf16(qkv, W, qkv + (size_t)nh * D, qkv + (size_t)(nh + nkv) * D, W, kc, vc, slots,
-                                    positions, att, B, T, nh, nkv, D, num_slots, max_len, w->scale, nthreads)))
+                                    positions, att, B, T, nh, nkv, D, num_slots, max_len, w->scale, nthreads,
+                                    w->attention_dpbf16)))
         goto done;
     if ((rc = w->gemm_o(att, (long)nh * D, w->o, out, H, (int)M, H, nh * D, nthreads))) goto done;
     add_bf16(x, out, y, M * H);

@@ -63,8 +63,15 @@ def _cpu_flags() -> set[str]:
     return set(line.split())
 
 
-def _build() -> Path | None:
+def build_dir() -> Path:
+    """Where the compiled library is kept: $PEAGLE_KERNELS_DIR, else $PEAGLE_HOME/kernels (the variable lets
+    processes with homes of their own, such as tests' servers, share one build)."""
     from peagle.model.loading import peagle_home
+
+    return Path(os.environ.get("PEAGLE_KERNELS_DIR") or peagle_home() / "kernels")
+
+
+def _build() -> Path | None:
 
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
@@ -72,11 +79,13 @@ def _build() -> Path | None:
         return None
     source = SOURCE.read_text()
     key = hashlib.sha256((source + " ".join(_FLAGS) + compiler).encode()).hexdigest()[:16]
-    out_dir = peagle_home() / "kernels"
+    out_dir = build_dir()
     target = out_dir / f"peagle_kernels_{key}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"peagle: compiling the CPU kernels for this machine into {out_dir} (once per version of "
+          "kernels.c; a minute or two)", file=sys.stderr, flush=True)
     errors = ""
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         lib = Path(tmp) / "kernels.so"
@@ -111,7 +120,7 @@ def _declare(lib) -> None:
         "peagle_rms_norm_bf16": ([p, p, p, i, i, f], None),
         "peagle_rope_bf16": ([p, p, p, i, i, i, i], None),
         "peagle_silu_mul_bf16": ([p, p, i, i], None),
-        "peagle_attention_bf16": ([p, l, p, p, l, p, p, p, p, p, i, i, i, i, i, i, i, f, i], i),
+        "peagle_attention_bf16": ([p, l, p, p, l, p, p, p, p, p, i, i, i, i, i, i, i, f, i, i], i),
         "peagle_decoder_layer": ([p, p, p, i, i, p, p, p, p, p, p, i, i, i], i),
         "peagle_qpanels_size": ([i, i, i], sz),
         "peagle_qpack": ([i, p, i, i, p], None),
@@ -185,6 +194,16 @@ def matmul_path() -> str | None:
     """The matrix path packed weights use by default, or None (PyTorch's F.linear)."""
     library()
     return _matmul
+
+
+def attention_path() -> str | None:
+    """How attention scores are computed in this process, one way for every call (decode, verify and prefill rows
+    must round alike): "avx512-bf16" (`vdpbf16ps` on the bf16 query and key rows) where the matrix path in use has
+    those instructions (AMX machines too), else "avx2" (fp32 FMAs); None where no native path runs."""
+    path = matmul_path()
+    if path is None:
+        return None
+    return "avx512-bf16" if path in ("amx", "avx512-bf16") else "avx2"
 
 
 def summary(device: torch.device | str = "cpu") -> dict:
@@ -312,13 +331,17 @@ def _rows_evenly_strided(t: torch.Tensor) -> bool:
 
 
 def attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
-                   slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+                   slots: torch.Tensor, positions: torch.Tensor, path: str | None = None) -> torch.Tensor | None:
     """Write k, v [B, T, nkv, D] into the per-row cache [slots, nkv, max_len, D] at each row's slot and positions,
     then causal attention of q [B, T, nh, D]: row (b, t) attends to keys 0..positions[b, t] of slot slots[b]. Each
-    row is computed alone, so the result never depends on T or B (batch invariance). None (nothing written) when
-    the kernel does not apply."""
+    row is computed alone, so the result never depends on T or B (batch invariance). path: how the scores are
+    computed (default attention_path()). None (nothing written) when the kernel does not apply."""
     if not _usable(q, k, v, cache_k, cache_v) or not (cache_k.is_contiguous() and cache_v.is_contiguous()):
         return None
+    path = path or attention_path()
+    if path not in ("avx2", *(("avx512-bf16",) if "avx512-bf16" in _paths else ())):
+        raise ValueError(f"attention path {path!r} does not run here; this machine runs "
+                         f"{', '.join(p for p in ('avx512-bf16', 'avx2') if p in _paths)}")
     B, T, nh, D = q.shape
     S, nkv, max_len, Dc = cache_k.shape
     if Dc != D or D % 8 or D > 256 or nh % nkv or k.shape != (B, T, nkv, D) or v.shape != k.shape:
@@ -333,7 +356,8 @@ def attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: t
     out = torch.empty(B, T, nh, D, dtype=torch.bfloat16)
     rc = _lib.peagle_attention_bf16(q.data_ptr(), q.stride(1), k.data_ptr(), v.data_ptr(), k.stride(1),
                                     cache_k.data_ptr(), cache_v.data_ptr(), slots.data_ptr(), positions.data_ptr(),
-                                    out.data_ptr(), B, T, nh, nkv, D, S, max_len, D ** -0.5, torch.get_num_threads())
+                                    out.data_ptr(), B, T, nh, nkv, D, S, max_len, D ** -0.5, torch.get_num_threads(),
+                                    int(path == "avx512-bf16"))
     if rc == -2:
         raise IndexError(f"positions must lie in [0, {max_len}) and slots in [0, {S}) for this cache")
     if rc:
@@ -347,7 +371,8 @@ class _LayerWeights(ctypes.Structure):
                 ("gemm_down", ctypes.c_void_p), ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
                 ("qkv", ctypes.c_void_p), ("o", ctypes.c_void_p), ("gate_up", ctypes.c_void_p),
                 ("down", ctypes.c_void_p), ("H", ctypes.c_int), ("I", ctypes.c_int), ("nh", ctypes.c_int),
-                ("nkv", ctypes.c_int), ("D", ctypes.c_int), ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+                ("nkv", ctypes.c_int), ("D", ctypes.c_int), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("attention_dpbf16", ctypes.c_int)]
 
 
 class NativeDecoderLayer:
@@ -362,7 +387,7 @@ class NativeDecoderLayer:
         self._weights = _LayerWeights(qkv.gemm_ptr, o.gemm_ptr, gate_up.gemm_ptr, down.gemm_ptr, input_norm.data_ptr(),
                                       post_norm.data_ptr(), qkv.data_ptr, o.data_ptr, gate_up.data_ptr, down.data_ptr,
                                       o.out_features, down.in_features, num_heads, num_kv_heads, head_dim, eps,
-                                      head_dim ** -0.5)
+                                      head_dim ** -0.5, int(attention_path() == "avx512-bf16"))
         self._ref = ctypes.byref(self._weights)
 
     @staticmethod
