@@ -303,10 +303,10 @@ def test_bare_peagle_train_uses_the_bundled_heads_recipe(method):
             "weight_decay", "max_grad_norm", "cod_ratio", "cod_min_ratio", "loss", "ttt_decay"]
     # a head continued from an earlier one (--init-head) was last trained with a continuation's settings: a lower
     # learning rate, and in the campaign's rounds the cheapest step that learns as much (fewer COD depths at a higher
-    # ratio, longer sequences for the multi-turn histories); the from-scratch recipe is the first stage's, which
-    # docs/heads.md records
+    # ratio, longer sequences for the multi-turn histories, one packed row of up to 4,096 tokens a step instead of
+    # four conversations); the from-scratch recipe is the first stage's, which docs/heads.md records
     if recipe.get("init_head"):
-        keys = [k for k in keys if k not in ("num_depths", "cod_ratio", "max_seq_len")]
+        keys = [k for k in keys if k not in ("num_depths", "cod_ratio", "max_seq_len", "batch_size")]
     else:
         keys.append("lr")
     for key in keys:
