@@ -72,7 +72,6 @@ def build_dir() -> Path:
 
 
 def _build() -> Path | None:
-
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         print("peagle: no C compiler found (set CC); using PyTorch's CPU kernels", file=sys.stderr)
@@ -197,9 +196,10 @@ def matmul_path() -> str | None:
 
 
 def attention_path() -> str | None:
-    """How attention scores are computed in this process, one way for every call (decode, verify and prefill rows
-    must round alike): "avx512-bf16" (`vdpbf16ps` on the bf16 query and key rows) where the matrix path in use has
-    those instructions (AMX machines too), else "avx2" (fp32 FMAs); None where no native path runs."""
+    """How attention computes its scores and weighted values in this process, one way for every call (decode,
+    verify and prefill rows must round alike): "avx512-bf16" (`vdpbf16ps`) where the matrix path in use has those
+    instructions (AMX machines too; PEAGLE_CPU_KERNELS=avx2 forces both to avx2), else "avx2" (fp32 FMAs); None
+    where no native path runs."""
     path = matmul_path()
     if path is None:
         return None
@@ -334,8 +334,8 @@ def attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: t
                    slots: torch.Tensor, positions: torch.Tensor, path: str | None = None) -> torch.Tensor | None:
     """Write k, v [B, T, nkv, D] into the per-row cache [slots, nkv, max_len, D] at each row's slot and positions,
     then causal attention of q [B, T, nh, D]: row (b, t) attends to keys 0..positions[b, t] of slot slots[b]. Each
-    row is computed alone, so the result never depends on T or B (batch invariance). path: how the scores are
-    computed (default attention_path()). None (nothing written) when the kernel does not apply."""
+    row is computed alone, so the result never depends on T or B (batch invariance). path: "avx2" or
+    "avx512-bf16" (default attention_path()). None (nothing written) when the kernel does not apply."""
     if not _usable(q, k, v, cache_k, cache_v) or not (cache_k.is_contiguous() and cache_v.is_contiguous()):
         return None
     path = path or attention_path()
