@@ -368,6 +368,18 @@ static inline __attribute__((always_inline)) void attend_pv_fma(
     }
 }
 
+/* Each of a pass's NR rows attends to n[r] = pos[r] + 1 keys; the fewest and the most of them. */
+static inline __attribute__((always_inline)) void key_counts(const int NR, const int64_t *pos, int *n, int *nmin,
+                                                             int *nmax) {
+    *nmin = 1 << 30, *nmax = 0;
+    #pragma GCC unroll 4
+    for (int r = 0; r < NR; r++) {
+        n[r] = (int)pos[r] + 1;
+        *nmax = n[r] > *nmax ? n[r] : *nmax;
+        *nmin = n[r] < *nmin ? n[r] : *nmin;
+    }
+}
+
 /* Attention for NR (<= ROWS_PER_PASS) query rows of one cache slot and one key/value head: query heads
    h0..h0+HN-1 of its G over the row's keys 0..n_r-1 of K/V [*, D], D = 8 nd. Rows and heads are blocked only so
    that each key and value row is loaded and widened once for all of them (a prefill has hundreds of rows per slot);
@@ -380,13 +392,8 @@ static inline __attribute__((always_inline)) void attend_block(
         const int nd, const int NR, const int HN, int h0, const uint16_t *q0, long q_stride, const int64_t *pos,
         const uint16_t *Kg, const uint16_t *Vg, uint16_t *o0, long o_stride, int G, int g, float scale,
         float *scores, int ld, float *kf, float *pt) {
-    int D = 8 * nd, n[ROWS_PER_PASS], nmax = 0, nmin = 1 << 30;
-    #pragma GCC unroll 4
-    for (int r = 0; r < NR; r++) {
-        n[r] = (int)pos[r] + 1;
-        nmax = n[r] > nmax ? n[r] : nmax;
-        nmin = n[r] < nmin ? n[r] : nmin;
-    }
+    int D = 8 * nd, n[ROWS_PER_PASS], nmax, nmin;
+    key_counts(NR, pos, n, &nmin, &nmax);
     {
         __m256 qv[ROWS_PER_PASS][HEADS_PER_PASS][32];
         #pragma GCC unroll 4
@@ -730,13 +737,8 @@ static inline __attribute__((always_inline)) void attend_block_dpbf16(
     (void)kf;
     const int D = 8 * nd, nz = (D + 31) / 32;
     const __mmask32 last = D % 32 ? (__mmask32)((1u << (D % 32)) - 1u) : (__mmask32)0xffffffffu;
-    int n[ROWS_PER_PASS], nmax = 0, nmin = 1 << 30;
-    #pragma GCC unroll 4
-    for (int r = 0; r < NR; r++) {
-        n[r] = (int)pos[r] + 1;
-        nmax = n[r] > nmax ? n[r] : nmax;
-        nmin = n[r] < nmin ? n[r] : nmin;
-    }
+    int n[ROWS_PER_PASS], nmax, nmin;
+    key_counts(NR, pos, n, &nmin, &nmax);
     {
         __m512bh qz[ROWS_PER_PASS][HEADS_PER_PASS][8];
         #pragma GCC unroll 4
