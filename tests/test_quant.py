@@ -19,11 +19,15 @@ from tests.conftest import needs_native_kernels
 from tests.test_lossless_smollm2 import CASES, PROMPTS, MAX_TOKENS, run_staggered
 from tests.test_policy import Rotating
 
-# Quantized weights run only on peagle's kernels, and their block path is AVX2 on every x86-64 kind (Intel with AMX,
-# AMD Zen 4, AMD Zen 3): so on each of them every test below runs; it skips only off x86-64/AVX2, where quantized
-# weights are refused with a clear error and nothing here is promised.
+# Quantized weights run only on peagle's kernels: AVX2 on every x86-64 kind (Intel with AMX, AMD Zen 4, AMD Zen 3),
+# AVX-512 VNNI too on Intel with AMX and Zen 4. Every test below runs on each; a path's own cases skip only where the
+# CPU lacks its instructions, and the whole file only off x86-64/AVX2, where quantized weights are refused with a
+# clear error and nothing here is promised.
 pytestmark = needs_native_kernels
 FORMATS = list(quant.FORMATS)
+QUANT_PATHS = [pytest.param(p, marks=pytest.mark.skipif(not kernels.cpu_has(p),
+                                                        reason=f"this CPU lacks the {p} instructions"))
+               for p in kernels.QUANT_PATHS]
 
 
 def kernel_activations(x: torch.Tensor) -> torch.Tensor:
@@ -38,12 +42,13 @@ def kernel_activations(x: torch.Tensor) -> torch.Tensor:
     return (qx.double().view(M, -1, 32) * dx.double()[..., None]).view(M, K)
 
 
+@pytest.mark.parametrize("path", QUANT_PATHS)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_kernel_matches_a_float64_reference(fmt, one_thread):
+def test_kernel_matches_a_float64_reference(fmt, path, one_thread):
     torch.manual_seed(0)
     N, K = 203, 576  # N not a multiple of the 8-column groups: the padding columns must not leak
     w = torch.randn(N, K) * torch.rand(N, 1)  # rows of different scales
-    qw = quant.QuantWeight.quantize(w, fmt)
+    qw = quant.QuantWeight.quantize(w, fmt, path=path)
     x = torch.randn(5, K).bfloat16()
     y = kernels.packed_linear(x, qw).double()
     ref = kernel_activations(x) @ qw.dequantize().double().T
@@ -63,10 +68,11 @@ def test_quantize_blocks_follow_the_reference_rules(fmt):
     assert (back[0] - w[0]).abs().max() <= {"q8_0": 0.01, "q4_1": 0.06, "q4_0": 0.13}[fmt]
 
 
+@pytest.mark.parametrize("path", QUANT_PATHS)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_a_row_computes_the_same_bits_in_any_batch_and_thread_count(fmt):
+def test_a_row_computes_the_same_bits_in_any_batch_and_thread_count(fmt, path):
     torch.manual_seed(1)
-    qw = quant.QuantWeight.quantize(torch.randn(100, 192), fmt)
+    qw = quant.QuantWeight.quantize(torch.randn(100, 192), fmt, path=path)
     x = torch.randn(33, 192).bfloat16()
     before = torch.get_num_threads()
     try:
@@ -78,6 +84,28 @@ def test_a_row_computes_the_same_bits_in_any_batch_and_thread_count(fmt):
         assert torch.equal(kernels.packed_linear(x, qw), alone)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not kernels.cpu_has("avx512-vnni"), reason="this CPU lacks the avx512-vnni instructions")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_path_gives_the_same_bits(fmt, one_thread):
+    """The integer dot products are exact however they are summed, so VNNI's register blocks of up to 8 rows give
+    AVX2's bits for every row count (a model's outputs do not depend on the machine's instruction set)."""
+    torch.manual_seed(4)
+    w = torch.randn(203, 576) * torch.rand(203, 1)
+    blocks = quant.quantize_blocks(w, fmt)
+    avx2, vnni = (quant.QuantWeight.from_blocks(blocks, fmt, 203, 576, path=p) for p in ("avx2", "avx512-vnni"))
+    x = torch.randn(19, 576).bfloat16()
+    for rows in (1, 2, 4, 7, 8, 9, 19):
+        assert torch.equal(kernels.packed_linear(x[:rows], vnni), kernels.packed_linear(x[:rows], avx2)), rows
+
+
+def test_the_fastest_quantized_path_is_chosen():
+    want = next(p for p in kernels.QUANT_PATHS if kernels.cpu_has(p))
+    assert kernels.quant_path() == want
+    assert quant.QuantWeight.quantize(torch.randn(8, 32), "q4_0").path == want
+    with pytest.raises(ValueError, match="does not run here"):
+        quant.QuantWeight.quantize(torch.randn(8, 32), "q4_0", path="neon")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

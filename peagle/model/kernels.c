@@ -914,31 +914,42 @@ int peagle_amx_gemm(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y
 #endif /* PEAGLE_NO_AMX */
 
 /* ---------------------------------------------------------------------------------------------------------------
-   Block-quantized weights: GGUF's Q4_0, Q4_1 and Q8_0, integer dot products on AVX2 (every x86-64 path)
+   Block-quantized weights: GGUF's Q4_0, Q4_1 and Q8_0, integer dot products: AVX2 on every x86-64 path,
+   AVX-512 VNNI where the CPU has it (AMD Zen 4, Intel Ice Lake and later)
 
    A GGUF block holds 32 consecutive inputs of one output row: Q4_0 a fp16 scale d and 32 4-bit codes q (w = d (q-8));
    Q4_1 d, a fp16 minimum m and 32 codes (w = d q + m); Q8_0 d and 32 int8 codes (w = d q). Byte j of a 4-bit block
    holds input j in its low nibble and input j+16 in its high one. The bytes are kept exactly as in the file, only
-   regrouped ("qpanels"): the blocks of QCOLS = 8 output columns at one input block sit side by side in a record,
-     4-bit:  the 8 columns' 16 code bytes in column order, so columns 2p and 2p+1 fill one 32-byte load;
-     Q8_0:   per column pair p, 64 bytes: inputs 0-15 of column 2p, of 2p+1, then inputs 16-31 of 2p, of 2p+1;
-     then the 8 d (and for Q4_1 the 8 m) in lane order 0, 2, 4, 6, 1, 3, 5, 7 (the order the sums come out in),
+   regrouped ("qpanels") so that one 32-byte load holds QCOLS = 8 output columns side by side, four consecutive
+   inputs of one column in each 4-byte lane: a dot product that sums groups of four bytes into an int32 lane
+   (vpdpbusd, or vpmaddubsw then vpmaddwd) then leaves each column's partial sum in that column's lane, with no
+   horizontal additions, whatever the number of activation rows that share the loaded weights. A record holds the 8
+   columns' blocks at one input block:
+     4-bit:  four 32-byte chunks; chunk t, lane c: bytes 4t..4t+3 of column c's block (low nibbles: inputs
+             4t..4t+3, high nibbles: inputs 16+4t..19+4t);
+     Q8_0:   eight 32-byte chunks; chunk j, lane c: column c's codes of inputs 4j..4j+3;
+     then the 8 d (and for Q4_1 the 8 m) in column order,
    so each group of 8 columns is one contiguous stream (N is zero padded to a multiple of 8).
 
    Activations are quantized per row and per block of 32, as llama.cpp does: dx = max|x| / 127, qx = rint(x / dx) in
-   [-127, 127], sx = sum(qx). A block's dot product is then exact integer arithmetic (vpmaddubsw: unsigned 4-bit
-   codes or |q8| times signed activations, then vpmaddwd), and each output column accumulates its blocks in order:
+   [-127, 127], sx = sum(qx). A block's dot product is then exact integer arithmetic (unsigned 4-bit codes, or |q8|
+   with q8's sign moved onto the activations, times signed activations), and each output column accumulates its
+   blocks in order:
      acc = fma((float)isum, d * dx, acc)          [Q4_0: isum = q.qx - 8 sx; Q8_0: isum = q.qx]
      acc = fma(m, dx * sx, acc)                   [Q4_1 only, after the line above with isum = q.qx]
-   in one fp32 lane per column. Nothing in that chain depends on the other rows or on the thread count, so a verify
-   window computes each row exactly as a one-row decode step does (batch invariance). */
+   in one fp32 lane per column. Nothing in that chain depends on the other rows, the thread count or the
+   instruction set (isum is exact however it is summed), so a verify window computes each row exactly as a one-row
+   decode step does (batch invariance), and the AVX2 and VNNI paths give the same bits. What VNNI changes is the
+   cost of each further row: one vpdpbusd per 32 multiply-adds instead of vpmaddubsw, vpmaddwd and an add, and 32
+   registers for register blocks of 8 rows (a K = 7 verify window in one pass over the weights). */
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
 #define QCOLS 8        /* output columns per qpanel group */
 #define QBLOCK 32      /* inputs per quantization block */
-#define QMAX_ROWS 4    /* rows per register block */
+#define QMAX_ROWS 4    /* rows per register block on AVX2 (16 registers) */
+#define QMAX_ROWS_VNNI 8  /* rows per register block with AVX-512 VNNI (32 registers) */
 
 enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
 static const int q_block_bytes[3] = {18, 20, 34};    /* one GGUF block */
@@ -947,6 +958,9 @@ static const int q_record_bytes[3] = {144, 160, 272}; /* one qpanel record: 8 bl
 size_t peagle_qpanels_size(int format, int N, int K) { /* bytes of W [N, K] regrouped into qpanels */
     return (size_t)((N + QCOLS - 1) / QCOLS) * (size_t)(K / QBLOCK) * (size_t)q_record_bytes[format];
 }
+
+/* Byte offset in a record of column c's code byte j (Q8_0: input j; 4-bit: inputs j and j + 16, j < 16). */
+static inline int qcode_offset(int c, int j) { return 32 * (j / 4) + 4 * c + j % 4; }
 
 /* Regroup GGUF rows (N rows of K/32 blocks, row-major as in the file) into qpanels. Codes and scales are copied
    byte for byte; padding columns get zero codes and zero scales. */
@@ -959,14 +973,9 @@ void peagle_qpack(int format, const uint8_t *src, int N, int K, uint8_t *out) {
             uint8_t *rec = out + ((size_t)g * Kb + b) * rb;
             for (int c = 0; c < QCOLS && g * QCOLS + c < N; c++) {
                 const uint8_t *blk = src + ((size_t)(g * QCOLS + c) * Kb + b) * bb, *codes = blk + 2 * scales;
-                int lane = c % 2 ? 4 + c / 2 : c / 2;
-                if (format == Q8_0) {
-                    memcpy(rec + 64 * (c / 2) + 16 * (c % 2), codes, 16);
-                    memcpy(rec + 64 * (c / 2) + 32 + 16 * (c % 2), codes + 16, 16);
-                } else
-                    memcpy(rec + 16 * c, codes, 16);
-                memcpy(rec + QCOLS * qbytes + 2 * lane, blk, 2);                                 /* d */
-                if (scales == 2) memcpy(rec + QCOLS * qbytes + 2 * QCOLS + 2 * lane, blk + 2, 2); /* m */
+                for (int j = 0; j < qbytes; j += 4) memcpy(rec + qcode_offset(c, j), codes + j, 4);
+                memcpy(rec + QCOLS * qbytes + 2 * c, blk, 2);                                 /* d */
+                if (scales == 2) memcpy(rec + QCOLS * qbytes + 2 * QCOLS + 2 * c, blk + 2, 2); /* m */
             }
         }
 }
@@ -1007,62 +1016,71 @@ static void quantize_rows_q8(const uint16_t *x, long ldx, int M, int K, int8_t *
         }
 }
 
-/* Column pair p's partial sums v[p] (lanes 0-3: column 2p, 4-7: column 2p+1) -> one vector with the totals of
-   columns 0, 2, 4, 6, 1, 3, 5, 7 in lanes 0..7 (three horizontal adds; exact integers, so the order is free). */
-static inline __m256i sum_column_pairs(const __m256i v[4]) {
-    return _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+/* Four activation codes (inputs i..i+3 of one row) in every 4-byte lane. */
+static inline __m256i broadcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
 }
 
-/* One register block: R rows x one group of 8 columns, over all K/32 blocks (see the chain above). */
+/* A register block: R rows x one group of 8 columns, over all K/32 blocks (see the chain above), with the
+   instruction set's own integer dot products: DOT(isum, w, x) adds to each int32 lane of isum the four products
+   of w's unsigned bytes and x's signed ones in that lane, DOT2(isum, w, x, w2, x2) both w.x and w2.x2 (the two
+   halves of a 4-bit block). Written once as a macro, compiled once per section so
+   that each path uses only its own instructions. */
+#define QBLOCK_BODY(DOT, DOT2)                                                                                       \
+    int Kb = K / QBLOCK, rb = q_record_bytes[format], qbytes = format == Q8_0 ? 32 : 16;                         \
+    const __m256i low4 = _mm256_set1_epi8(0x0f);                                                                 \
+    __m256 acc[R];                                                                                               \
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                                                    \
+    for (int b = 0; b < Kb; b++) {                                                                               \
+        const uint8_t *rec = w + (size_t)b * rb;                                                                 \
+        for (int l = 0; l < rb; l += 64) _mm_prefetch((const char *)(rec + 8 * rb + l), _MM_HINT_T0);          \
+        const int8_t *xb = qx + b * QBLOCK;                                                                      \
+        __m256i isum[R];                                                                                         \
+        for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();                                            \
+        if (format == Q8_0) /* |w| times x carrying w's sign */                                                  \
+            for (int j = 0; j < 8; j++) {                                                                        \
+                __m256i wv = _mm256_loadu_si256((const __m256i *)(rec + 32 * j)), aw = _mm256_abs_epi8(wv);      \
+                for (int r = 0; r < R; r++)                                                                      \
+                    isum[r] = DOT(isum[r], aw, _mm256_sign_epi8(broadcast4(xb + (size_t)r * K + 4 * j), wv));    \
+            }                                                                                                    \
+        else                                                                                                     \
+            for (int t = 0; t < 4; t++) {                                                                        \
+                __m256i raw = _mm256_loadu_si256((const __m256i *)(rec + 32 * t));                               \
+                __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);\
+                for (int r = 0; r < R; r++)                                                                      \
+                    isum[r] = DOT2(isum[r], lo, broadcast4(xb + (size_t)r * K + 4 * t), hi,                      \
+                                   broadcast4(xb + (size_t)r * K + 16 + 4 * t));                                 \
+            }                                                                                                    \
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + QCOLS * qbytes)));                    \
+        __m256 mn = format == Q4_1                                                                               \
+            ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + QCOLS * qbytes + 2 * QCOLS)))              \
+            : _mm256_setzero_ps();                                                                               \
+        for (int r = 0; r < R; r++) {                                                                            \
+            float dxr = dx[(size_t)r * Kb + b];                                                                  \
+            __m256i is = isum[r];                                                                                \
+            if (format == Q4_0) is = _mm256_sub_epi32(is, _mm256_set1_epi32(8 * sx[(size_t)r * Kb + b]));        \
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(d, _mm256_set1_ps(dxr)), acc[r]);     \
+            if (format == Q4_1)                                                                                  \
+                acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(dxr * (float)sx[(size_t)r * Kb + b]), acc[r]);       \
+        }                                                                                                        \
+    }                                                                                                            \
+    for (int r = 0; r < R; r++) store_bf16x8(y + r * ldy, acc[r], ncols < QCOLS ? ncols : QCOLS);
+
+/* AVX2: vpmaddubsw (pairs into int16: at most 2 x 128 x 127, no saturation) then vpmaddwd by ones; the two
+   halves of a 4-bit block share one vpmaddwd (four products of at most 15 x 127 per int16 lane). */
+static inline __m256i dot_avx2(__m256i isum, __m256i w, __m256i x) {
+    return _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+}
+static inline __m256i dot2_avx2(__m256i isum, __m256i w, __m256i x, __m256i w2, __m256i x2) {
+    __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(w, x), _mm256_maddubs_epi16(w2, x2));
+    return _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
 static inline __attribute__((always_inline)) void qblock(const int format, const int R, const int8_t *qx,
                                                          const float *dx, const int32_t *sx, int K,
                                                          const uint8_t *w, uint16_t *y, size_t ldy, int ncols) {
-    int Kb = K / QBLOCK, rb = q_record_bytes[format], qbytes = format == Q8_0 ? 32 : 16;
-    const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f);
-    __m256 acc[QMAX_ROWS];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    for (int b = 0; b < Kb; b++) {
-        const uint8_t *rec = w + (size_t)b * rb;
-        for (int l = 0; l < rb; l += 64) _mm_prefetch((const char *)(rec + 8 * rb + l), _MM_HINT_T0);
-        __m256i lo[4], hi[4];
-        for (int p = 0; p < 4; p++) {
-            if (format == Q8_0) {
-                lo[p] = _mm256_loadu_si256((const __m256i *)(rec + 64 * p));
-                hi[p] = _mm256_loadu_si256((const __m256i *)(rec + 64 * p + 32));
-            } else {
-                __m256i raw = _mm256_loadu_si256((const __m256i *)(rec + 32 * p));
-                lo[p] = _mm256_and_si256(raw, low4);
-                hi[p] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-            }
-        }
-        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + QCOLS * qbytes)));
-        __m256 mn = format == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + QCOLS * qbytes + 2 * QCOLS)))
-                                   : _mm256_setzero_ps();
-        for (int r = 0; r < R; r++) {
-            const int8_t *xb = qx + (size_t)r * K + b * QBLOCK;
-            __m256i xlo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)xb));
-            __m256i xhi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xb + 16)));
-            __m256i v[4];
-            for (int p = 0; p < 4; p++) {
-                if (format == Q8_0)
-                    v[p] = _mm256_add_epi32(
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(lo[p]), _mm256_sign_epi8(xlo, lo[p])), ones),
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(hi[p]), _mm256_sign_epi8(xhi, hi[p])), ones));
-                else /* two products of at most 15 * 127 per int16 lane, two lanes added: no overflow */
-                    v[p] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo[p], xlo),
-                                                              _mm256_maddubs_epi16(hi[p], xhi)), ones);
-            }
-            __m256i isum = sum_column_pairs(v);
-            float dxr = dx[(size_t)r * Kb + b];
-            if (format == Q4_0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * sx[(size_t)r * Kb + b]));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(dxr)), acc[r]);
-            if (format == Q4_1)
-                acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(dxr * (float)sx[(size_t)r * Kb + b]), acc[r]);
-        }
-    }
-    const __m256i column_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (int r = 0; r < R; r++)
-        store_bf16x8(y + r * ldy, _mm256_permutevar8x32_ps(acc[r], column_order), ncols < QCOLS ? ncols : QCOLS);
+    QBLOCK_BODY(dot_avx2, dot2_avx2)
 }
 
 typedef void (*qblock_fn)(const int8_t *, const float *, const int32_t *, int, const uint8_t *, uint16_t *, size_t,
@@ -1081,11 +1099,12 @@ static const qblock_fn qblocks[3][QMAX_ROWS + 1] = {
     {0, qblock_Q8_0_1, qblock_Q8_0_2, qblock_Q8_0_3, qblock_Q8_0_4},
 };
 
-/* y[M, N] (row stride ldy) = x[M, K] (bf16, row stride ldx) @ W^T, W in qpanels of `format`; K a multiple of 32.
-   Threads split the column groups; each group's weights (a few KB) stay in cache while every row block passes.
-   Returns 0, or -1 when memory for the quantized activations could not be allocated (y untouched). */
+/* y[M, N] (row stride ldy) = x[M, K] (bf16, row stride ldx) @ W^T, W in qpanels of `format`; K a multiple of 32;
+   register blocks of up to max_rows rows from `blocks`. Threads split the column groups; each group's weights (a
+   few KB) stay in cache while every row block passes. Returns 0, or -1 when memory for the quantized activations
+   could not be allocated (y untouched). */
 static int qgemm(int format, const uint16_t *x, long ldx, const uint8_t *wp, uint16_t *y, long ldy, int M, int N,
-                 int K, int nthreads) {
+                 int K, int nthreads, int max_rows, const qblock_fn *blocks) {
     int Kb = K / QBLOCK, G = (N + QCOLS - 1) / QCOLS;
     size_t gstride = (size_t)Kb * q_record_bytes[format];
     int8_t *qx = malloc((size_t)M * K + (size_t)M * Kb * (sizeof(float) + sizeof(int32_t)));
@@ -1095,27 +1114,23 @@ static int qgemm(int format, const uint16_t *x, long ldx, const uint8_t *wp, uin
     quantize_rows_q8(x, ldx, M, K, qx, dx, sx);
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int g = 0; g < G; g++)
-        for (int m = 0; m < M; m += QMAX_ROWS) {
-            int R = M - m < QMAX_ROWS ? M - m : QMAX_ROWS;
-            qblocks[format][R](qx + (size_t)m * K, dx + (size_t)m * Kb, sx + (size_t)m * Kb, K, wp + g * gstride,
-                               y + (size_t)m * ldy + g * QCOLS, (size_t)ldy, N - g * QCOLS);
+        for (int m = 0; m < M; m += max_rows) {
+            int R = M - m < max_rows ? M - m : max_rows;
+            blocks[R](qx + (size_t)m * K, dx + (size_t)m * Kb, sx + (size_t)m * Kb, K, wp + g * gstride,
+                      y + (size_t)m * ldy + g * QCOLS, (size_t)ldy, N - g * QCOLS);
         }
     free(qx);
     return 0;
 }
 
-int peagle_qgemm_q4_0(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy, int M, int N, int K,
-                      int nthreads) {
-    return qgemm(Q4_0, x, ldx, (const uint8_t *)wp, y, ldy, M, N, K, nthreads);
-}
-int peagle_qgemm_q4_1(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy, int M, int N, int K,
-                      int nthreads) {
-    return qgemm(Q4_1, x, ldx, (const uint8_t *)wp, y, ldy, M, N, K, nthreads);
-}
-int peagle_qgemm_q8_0(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy, int M, int N, int K,
-                      int nthreads) {
-    return qgemm(Q8_0, x, ldx, (const uint8_t *)wp, y, ldy, M, N, K, nthreads);
-}
+#define QGEMM_EXPORT(NAME, F, MAXR, TABLE)                                                                       \
+    int NAME(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy, int M, int N, int K,        \
+             int nthreads) {                                                                                     \
+        return qgemm(F, x, ldx, (const uint8_t *)wp, y, ldy, M, N, K, nthreads, MAXR, TABLE[F]);                 \
+    }
+QGEMM_EXPORT(peagle_qgemm_q4_0, Q4_0, QMAX_ROWS, qblocks)
+QGEMM_EXPORT(peagle_qgemm_q4_1, Q4_1, QMAX_ROWS, qblocks)
+QGEMM_EXPORT(peagle_qgemm_q8_0, Q8_0, QMAX_ROWS, qblocks)
 
 /* Rows ids[0..n-1] of W [N, K] in qpanels, dequantized to bf16 (w = d q (+ m) in fp32, rounded once, as gguf's
    own dequantizer computes it): the embedding lookup of a block-quantized table. Returns -2 for an id outside
@@ -1124,23 +1139,23 @@ int peagle_qrows_bf16(int format, const uint8_t *wp, int N, int K, const int64_t
     int Kb = K / QBLOCK, rb = q_record_bytes[format], qbytes = format == Q8_0 ? 32 : 16;
     for (int i = 0; i < n; i++) {
         if (ids[i] < 0 || ids[i] >= N) return -2;
-        int g = (int)(ids[i] / QCOLS), c = (int)(ids[i] % QCOLS), lane = c % 2 ? 4 + c / 2 : c / 2;
+        int g = (int)(ids[i] / QCOLS), c = (int)(ids[i] % QCOLS);
         for (int b = 0; b < Kb; b++) {
             const uint8_t *rec = wp + ((size_t)g * Kb + b) * rb;
             uint16_t h;
-            memcpy(&h, rec + QCOLS * qbytes + 2 * lane, 2);
+            memcpy(&h, rec + QCOLS * qbytes + 2 * c, 2);
             float d = _cvtsh_ss(h), m = 0.0f;
             if (format == Q4_1) {
-                memcpy(&h, rec + QCOLS * qbytes + 2 * QCOLS + 2 * lane, 2);
+                memcpy(&h, rec + QCOLS * qbytes + 2 * QCOLS + 2 * c, 2);
                 m = _cvtsh_ss(h);
             }
             uint16_t *o = out + (size_t)i * K + b * QBLOCK;
             for (int j = 0; j < QBLOCK; j++) {
                 float q;
                 if (format == Q8_0)
-                    q = (float)(int8_t)rec[64 * (c / 2) + 32 * (j / 16) + 16 * (c % 2) + j % 16];
+                    q = (float)(int8_t)rec[qcode_offset(c, j)];
                 else {
-                    uint8_t byte = rec[16 * c + j % 16];
+                    uint8_t byte = rec[qcode_offset(c, j % 16)];
                     q = (float)(j < 16 ? byte & 0x0f : byte >> 4) - (format == Q4_0 ? 8.0f : 0.0f);
                 }
                 float w = d * q;
@@ -1157,6 +1172,43 @@ void peagle_quantize_rows_q8(const uint16_t *x, long ldx, int M, int K, int8_t *
 }
 
 #pragma GCC pop_options
+
+/* The same register blocks with AVX-512 VNNI on 256-bit registers: vpdpbusd adds the four u8 x s8 products of each
+   lane to its int32 in one instruction, and AVX-512's 32 registers hold 8 rows' sums. */
+#ifndef PEAGLE_NO_AVX512
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+
+static inline __m256i dot_vnni(__m256i isum, __m256i w, __m256i x) { return _mm256_dpbusd_epi32(isum, w, x); }
+static inline __m256i dot2_vnni(__m256i isum, __m256i w, __m256i x, __m256i w2, __m256i x2) {
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(isum, w, x), w2, x2);
+}
+static inline __attribute__((always_inline)) void qblock_vnni(const int format, const int R, const int8_t *qx,
+                                                              const float *dx, const int32_t *sx, int K,
+                                                              const uint8_t *w, uint16_t *y, size_t ldy, int ncols) {
+    QBLOCK_BODY(dot_vnni, dot2_vnni)
+}
+#define QBLOCK_VNNI_FN(F, R)                                                                                     \
+    static void qblock_vnni_##F##_##R(const int8_t *qx, const float *dx, const int32_t *sx, int K,               \
+                                      const uint8_t *w, uint16_t *y, size_t ldy, int ncols) {                    \
+        qblock_vnni(F, R, qx, dx, sx, K, w, y, ldy, ncols);                                                      \
+    }
+#define QBLOCK_VNNI_ROWS(F)                                                                                      \
+    QBLOCK_VNNI_FN(F, 1) QBLOCK_VNNI_FN(F, 2) QBLOCK_VNNI_FN(F, 3) QBLOCK_VNNI_FN(F, 4)                          \
+    QBLOCK_VNNI_FN(F, 5) QBLOCK_VNNI_FN(F, 6) QBLOCK_VNNI_FN(F, 7) QBLOCK_VNNI_FN(F, 8)
+QBLOCK_VNNI_ROWS(Q4_0) QBLOCK_VNNI_ROWS(Q4_1) QBLOCK_VNNI_ROWS(Q8_0)
+#define QBLOCK_VNNI_TABLE(F)                                                                                     \
+    {0, qblock_vnni_##F##_1, qblock_vnni_##F##_2, qblock_vnni_##F##_3, qblock_vnni_##F##_4,                      \
+     qblock_vnni_##F##_5, qblock_vnni_##F##_6, qblock_vnni_##F##_7, qblock_vnni_##F##_8}
+static const qblock_fn qblocks_vnni[3][QMAX_ROWS_VNNI + 1] = {
+    QBLOCK_VNNI_TABLE(Q4_0), QBLOCK_VNNI_TABLE(Q4_1), QBLOCK_VNNI_TABLE(Q8_0)};
+
+QGEMM_EXPORT(peagle_qgemm_vnni_q4_0, Q4_0, QMAX_ROWS_VNNI, qblocks_vnni)
+QGEMM_EXPORT(peagle_qgemm_vnni_q4_1, Q4_1, QMAX_ROWS_VNNI, qblocks_vnni)
+QGEMM_EXPORT(peagle_qgemm_vnni_q8_0, Q8_0, QMAX_ROWS_VNNI, qblocks_vnni)
+
+#pragma GCC pop_options
+#endif /* PEAGLE_NO_AVX512 */
 
 /* ---------------------------------------------------------------------------------------------------------------
    A whole Llama decoder layer in one call: the target's forward on the CPU. The same kernels in the same order as

@@ -38,7 +38,12 @@ _CPU_FLAGS_NEEDED = {
     "avx2": {"avx2", "fma"},
     "avx512-bf16": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"},
     "amx": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"},
+    "avx512-vnni": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"},
 }
+# Block-quantized weights' integer dot products (kernels.c, "Block-quantized weights"), fastest first; every path
+# gives the same bits.
+QUANT_PATHS = ("avx512-vnni", "avx2")
+_QGEMM_PREFIX = {"avx512-vnni": "peagle_qgemm_vnni_", "avx2": "peagle_qgemm_"}
 _GEMM_SYMBOL = {"amx": "peagle_amx_gemm", "avx512-bf16": "peagle_gemm_avx512bf16", "avx2": "peagle_gemm_avx2"}
 _FLAGS = ["-O3", "-fPIC", "-shared", "-ffp-contract=off", "-Wall", "-Wextra"]
 # An older compiler may not know the AMX or AVX-512 BF16 intrinsics: then build without those sections.
@@ -126,6 +131,9 @@ def _declare(lib) -> None:
         "peagle_qgemm_q4_0": gemm,
         "peagle_qgemm_q4_1": gemm,
         "peagle_qgemm_q8_0": gemm,
+        "peagle_qgemm_vnni_q4_0": gemm,
+        "peagle_qgemm_vnni_q4_1": gemm,
+        "peagle_qgemm_vnni_q8_0": gemm,
         "peagle_quantize_rows_q8": ([p, l, i, i, p, p, p], None),
         "peagle_qrows_bf16": ([i, p, i, i, p, i, p], i),
     }
@@ -204,6 +212,28 @@ def attention_path() -> str | None:
     if path is None:
         return None
     return "avx512-bf16" if path in ("amx", "avx512-bf16") else "avx2"
+
+
+def quant_paths() -> tuple[str, ...]:
+    """The block-quantized weights' paths this machine runs, fastest first (empty where only PyTorch runs)."""
+    lib = library()
+    if lib is None:
+        return ()
+    return tuple(p for p in QUANT_PATHS if cpu_has(p) and hasattr(lib, _QGEMM_PREFIX[p] + "q4_0"))
+
+
+def quant_path() -> str | None:
+    """The path block-quantized weights use by default: the fastest, except that PEAGLE_CPU_KERNELS=avx2 keeps
+    them on AVX2 too (one instruction set for everything, as on a Zen 3)."""
+    paths = quant_paths()
+    if not paths:
+        return None
+    return "avx2" if matmul_path() == "avx2" and os.environ.get("PEAGLE_CPU_KERNELS") else paths[0]
+
+
+def qgemm_symbol(path: str, fmt: str) -> str:
+    """The kernel library's function multiplying by `fmt` blocks on quantized-weight path `path`."""
+    return _QGEMM_PREFIX[path] + fmt
 
 
 def summary(device: torch.device | str = "cpu") -> dict:

@@ -50,12 +50,18 @@ class QuantWeight:
     out_features: int
     in_features: int
     format: str
-    path: str = "avx2"  # the kernel's instruction set (the same on every x86-64 CPU)
+    path: str  # the integer dot products' instruction set (kernels.QUANT_PATHS): the same bits on every one
 
     @classmethod
-    def from_blocks(cls, blocks: torch.Tensor, fmt: str, out_features: int, in_features: int) -> "QuantWeight":
-        """From GGUF's bytes: `blocks` uint8 [out_features, in_features / 32 * block bytes], rows as in the file."""
+    def from_blocks(cls, blocks: torch.Tensor, fmt: str, out_features: int, in_features: int,
+                    path: str | None = None) -> "QuantWeight":
+        """From GGUF's bytes: `blocks` uint8 [out_features, in_features / 32 * block bytes], rows as in the file.
+        `path`: kernels.quant_path() by default."""
         require_kernels(f"{fmt} weights")
+        path = path or kernels.quant_path()
+        if path not in kernels.quant_paths():
+            raise ValueError(f"quantized-weight path {path!r} does not run here; this machine runs "
+                             f"{kernels.quant_paths()}")
         if fmt not in FORMATS:
             raise ValueError(f"no kernel for {fmt!r}; supported block formats: {', '.join(FORMATS)}")
         fid, block_bytes, _, _ = FORMATS[fmt]
@@ -68,16 +74,16 @@ class QuantWeight:
         lib = kernels.library()
         data = torch.empty(lib.peagle_qpanels_size(fid, out_features, in_features), dtype=torch.uint8)
         lib.peagle_qpack(fid, blocks.data_ptr(), out_features, in_features, data.data_ptr())
-        return cls(data, out_features, in_features, fmt)
+        return cls(data, out_features, in_features, fmt, path)
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, fmt: str) -> "QuantWeight":
+    def quantize(cls, weight: torch.Tensor, fmt: str, path: str | None = None) -> "QuantWeight":
         """Quantize a float matrix [N, K] into `fmt` blocks (`--quantization`)."""
-        return cls.from_blocks(quantize_blocks(weight, fmt), fmt, *weight.shape)
+        return cls.from_blocks(quantize_blocks(weight, fmt), fmt, *weight.shape, path=path)
 
     def __post_init__(self) -> None:
         lib = kernels.library()
-        self.gemm = getattr(lib, f"peagle_qgemm_{self.format}")  # looked up once: packed_linear runs every step
+        self.gemm = getattr(lib, kernels.qgemm_symbol(self.path, self.format))  # looked up once: packed_linear runs every step
         self.gemm_ptr = ctypes.cast(self.gemm, ctypes.c_void_p).value
         self.data_ptr = self.data.data_ptr()
 
@@ -94,22 +100,22 @@ class QuantWeight:
         groups = -(-self.out_features // QCOLS)
         g, c = rows // QCOLS, rows % QCOLS
         rec = self.data.view(groups, self.in_features // BLOCK, record)[g]  # [n, Kb, record]
-        lane = torch.where(c % 2 == 1, 4 + c // 2, c // 2)[:, None, None]
+        col = c[:, None, None]
         scales = rec[..., QCOLS * code_bytes:].contiguous().view(torch.float16).float()  # [n, Kb, 8 or 16]
-        d = scales.gather(-1, lane.expand(-1, rec.shape[1], 1))
-        if self.format == "q8_0":  # column pair p: inputs 0-15 of 2p, of 2p+1, then inputs 16-31 of 2p, of 2p+1
-            base = (64 * (c // 2) + 16 * (c % 2))[:, None, None] + torch.arange(16)
-            idx = torch.cat([base, base + 32], dim=-1).expand(-1, rec.shape[1], -1)
+        d = scales.gather(-1, col.expand(-1, rec.shape[1], 1))
+        # code byte j of column c sits in 32-byte chunk j // 4, at lane c's byte j % 4
+        j = torch.arange(code_bytes)
+        idx = (32 * (j // 4) + j % 4 + 4 * col).expand(-1, rec.shape[1], -1)
+        if self.format == "q8_0":  # byte j: input j
             q = rec.gather(-1, idx).view(torch.int8).float()
-        else:  # 16 bytes per column; byte j: input j in the low nibble, input j + 16 in the high one
-            idx = ((16 * c)[:, None, None] + torch.arange(16)).expand(-1, rec.shape[1], -1)
+        else:  # byte j: input j in the low nibble, input j + 16 in the high one
             raw = rec.gather(-1, idx)
             q = torch.cat([raw & 0x0F, raw >> 4], dim=-1).float()
             if self.format == "q4_0":
                 q = q - 8
         w = d * q
         if self.format == "q4_1":
-            w = w + scales.gather(-1, (lane + QCOLS).expand(-1, rec.shape[1], 1))
+            w = w + scales.gather(-1, (col + QCOLS).expand(-1, rec.shape[1], 1))
         return w.reshape(len(rows), self.in_features)
 
 
