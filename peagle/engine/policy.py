@@ -20,7 +20,10 @@ only its own K_b + 1 (docs/engine.md, "Choosing K"), so a draft slot (b, i) cost
 Slots are taken best first, as vLLM's adaptive verification does, while they raise the step's tokens per second;
 a request may get none. A window must beat the plain step by SPECULATION_MARGIN. When the plain step has won many
 steps in a row, one draft for the most promising request re-measures acceptance (a head that was useless on one
-stretch of text may be good on the next); the wait doubles after every probe that does not bring drafting back.
+stretch of text may be good on the next); the wait doubles after every probe that does not bring drafting back,
+except while one draft is expected to come close to a plain step's tokens per second: there probes are cheap and
+come every few steps, since only drafting steps can correct an estimate that early rejections left just below the
+break-even point.
 """
 from __future__ import annotations
 
@@ -44,6 +47,12 @@ INITIAL_ACCEPTANCE = 0.5  # before anything is seen: optimistic enough that the 
 INITIAL_WEIGHT = 0.5  # but weak: a few observations outweigh it
 PROBE_AFTER = 16  # plain steps in a row after which one step drafts a single token to re-measure acceptance ...
 PROBE_AFTER_MAX = 256  # ... a wait that doubles after every probe that does not bring drafting back, up to this
+# ... but where one draft is expected to come within PROBE_NEAR of a plain step's tokens per second, a probe costs
+# little and its verdict matters: probe after PROBE_AFTER_NEAR plain steps, without doubling. Otherwise an estimate
+# that a few early rejections put just below the break-even point would stay there, since only drafting steps
+# correct it (on a head that pays 1.1x at K = 1, the policy then ran at plain speed: benchmarks/policy_sim.py).
+PROBE_NEAR = 0.95
+PROBE_AFTER_NEAR = 4
 # A window must promise this much more than a plain step to be chosen: estimates and timings are noisy, and a wrong
 # window costs more (drafter, verify rows) than a wrongly plain step loses.
 SPECULATION_MARGIN = 1.05
@@ -300,12 +309,17 @@ class AdaptiveK(NoSpeculation):
             return best
         ks = [0] * batch
         self.plain_steps_in_a_row += 1
-        if self.plain_steps_in_a_row > self.probe_after and self.max_k:
+        promising = max(range(batch), key=lambda b: margins[b][0] if margins[b] else -1.0)
+        if self.max_k and margins[promising]:
             # One draft for the most promising request re-measures acceptance: one more verify row and the
             # drafter for one request, not a window for the whole batch.
-            self.plain_steps_in_a_row = 0
-            self.probe_after = min(2 * self.probe_after, PROBE_AFTER_MAX)
-            ks[max(range(batch), key=lambda b: margins[b][0] if margins[b] else -1.0)] = 1
+            probe_rate = (batch + margins[promising][0]) / (target[1] + self.cost.predict_draft(1, 1))
+            near = probe_rate >= PROBE_NEAR * plain
+            if self.plain_steps_in_a_row > (PROBE_AFTER_NEAR if near else self.probe_after):
+                self.plain_steps_in_a_row = 0
+                if not near:
+                    self.probe_after = min(2 * self.probe_after, PROBE_AFTER_MAX)
+                ks[promising] = 1
         self._age(requests, ks)
         return ks
 
