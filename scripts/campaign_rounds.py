@@ -162,10 +162,12 @@ def close_round(method: str, round_path: Path, acceptance: Path, baseline: Path,
     tokens, steps = tokens_and_steps(round_path / method)
     data_meta = round_path / "train-data" / "peagle_data.json"
     packed_to = json.loads(data_meta.read_text()).get("packed_to") if data_meta.exists() else None
+    args = round_path / method / "training_args.json"
+    lm_head = "frozen" if args.exists() and json.loads(args.read_text()).get("freeze_lm_head") else "trained"
     started = round_path / f"{method}.started_from"
     started_from = started.read_text().strip() if started.exists() else BUNDLES[method]
     rec = {"method": method, "rows": [first, end], "steps": steps, "tokens": tokens, "packed_to": packed_to,
-           "started_from": started_from,
+           "lm_head": lm_head, "started_from": started_from,
            "mean_acceptance_length": {ds: v for ds, (k, v) in deepest_mal(new, method).items()},
            "bundled_mean_acceptance_length": {ds: v for ds, (k, v) in deepest_mal(old, method).items()},
            "k": max(k for k, _ in deepest_mal(new, method).values()),
@@ -194,8 +196,8 @@ def _start_name(started_from: str) -> str:
 def table(state: dict) -> str:
     """The rounds as a markdown table: the campaign's learning curve in benchmark acceptance, a row per round."""
     out = ["| head | rows | steps | tokens | the head's campaign tokens so far | K | HumanEval: round / bundle | "
-           "MT-Bench: round / bundle | re-bundled | started from | rows per step | machine |",
-           "|---|---|---:|---:|---:|---:|---|---|---|---|---|---|"]
+           "MT-Bench: round / bundle | re-bundled | started from | rows per step | LM head | machine |",
+           "|---|---|---:|---:|---:|---:|---|---|---|---|---|---|---|"]
     seen: dict[str, int] = {}
     for rec in state["rounds"]:
         seen[rec["method"]] = seen.get(rec["method"], 0) + rec["tokens"]
@@ -208,7 +210,7 @@ def table(state: dict) -> str:
                    f"{seen[rec['method']]:,} | {rec['k']} | {cells[0]} | {cells[1]} | {verdict} | "
                    f"{_start_name(rec.get('started_from', BUNDLES[rec['method']]))} | "
                    f"{'1 packed to ' + str(rec['packed_to']) + ' tokens' if rec.get('packed_to') else '4 conversations'}"
-                   f" | {rec['machine']} |")
+                   f" | {rec.get('lm_head', 'frozen')} | {rec['machine']} |")
     return "\n".join(out)
 
 

@@ -265,6 +265,7 @@ def test_campaign_rounds_move_past_their_rows_and_rebundle_only_a_better_head(tm
     assert bundled == [(one / "peagle", "smollm2-135m-peagle")] and rec["bundled"] and rec["why_not"] == []
     assert (rec["rows"], rec["steps"], rec["tokens"], rec["k"]) == ([0, 4], 3, 30, 7)
     assert rec["mean_acceptance_length"] == {"humaneval": 1.60, "mtbench": 1.50}
+    assert rec["lm_head"] == "trained"  # no --freeze-lm-head in its training_args.json
     assert (one / "teacher-cache").exists()  # EAGLE-3's cursor is still at this round: it will read the cache
     assert rounds_mod.close_round("peagle", one, better, baseline, state, bundle_fn=bundled.append) == rec
     assert len(bundled) == 1 and len(json.loads(state.read_text())["rounds"]) == 1  # closed twice, recorded once
@@ -286,9 +287,11 @@ def test_campaign_rounds_move_past_their_rows_and_rebundle_only_a_better_head(tm
     # a round that is not clearly better is recorded and passed over, but not bundled
     (two / "peagle").mkdir()
     (two / "peagle" / "train_log.jsonl").write_text(json.dumps({"step": 1, "tokens": 5}) + "\n")
+    (two / "peagle" / "training_args.json").write_text(json.dumps({"freeze_lm_head": True}))
     (two / "teacher-cache").mkdir()
     rec = rounds_mod.close_round("peagle", two, baseline, baseline, state, bundle_fn=bundled.append)
     assert not rec["bundled"] and len(rec["why_not"]) == 1 and len(bundled) == 1
+    assert rec["lm_head"] == "frozen"
     assert json.loads(state.read_text())["trained_rows"] == {"peagle": 8, "eagle3": 0}
     assert not (two / "teacher-cache").exists()  # EAGLE-3 is not at this round: nobody reads its cache again
     with pytest.raises(SystemExit, match="cursor is at row 0"):  # EAGLE-3 closing a round it did not start at
