@@ -1025,8 +1025,8 @@ static inline __m256i broadcast4(const int8_t *p) {
 
 /* A register block: R rows x one group of 8 columns, over all K/32 blocks (see the chain above), with the
    instruction set's own integer dot products: DOT(isum, w, x) adds to each int32 lane of isum the four products
-   of w's unsigned bytes and x's signed ones in that lane, DOT2(isum, w, x, w2, x2) both w.x and w2.x2 (the two
-   halves of a 4-bit block). Written once as a macro, compiled once per section so
+   of w's unsigned bytes and x's signed ones in that lane; DOT2(a, b, w, x, w2, x2) adds w.x and w2.x2 (the two
+   halves of a 4-bit block) to the sums a and b, or both to a. Written once as a macro, compiled once per section so
    that each path uses only its own instructions. */
 #define QBLOCK_BODY(DOT, DOT2)                                                                                       \
     int Kb = K / QBLOCK, rb = q_record_bytes[format], qbytes = format == Q8_0 ? 32 : 16;                         \
@@ -1037,21 +1037,28 @@ static inline __m256i broadcast4(const int8_t *p) {
         const uint8_t *rec = w + (size_t)b * rb;                                                                 \
         for (int l = 0; l < rb; l += 64) _mm_prefetch((const char *)(rec + 8 * rb + l), _MM_HINT_T0);          \
         const int8_t *xb = qx + b * QBLOCK;                                                                      \
-        __m256i isum[R];                                                                                         \
-        for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();                                            \
+        /* two sums per row, so that a block of few rows is not one long chain of dependent products */        \
+        __m256i isum[R], isum2[R];                                                                               \
+        for (int r = 0; r < R; r++) isum[r] = isum2[r] = _mm256_setzero_si256();                                 \
         if (format == Q8_0) /* |w| times x carrying w's sign */                                                  \
-            for (int j = 0; j < 8; j++) {                                                                        \
+            for (int j = 0; j < 8; j += 2) {                                                                     \
                 __m256i wv = _mm256_loadu_si256((const __m256i *)(rec + 32 * j)), aw = _mm256_abs_epi8(wv);      \
-                for (int r = 0; r < R; r++)                                                                      \
-                    isum[r] = DOT(isum[r], aw, _mm256_sign_epi8(broadcast4(xb + (size_t)r * K + 4 * j), wv));    \
+                __m256i wv2 = _mm256_loadu_si256((const __m256i *)(rec + 32 * j + 32));                          \
+                __m256i aw2 = _mm256_abs_epi8(wv2);                                                              \
+                for (int r = 0; r < R; r++) {                                                                    \
+                    const int8_t *xr = xb + (size_t)r * K + 4 * j;                                               \
+                    isum[r] = DOT(isum[r], aw, _mm256_sign_epi8(broadcast4(xr), wv));                            \
+                    isum2[r] = DOT(isum2[r], aw2, _mm256_sign_epi8(broadcast4(xr + 4), wv2));                    \
+                }                                                                                                \
             }                                                                                                    \
         else                                                                                                     \
             for (int t = 0; t < 4; t++) {                                                                        \
                 __m256i raw = _mm256_loadu_si256((const __m256i *)(rec + 32 * t));                               \
                 __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);\
-                for (int r = 0; r < R; r++)                                                                      \
-                    isum[r] = DOT2(isum[r], lo, broadcast4(xb + (size_t)r * K + 4 * t), hi,                      \
-                                   broadcast4(xb + (size_t)r * K + 16 + 4 * t));                                 \
+                for (int r = 0; r < R; r++) {                                                                    \
+                    const int8_t *xr = xb + (size_t)r * K + 4 * t;                                               \
+                    DOT2(isum[r], isum2[r], lo, broadcast4(xr), hi, broadcast4(xr + 16));                        \
+                }                                                                                                \
             }                                                                                                    \
         __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + QCOLS * qbytes)));                    \
         __m256 mn = format == Q4_1                                                                               \
@@ -1059,7 +1066,7 @@ static inline __m256i broadcast4(const int8_t *p) {
             : _mm256_setzero_ps();                                                                               \
         for (int r = 0; r < R; r++) {                                                                            \
             float dxr = dx[(size_t)r * Kb + b];                                                                  \
-            __m256i is = isum[r];                                                                                \
+            __m256i is = _mm256_add_epi32(isum[r], isum2[r]);                                                    \
             if (format == Q4_0) is = _mm256_sub_epi32(is, _mm256_set1_epi32(8 * sx[(size_t)r * Kb + b]));        \
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(d, _mm256_set1_ps(dxr)), acc[r]);     \
             if (format == Q4_1)                                                                                  \
@@ -1073,14 +1080,14 @@ static inline __m256i broadcast4(const int8_t *p) {
 static inline __m256i dot_avx2(__m256i isum, __m256i w, __m256i x) {
     return _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 }
-static inline __m256i dot2_avx2(__m256i isum, __m256i w, __m256i x, __m256i w2, __m256i x2) {
-    __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(w, x), _mm256_maddubs_epi16(w2, x2));
-    return _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
+#define DOT2_AVX2(a, b, w, x, w2, x2)                                                                            \
+    (a) = _mm256_add_epi32((a), _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16((w), (x)),             \
+                                                                   _mm256_maddubs_epi16((w2), (x2))),          \
+                                                  _mm256_set1_epi16(1)))
 static inline __attribute__((always_inline)) void qblock(const int format, const int R, const int8_t *qx,
                                                          const float *dx, const int32_t *sx, int K,
                                                          const uint8_t *w, uint16_t *y, size_t ldy, int ncols) {
-    QBLOCK_BODY(dot_avx2, dot2_avx2)
+    QBLOCK_BODY(dot_avx2, DOT2_AVX2)
 }
 
 typedef void (*qblock_fn)(const int8_t *, const float *, const int32_t *, int, const uint8_t *, uint16_t *, size_t,
@@ -1180,13 +1187,12 @@ void peagle_quantize_rows_q8(const uint16_t *x, long ldx, int M, int K, int8_t *
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
 
 static inline __m256i dot_vnni(__m256i isum, __m256i w, __m256i x) { return _mm256_dpbusd_epi32(isum, w, x); }
-static inline __m256i dot2_vnni(__m256i isum, __m256i w, __m256i x, __m256i w2, __m256i x2) {
-    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(isum, w, x), w2, x2);
-}
+#define DOT2_VNNI(a, b, w, x, w2, x2)                                                                            \
+    ((a) = _mm256_dpbusd_epi32((a), (w), (x)), (b) = _mm256_dpbusd_epi32((b), (w2), (x2)))
 static inline __attribute__((always_inline)) void qblock_vnni(const int format, const int R, const int8_t *qx,
                                                               const float *dx, const int32_t *sx, int K,
                                                               const uint8_t *w, uint16_t *y, size_t ldy, int ncols) {
-    QBLOCK_BODY(dot_vnni, dot2_vnni)
+    QBLOCK_BODY(dot_vnni, DOT2_VNNI)
 }
 #define QBLOCK_VNNI_FN(F, R)                                                                                     \
     static void qblock_vnni_##F##_##R(const int8_t *qx, const float *dx, const int32_t *sx, int K,               \
