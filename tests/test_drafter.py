@@ -242,3 +242,33 @@ def test_packed_head_drafts_like_the_plain_one(target_config):
     top2 = la.topk(2, -1).values
     decided = top2[..., 0] - top2[..., 1] > 0.01 * la.abs().max()
     assert torch.equal(la.argmax(-1)[decided], lb.argmax(-1)[decided])
+
+
+@pytest.mark.parametrize("quantization", [None, "q8_0"])
+def test_native_layers_give_the_modules_bits(target_config, quantization):
+    """A packed head runs each layer in one native call (the fusion layer from its [embedding, feature] input):
+    the same hidden states, drafts and cache entries as its own modules, bit for bit, for a batch with padding."""
+    import copy
+
+    from peagle.model import kernels
+
+    if not kernels.available():
+        pytest.skip("peagle's kernels do not run here, so the head has no native layers")
+    head = make_head(target_config, seed=14).to(torch.bfloat16).pack_(quantization)
+    assert head.native_layers is not None and len(head.native_layers) == 2
+    modules = copy.copy(head)
+    modules.native_layers = None
+    g = torch.Generator().manual_seed(15)
+    tokens = torch.randint(4, V, (2, 3), generator=g)
+    feats = torch.randn(2, 3, 3 * H, generator=g).to(torch.bfloat16)
+    num_real, start, slots = torch.tensor([3, 2]), torch.tensor([7, 20]), torch.tensor([1, 0])
+    out = {}
+    for name, h in (("native", head), ("modules", modules)):
+        cache = h.new_cache(2, 64)
+        with torch.inference_mode():
+            hidden = h(tokens, feats, BatchLayout.build(slots, start[:, None] + torch.arange(3)), cache)
+            drafts = h.draft_parallel(tokens, feats, num_real, start + 3, slots, cache, 4)
+        out[name] = (hidden, drafts, cache)
+    (ha, da, ca), (hb, db, cb) = out["native"], out["modules"]
+    assert torch.equal(ha, hb) and torch.equal(da, db)
+    assert all(torch.equal(x, y) for x, y in zip([*ca.k, *ca.v], [*cb.k, *cb.v]))

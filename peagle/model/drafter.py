@@ -176,6 +176,7 @@ class Drafter(nn.Module):
         self.mask_hidden = nn.Parameter(torch.zeros(1, 1, 3 * c.target_hidden_size)) if c.parallel_capable else None
         self.rotary = RotaryEmbedding(*rope_inv_freq(c.rope_parameters, c.head_dim, _hf_rope_config(c)))
         self.fc_packed = self.lm_head_packed = None  # set by pack_()
+        self.native_layers = None  # set by pack_(): each layer in one native call (kernels.NativeDecoderLayer)
 
     @torch.no_grad()
     def pack_(self, quantization: str | None = None) -> "Drafter":
@@ -195,6 +196,17 @@ class Drafter(nn.Module):
             layer.mlp.pack_(None, blocks, f"{name}.mlp.")
         self.fc_packed = kernels.PackedWeight.pack(self.fc.weight)
         self.lm_head_packed = pack_matrix(self.lm_head, None, blocks, "lm_head.weight")
+        # Each layer in one native call, as the target's (the same bits as the modules): at batch 1 the Python
+        # between a layer's dozen kernels cost about as much as the kernels themselves.
+        c, layers = self.config, [self.midlayer, *self.layers.values()]
+        packed = [[la.self_attn.qkv.packed, la.self_attn.o_packed, la.mlp.gate_up.packed, la.mlp.down_packed]
+                  for la in layers]
+        self.native_layers = None
+        if all(kernels.NativeDecoderLayer.applies(p, c.head_dim, c.intermediate_size) for p in packed):
+            self.native_layers = [
+                kernels.NativeDecoderLayer(la.input_layernorm.weight, la.post_attention_layernorm.weight, *p,
+                                           c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)
+                for la, p in zip(layers, packed)]
         return self
 
     @property
@@ -216,9 +228,18 @@ class Drafter(nn.Module):
         h = linear(features, self.fc.weight, packed=self.fc_packed) if features.shape[-1] != self.config.hidden_size \
             else features
         rope = self.rotary(layout.positions, h.dtype)
+        embeds = self.embed_tokens(tokens)
+        if self.native_layers is not None and cache is not None and h.dtype == torch.bfloat16 and h.is_cpu:
+            slots, positions = layout.slots.to(torch.int64).contiguous(), layout.positions.to(torch.int64).contiguous()
+            x, residual = self.midlayer.inputs(embeds, h)
+            h = self.native_layers[0].from_input(x.contiguous(), residual.contiguous(), *rope, cache.k[0], cache.v[0],
+                                                 slots, positions)
+            for i, native in enumerate(self.native_layers[1:], start=1):
+                h = native(h, *rope, cache.k[i], cache.v[i], slots, positions)
+            return h
         ck = (lambda i: None) if cache is None else (lambda i: cache.k[i])
         cv = (lambda i: None) if cache is None else (lambda i: cache.v[i])
-        h = self.midlayer(self.embed_tokens(tokens), h, rope, layout, ck(0), cv(0))
+        h = self.midlayer(embeds, h, rope, layout, ck(0), cv(0))
         for i, layer in enumerate(self.layers.values(), start=1):
             h = layer(h, rope, layout, ck(i), cv(i))
         return h

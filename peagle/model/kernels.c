@@ -1217,10 +1217,10 @@ QGEMM_EXPORT(peagle_qgemm_vnni_q8_0, Q8_0, QMAX_ROWS_VNNI, qblocks_vnni)
 #endif /* PEAGLE_NO_AVX512 */
 
 /* ---------------------------------------------------------------------------------------------------------------
-   A whole Llama decoder layer in one call: the target's forward on the CPU. The same kernels in the same order as
-   layers.py's DecoderLayer, with the reference's bf16 rounding at every step (so both give identical bits), minus
-   the Python between them: a one-row decode step makes a dozen small calls per layer, whose fixed cost adds up
-   over 30 layers to a sixth of the step (docs/performance.md). */
+   A whole Llama decoder layer in one call: the target's forward on the CPU, and the drafter's. The same kernels in
+   the same order as layers.py's DecoderLayer, with the reference's bf16 rounding at every step (so both give
+   identical bits), minus the Python between them: a one-row decode step makes a dozen small calls per layer, whose
+   fixed cost adds up over 30 layers to a sixth of the step (docs/performance.md), and to half the drafter's. */
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
@@ -1244,12 +1244,15 @@ static void add_bf16(const uint16_t *a, const uint16_t *b, uint16_t *y, size_t n
     for (; i < n; i++) y[i] = f2bf(bf2f(a[i]) + bf2f(b[i]));
 }
 
-/* y [B*T, H] = the layer applied to x [B*T, H] (rows of B requests with T query tokens each), writing this step's
-   keys and values into the cache like peagle_attention_bf16. Returns 0; -1 when scratch memory could not be
-   allocated; -2 when a slot or position lies outside the cache (y is then incomplete). */
-int peagle_decoder_layer(const peagle_layer *w, const uint16_t *x, uint16_t *y, int B, int T, const uint16_t *cos_,
-                         const uint16_t *sin_, uint16_t *kc, uint16_t *vc, const int64_t *slots,
-                         const int64_t *positions, int num_slots, int max_len, int nthreads) {
+/* y [B*T, H] = the layer from its attention input: `in` [B*T, Kin] is what q, k and v multiply (a decoder layer's
+   normed x, Kin = H; the drafter's fusion layer's [normed embedding, normed feature], Kin = 2H) and `res` [B*T, H]
+   what the attention output is added to (x; the fusion layer's feature). Writes this step's keys and values into
+   the cache like peagle_attention_bf16. Returns 0; -1 when scratch memory could not be allocated; -2 when a slot or
+   position lies outside the cache (y is then incomplete). */
+int peagle_layer_from_input(const peagle_layer *w, const uint16_t *in, int Kin, const uint16_t *res, uint16_t *y,
+                            int B, int T, const uint16_t *cos_, const uint16_t *sin_, uint16_t *kc, uint16_t *vc,
+                            const int64_t *slots, const int64_t *positions, int num_slots, int max_len,
+                            int nthreads) {
     size_t M = (size_t)B * T;
     int H = w->H, I = w->I, nh = w->nh, nkv = w->nkv, D = w->D, W = (nh + 2 * nkv) * D;
     uint16_t *buf = malloc(M * ((size_t)2 * H + W + (size_t)nh * D + 3 * (size_t)I) * 2);
@@ -1257,15 +1260,14 @@ int peagle_decoder_layer(const peagle_layer *w, const uint16_t *x, uint16_t *y, 
     uint16_t *normed = buf, *qkv = normed + M * H, *att = qkv + M * W, *out = att + M * nh * D, *gu = out + M * H;
     uint16_t *act = gu + M * 2 * I;
     int rc;
-    peagle_rms_norm_bf16(x, w->input_norm, normed, (int)M, H, w->eps);
-    if ((rc = w->gemm_qkv(normed, H, w->qkv, qkv, W, (int)M, W, H, nthreads))) goto done;
+    if ((rc = w->gemm_qkv(in, Kin, w->qkv, qkv, W, (int)M, W, Kin, nthreads))) goto done;
     peagle_rope_bf16(qkv, cos_, sin_, (int)M, nh + 2 * nkv, nh + nkv, D);
     if ((rc = peagle_attention_bf16(qkv, W, qkv + (size_t)nh * D, qkv + (size_t)(nh + nkv) * D, W, kc, vc, slots,
                                     positions, att, B, T, nh, nkv, D, num_slots, max_len, w->scale, nthreads,
                                     w->attention_dpbf16)))
         goto done;
     if ((rc = w->gemm_o(att, (long)nh * D, w->o, out, H, (int)M, H, nh * D, nthreads))) goto done;
-    add_bf16(x, out, y, M * H);
+    add_bf16(res, out, y, M * H);
     peagle_rms_norm_bf16(y, w->post_norm, normed, (int)M, H, w->eps);
     if ((rc = w->gemm_gate_up(normed, H, w->gate_up, gu, 2 * I, (int)M, 2 * I, H, nthreads))) goto done;
     peagle_silu_mul_bf16(gu, act, (int)M, I);
@@ -1273,6 +1275,21 @@ int peagle_decoder_layer(const peagle_layer *w, const uint16_t *x, uint16_t *y, 
     add_bf16(y, out, y, M * H);
 done:
     free(buf);
+    return rc;
+}
+
+/* y [B*T, H] = the decoder layer applied to x [B*T, H] (rows of B requests with T query tokens each). Returns as
+   peagle_layer_from_input. */
+int peagle_decoder_layer(const peagle_layer *w, const uint16_t *x, uint16_t *y, int B, int T, const uint16_t *cos_,
+                         const uint16_t *sin_, uint16_t *kc, uint16_t *vc, const int64_t *slots,
+                         const int64_t *positions, int num_slots, int max_len, int nthreads) {
+    size_t M = (size_t)B * T;
+    uint16_t *normed = malloc(M * (size_t)w->H * 2);
+    if (!normed) return -1;
+    peagle_rms_norm_bf16(x, w->input_norm, normed, (int)M, w->H, w->eps);
+    int rc = peagle_layer_from_input(w, normed, w->H, x, y, B, T, cos_, sin_, kc, vc, slots, positions, num_slots,
+                                     max_len, nthreads);
+    free(normed);
     return rc;
 }
 

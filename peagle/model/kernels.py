@@ -126,6 +126,7 @@ def _declare(lib) -> None:
         "peagle_silu_mul_bf16": ([p, p, i, i], None),
         "peagle_attention_bf16": ([p, l, p, p, l, p, p, p, p, p, i, i, i, i, i, i, i, f, i, i], i),
         "peagle_decoder_layer": ([p, p, p, i, i, p, p, p, p, p, p, i, i, i], i),
+        "peagle_layer_from_input": ([p, p, i, p, p, i, i, p, p, p, p, p, p, i, i, i], i),
         "peagle_qpanels_size": ([i, i, i], sz),
         "peagle_qpack": ([i, p, i, i, p], None),
         "peagle_qgemm_q4_0": gemm,
@@ -433,9 +434,27 @@ class NativeDecoderLayer:
         rc = _lib.peagle_decoder_layer(self._ref, x.data_ptr(), y.data_ptr(), B, T, cos.data_ptr(), sin.data_ptr(),
                                        cache_k.data_ptr(), cache_v.data_ptr(), slots.data_ptr(), positions.data_ptr(),
                                        cache_k.shape[0], cache_k.shape[2], torch.get_num_threads())
+        return self._checked(rc, y, cache_k, B * T)
+
+    def from_input(self, attn_in: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor,
+                   positions: torch.Tensor) -> torch.Tensor:
+        """The layer with its attention input given: attention over attn_in [B, T, Kin] (the drafter's fusion layer:
+        its normed embedding and normed feature side by side), added to residual [B, T, H], then the MLP half.
+        Both contiguous bf16; the rest as in __call__."""
+        B, T, K = attn_in.shape
+        y = torch.empty_like(residual)
+        rc = _lib.peagle_layer_from_input(self._ref, attn_in.data_ptr(), K, residual.data_ptr(), y.data_ptr(), B, T,
+                                          cos.data_ptr(), sin.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(),
+                                          slots.data_ptr(), positions.data_ptr(), cache_k.shape[0], cache_k.shape[2],
+                                          torch.get_num_threads())
+        return self._checked(rc, y, cache_k, B * T)
+
+    @staticmethod
+    def _checked(rc: int, y: torch.Tensor, cache_k: torch.Tensor, rows: int) -> torch.Tensor:
         if rc == -2:
             raise IndexError(f"positions must lie in [0, {cache_k.shape[2]}) and slots in [0, {cache_k.shape[0]}) "
                              "for this cache")
         if rc:
-            raise MemoryError(f"peagle decoder layer: could not allocate scratch memory for {B * T} rows")
+            raise MemoryError(f"peagle decoder layer: could not allocate scratch memory for {rows} rows")
         return y
