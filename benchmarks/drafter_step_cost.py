@@ -2,10 +2,11 @@
 prompts, greedy, batch 1, one torch thread, timed in CPU seconds of this process (so other work on the machine
 does not count), with the drafter's own calls timed inside the engine.
 
-    python3 benchmarks/drafter_step_cost.py --k 1 --max-tokens 128
+    python3 benchmarks/drafter_step_cost.py --k 1 --max-tokens 128 [--quantization q4_0]
 
 At K = 1 both methods draft one token, so the comparison isolates the drafters: P-EAGLE's head has two layers to
-EAGLE-3's one, and its first draft is accepted more often (fewer steps for the same tokens).
+EAGLE-3's one, and its first draft is accepted more often (fewer steps for the same tokens). Each head runs twice,
+its layers as one native call each (what the engine does) and as PyTorch modules (the same bits).
 """
 from __future__ import annotations
 
@@ -43,37 +44,53 @@ def timed_drafting() -> dict[str, float]:
     return spent
 
 
-def measure(method: str, k: int, max_tokens: int, spent: dict[str, float]) -> dict:
-    spec = {"model": DEFAULT_HEADS[method], "method": "eagle3", "num_speculative_tokens": k,
-            "parallel_drafting": method == "peagle"}
-    engine = LLMEngine.from_pretrained(None, spec, max_num_seqs=1, device="cpu", speculation_policy="fixed")
-    engine.generate(PROMPTS[:1], SamplingParams(max_tokens=16), chat=True)  # warm-up
-    spent["seconds"] = 0.0
-    t0, tokens, steps = time.process_time(), 0, 0
+def measure(methods: list[str], k: int, max_tokens: int, quantization: str | None, spent: dict[str, float]) -> list:
+    """Each head twice, its layers in native calls and as PyTorch modules (the same bits, so the same steps),
+    every prompt run by every variant in turn so that load from other processes hits them alike."""
+    engines = {}
+    for method in methods:
+        spec = {"model": DEFAULT_HEADS[method], "method": "eagle3", "num_speculative_tokens": k,
+                "parallel_drafting": method == "peagle"}
+        for layers in ("native", "modules"):
+            engine = LLMEngine.from_pretrained(None, spec, max_num_seqs=1, device="cpu", speculation_policy="fixed",
+                                               quantization=quantization)
+            if layers == "modules":
+                engine.drafter.native_layers = None
+            engine.generate(PROMPTS[:1], SamplingParams(max_tokens=16), chat=True)  # warm-up
+            engines[method, layers] = engine
+    totals = {key: {"cpu_s": 0.0, "draft_s": 0.0, "tokens": 0, "steps": 0} for key in engines}
     for prompt in PROMPTS:  # one request at a time: batch 1
-        before = engine.stats.num_drafts
-        tokens += len(engine.generate([prompt], SamplingParams(max_tokens=max_tokens), chat=True)[0].token_ids)
-        steps += engine.stats.num_drafts - before
-    cpu = time.process_time() - t0
-    return {"method": method, "k": k, "tokens": tokens, "steps": steps, "cpu_s": cpu,
-            "tokens_per_cpu_s": tokens / cpu, "ms_per_step": 1000 * cpu / steps,
-            "drafter_ms_per_step": 1000 * spent["seconds"] / steps, "tokens_per_step": tokens / steps}
+        for key, engine in engines.items():
+            before, spent["seconds"], t0 = engine.stats.num_drafts, 0.0, time.process_time()
+            totals[key]["tokens"] += len(engine.generate([prompt], SamplingParams(max_tokens=max_tokens),
+                                                         chat=True)[0].token_ids)
+            totals[key]["cpu_s"] += time.process_time() - t0
+            totals[key]["draft_s"] += spent["seconds"]
+            totals[key]["steps"] += engine.stats.num_drafts - before
+    return [{"method": m, "layers": layers, "tokens": t["tokens"], "steps": t["steps"],
+             "tokens_per_cpu_s": t["tokens"] / t["cpu_s"], "ms_per_step": 1000 * t["cpu_s"] / t["steps"],
+             "drafter_ms_per_step": 1000 * t["draft_s"] / t["steps"], "tokens_per_step": t["tokens"] / t["steps"]}
+            for (m, layers), t in totals.items()]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--k", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--quantization", default=None, choices=["q4_0", "q4_1", "q8_0"],
+                    help="the target's weights (its drafter then runs in Q8_0), as `peagle bench --quantization`")
     args = ap.parse_args()
     torch.set_num_threads(1)
     spent = timed_drafting()
-    rows = [measure(m, args.k, args.max_tokens, spent) for m in ("eagle3", "peagle")]
-    print(f"K={args.k}, batch 1, {len(PROMPTS)} prompts x up to {args.max_tokens} tokens, CPU time of one thread")
-    print("| head | tokens | steps | tokens per step | ms per step | of it drafting | tokens per CPU-second |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    rows = measure(["eagle3", "peagle"], args.k, args.max_tokens, args.quantization, spent)
+    print(f"K={args.k}, batch 1, {len(PROMPTS)} prompts x up to {args.max_tokens} tokens, "
+          f"{args.quantization or 'bf16'} target, CPU time of one thread")
+    print("| head | drafter layers | tokens | steps | tokens per step | ms per step | of it drafting | "
+          "tokens per CPU-second |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['method']} | {r['tokens']} | {r['steps']} | {r['tokens_per_step']:.3f} | {r['ms_per_step']:.1f} | "
-              f"{r['drafter_ms_per_step']:.2f} | {r['tokens_per_cpu_s']:.1f} |")
+        print(f"| {r['method']} | {r['layers']} | {r['tokens']} | {r['steps']} | {r['tokens_per_step']:.3f} | "
+              f"{r['ms_per_step']:.1f} | {r['drafter_ms_per_step']:.2f} | {r['tokens_per_cpu_s']:.1f} |")
 
 
 if __name__ == "__main__":
