@@ -29,7 +29,7 @@ def engines(quantization: str | None, names: list[str]) -> dict:
     from peagle.model.checkpoint import load_head
     from peagle.model.heads import DEFAULT_HEADS, resolve_head
     from peagle.model.loading import load_tokenizer, resolve_model
-    from peagle.model.quant import DRAFTER_QUANTIZATION
+    from peagle.model.quant import drafter_quantization
     from peagle.model.target import TargetModel
 
     path = resolve_model(None)
@@ -45,7 +45,7 @@ def engines(quantization: str | None, names: list[str]) -> dict:
         if method not in heads:  # one drafter per head, as the engine packs it
             heads[method] = load_head(resolve_head(DEFAULT_HEADS[method], None, method=method),
                                       target_embeddings=target.input_embeddings(), dtype=torch.bfloat16)
-            heads[method].pack_(DRAFTER_QUANTIZATION if target.quantized else None)
+            heads[method].pack_(drafter_quantization(None, target.quantized))
         spec = SpeculativeConfig.parse({"model": DEFAULT_HEADS[method], "method": method,
                                         "num_speculative_tokens": k})
         out[name] = LLMEngine(target, tokenizer, heads[method], spec, max_num_seqs=1, speculation_policy=policy,

@@ -13,6 +13,8 @@ MAX_SPECULATIVE_TOKENS = 16
 # was the fastest at concurrency 1 in docs/benchmarks.md.
 DEFAULT_NUM_SPECULATIVE_TOKENS = 3
 ENV_VAR = "SM_VLLM_SPECULATIVE_CONFIG"
+# The drafter's block formats ("quantization"): peagle.model.quant.QUANTIZATIONS, named here without importing torch.
+DRAFTER_FORMATS = ("q4_0", "q4_1", "q8_0")
 
 
 class SpeculativeConfigError(ValueError):
@@ -29,6 +31,8 @@ class SpeculativeConfig(BaseModel):
     draft_tensor_parallel_size: int | None = None
     max_model_len: int | None = None
     disable_by_batch_size: int | None = None
+    # The drafter's weights: a block format of peagle.model.quant (its kernels: x86-64 CPUs); None: Q8_0 beside a
+    # block-quantized target, the head's own floats otherwise (quant.drafter_quantization).
     quantization: str | None = None
     revision: str | None = None
     code_revision: str | None = None
@@ -56,7 +60,15 @@ class SpeculativeConfig(BaseModel):
             raise ValueError(f"must be a positive integer, got {v}")
         return v
 
-    @field_validator("quantization", "speculative_token_tree")
+    @field_validator("quantization")
+    @classmethod
+    def _drafter_format(cls, v: str | None) -> str | None:
+        if v is not None and v not in DRAFTER_FORMATS:
+            raise ValueError(f"{v!r} is not a drafter weight format peagle runs; use one of "
+                             f"{', '.join(DRAFTER_FORMATS)} (block-quantized drafter weights), or leave it unset")
+        return v
+
+    @field_validator("speculative_token_tree")
     @classmethod
     def _unsupported(cls, v, info):
         if v is not None:

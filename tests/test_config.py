@@ -55,7 +55,7 @@ def test_environment_variable(monkeypatch):
     ({"parallel_drafting": "sometimes"}, "parallel_drafting", ""),
     ({"draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size", "one device"),
     ({"max_model_len": 0}, "max_model_len", "positive"),
-    ({"quantization": "fp8"}, "quantization", "not supported"),
+    ({"quantization": "fp8"}, "quantization", "not a drafter weight format"),
 ])
 def test_invalid_values_name_the_field(value, field, words):
     with pytest.raises(SpeculativeConfigError) as e:

@@ -280,3 +280,26 @@ def test_the_weight_format_is_named_with_the_kernels(gguf_target):
     engine = LLMEngine(gguf_target, tok, max_num_seqs=1, max_model_len=64)
     assert engine.kernels["weights"] == "q4_1, lm_head q8_0"
     assert engine.kernels["greedy_bit_exact"] is True
+
+
+def test_the_speculative_config_picks_the_drafters_block_format():
+    """"quantization" in the speculative config quantizes the drafter of a bf16 target (it streams a quarter of
+    the bytes at q4_0): the drafts change, never the output. One owner decides the format (quant.drafter_quantization),
+    and the config refuses what peagle does not run."""
+    from peagle.config import DRAFTER_FORMATS, SpeculativeConfigError
+
+    assert DRAFTER_FORMATS == quant.QUANTIZATIONS
+    assert quant.drafter_quantization(None, target_quantized=False) is None
+    assert quant.drafter_quantization(None, target_quantized=True) == quant.DRAFTER_QUANTIZATION
+    assert quant.drafter_quantization("q4_0", target_quantized=True) == "q4_0"
+    with pytest.raises(SpeculativeConfigError, match="quantization.*q4_0, q4_1, q8_0"):
+        SpeculativeConfig.parse({"method": "peagle", "quantization": "fp8"})
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    plain = LLMEngine.from_pretrained(None, None, max_num_seqs=1, max_model_len=256)
+    spec = LLMEngine.from_pretrained(None, {"method": "peagle", "num_speculative_tokens": 3, "quantization": "q4_0"},
+                                     max_num_seqs=1, max_model_len=256, speculation_policy="fixed")
+    assert spec.kernels["weights"] == "bf16" and spec.kernels["drafter_weights"] == "q4_0"
+    for prompt in PROMPTS[:2]:
+        assert spec.generate([prompt], params, chat=True)[0].token_ids == \
+            plain.generate([prompt], params, chat=True)[0].token_ids
+    assert spec.stats.num_accepted_tokens > 0

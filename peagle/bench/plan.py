@@ -323,7 +323,7 @@ class TargetHolder:
         from peagle.engine.engine import LLMEngine
         from peagle.model.loading import torch_dtype
         from peagle.model.checkpoint import load_head
-        from peagle.model.quant import DRAFTER_QUANTIZATION
+        from peagle.model.quant import drafter_quantization
 
         target = self.target(model_path)
         tok = self.tokenizer(model_path)
@@ -331,7 +331,7 @@ class TargetHolder:
         if cfg.method in SPEC_METHODS:
             spec = cfg.speculative_config()
             drafter = load_head(cfg.head, target_embeddings=target.input_embeddings(), dtype=torch_dtype(self.dtype),
-                                device=target.device).pack_(DRAFTER_QUANTIZATION if target.quantized else None)
+                                device=target.device).pack_(drafter_quantization(spec.quantization, target.quantized))
             # (as `peagle serve` loads it)
         return LLMEngine(target, tok, drafter, spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                          model_name=Path(model_path).name, speculation_policy=cfg.policy,

@@ -147,7 +147,7 @@ class LLMEngine:
         from peagle.model.heads import resolve_head
         from peagle.model.checkpoint import load_head
         from peagle.model.loading import config_dir, is_gguf, load_tokenizer, resolve_model, torch_dtype
-        from peagle.model.quant import DRAFTER_QUANTIZATION
+        from peagle.model.quant import drafter_quantization
 
         path = resolve_model(model)
         device = device or ("cpu" if is_gguf(path) or quantization else
@@ -167,7 +167,7 @@ class LLMEngine:
             drafter = load_head(head_path, target_embeddings=target.input_embeddings(), dtype=dtype, device=device)
             # the engine never trains it: pack its weights once for the CPU kernels (no-op elsewhere), in 8 bits
             # beside a block-quantized target
-            drafter.pack_(DRAFTER_QUANTIZATION if target.quantized else None)
+            drafter.pack_(drafter_quantization(spec.quantization, target.quantized))
         return cls(target, tokenizer, drafter, spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                    model_name=model or Path(path).name, speculation_policy=speculation_policy, **options)
 

@@ -29,11 +29,21 @@ QUANTIZATIONS = tuple(FORMATS)  # what `--quantization` accepts
 # held-out perplexity from 4.33 to 5.49 (docs/performance.md, "Quantized weights").
 EMBEDDING_QUANTIZATION = "q8_0"
 # A block-quantized target gets a Q8_0 drafter: on the embedded model its drafting steps take about 20% less time
-# and its acceptance is unchanged (docs/performance.md, "Quantized weights"); a bf16 target keeps a bf16 one.
+# and its acceptance is unchanged (docs/performance.md, "Quantized weights"); a bf16 target keeps a bf16 one unless
+# the speculative config's "quantization" asks for a block format.
 DRAFTER_QUANTIZATION = "q8_0"
 QUANTIZATION_HELP = ("quantize a float (safetensors) model's decoder matrices at load into GGUF's q4_0 / q4_1 / q8_0 "
                      "blocks (its LM head and embedding into q8_0), as vLLM's online --quantization (a .gguf model "
                      "runs its own blocks as they are)")
+
+
+def drafter_quantization(requested: str | None, target_quantized: bool) -> str | None:
+    """The drafter's weight format (None: its own floats): the speculative config's `quantization` when set, else
+    DRAFTER_QUANTIZATION beside a block-quantized target."""
+    if requested is not None:
+        require_kernels(f'the speculative config\'s "quantization": "{requested}"')
+        return requested
+    return DRAFTER_QUANTIZATION if target_quantized else None
 
 
 def require_kernels(what: str) -> None:
