@@ -74,10 +74,10 @@ CODE_FIRST="${CODE_FIRST:-1280}"       # code answers in round 1's training data
 # head's cursor is finished whatever ROWS is (ROWS=1600 when a session has about an hour left for the next round).
 if [ -z "${ROWS:-}" ]; then grep -qw -e avx512_bf16 -e amx_bf16 /proc/cpuinfo && ROWS=3200 || ROWS=800; fi
 LR="${LR:-5e-4}"                       # a continuation's rate (docs/heads.md, "The second bundle")
-# LM_HEAD: "trained" (from round 11 on) or "frozen" (rounds 1-10: the cheapest step of "Recipe search", which cost
-# 0.012 of depth-1 accuracy there); held-out accuracy stopped rising over rounds 5-9 on the frozen head, so new rounds
-# train it (docs/heads.md, "The ninth round"). A round keeps the choice it began with.
-LM_HEAD="${LM_HEAD:-trained}"
+# LM_HEAD: "frozen" (the cheapest step of "Recipe search") or "trained". Round 11 trained it, since held-out accuracy
+# had stopped rising on the frozen head over rounds 5-10, and ended lower at depth 1 (0.481 against round 10's 0.501;
+# docs/heads.md, "The eleventh round"), so later rounds freeze it again. A round keeps the choice it began with.
+LM_HEAD="${LM_HEAD:-frozen}"
 # PACK: new rounds train on rows of up to PACK tokens joined from consecutive conversations (docs/training.md, "Data":
 # long histories), one row per step (about as many tokens as 4 conversations); 0 trains on single conversations, 4
 # per step. A round already prepared keeps its rows.
