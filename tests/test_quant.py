@@ -279,6 +279,7 @@ def test_the_weight_format_is_named_with_the_kernels(gguf_target):
     tok = AutoTokenizer.from_pretrained(config_dir(embedded_gguf_path()))
     engine = LLMEngine(gguf_target, tok, max_num_seqs=1, max_model_len=64)
     assert engine.kernels["weights"] == "q4_1, lm_head q8_0"
+    assert engine.kernels["block_kernels"] in kernels.QUANT_PATHS
     assert engine.kernels["greedy_bit_exact"] is True
 
 
@@ -299,6 +300,7 @@ def test_the_speculative_config_picks_the_drafters_block_format():
     spec = LLMEngine.from_pretrained(None, {"method": "peagle", "num_speculative_tokens": 3, "quantization": "q4_0"},
                                      max_num_seqs=1, max_model_len=256, speculation_policy="fixed")
     assert spec.kernels["weights"] == "bf16" and spec.kernels["drafter_weights"] == "q4_0"
+    assert spec.kernels["block_kernels"] == kernels.quant_path() and "block_kernels" not in plain.kernels
     for prompt in PROMPTS[:2]:
         assert spec.generate([prompt], params, chat=True)[0].token_ids == \
             plain.generate([prompt], params, chat=True)[0].token_ids

@@ -114,6 +114,8 @@ class LLMEngine:
         self.kernels = {**kernels.summary(self.device), "weights": target.weights}
         if drafter is not None:
             self.kernels["drafter_weights"] = drafter.weights
+        if target.quantized or self.kernels.get("drafter_weights", "bf16") != "bf16":
+            self.kernels["block_kernels"] = kernels.quant_path()  # whose integer dot products run the blocks
         logger.info("peagle engine: %s weights, %s", target.weights, kernels.describe(self.device))
         self.eos_token_ids = set(target.config.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:

@@ -112,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
               f"{result['time_to_first_token_s'] * 1000:.0f} ms, mean acceptance length "
               f"{result['mean_acceptance_length']:.2f}" + (f", per-position acceptance {per_pos}" if per_pos else "")
               + (f", {result['num_forced_tokens']} forced tokens" if result["num_forced_tokens"] else "")
-              + f"; {result['weights']} weights, {result['kernels']} kernels" + ("" if result["greedy_bit_exact"] else " (greedy not bit-exact)"),
+              + f"; {result['weights']} weights"
+              + (f" ({result['block_kernels']} integer kernels)" if result.get("block_kernels") else "")
+              + f", {result['kernels']} kernels" + ("" if result["greedy_bit_exact"] else " (greedy not bit-exact)"),
               file=sys.stderr)
     return 0
