@@ -14,6 +14,7 @@ import torch
 from peagle.model.drafter import Drafter, DrafterConfig
 from peagle.model.layers import BatchLayout
 from peagle.model.target import TargetConfig
+from tests.conftest import needs_native_kernels
 
 MASK_ID = 3
 V, VD, H = 512, 200, 64
@@ -244,16 +245,13 @@ def test_packed_head_drafts_like_the_plain_one(target_config):
     assert torch.equal(la.argmax(-1)[decided], lb.argmax(-1)[decided])
 
 
+@needs_native_kernels
 @pytest.mark.parametrize("quantization", [None, "q8_0"])
 def test_native_layers_give_the_modules_bits(target_config, quantization):
     """A packed head runs each layer in one native call (the fusion layer from its [embedding, feature] input):
     the same hidden states, drafts and cache entries as its own modules, bit for bit, for a batch with padding."""
     import copy
 
-    from peagle.model import kernels
-
-    if not kernels.available():
-        pytest.skip("peagle's kernels do not run here, so the head has no native layers")
     head = make_head(target_config, seed=14).to(torch.bfloat16).pack_(quantization)
     assert head.native_layers is not None and len(head.native_layers) == 2
     modules = copy.copy(head)

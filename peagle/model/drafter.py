@@ -198,15 +198,10 @@ class Drafter(nn.Module):
         self.lm_head_packed = pack_matrix(self.lm_head, None, blocks, "lm_head.weight")
         # Each layer in one native call, as the target's (the same bits as the modules): at batch 1 the Python
         # between a layer's dozen kernels cost about as much as the kernels themselves.
-        c, layers = self.config, [self.midlayer, *self.layers.values()]
-        packed = [[la.self_attn.qkv.packed, la.self_attn.o_packed, la.mlp.gate_up.packed, la.mlp.down_packed]
-                  for la in layers]
-        self.native_layers = None
-        if all(kernels.NativeDecoderLayer.applies(p, c.head_dim, c.intermediate_size) for p in packed):
-            self.native_layers = [
-                kernels.NativeDecoderLayer(la.input_layernorm.weight, la.post_attention_layernorm.weight, *p,
-                                           c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)
-                for la, p in zip(layers, packed)]
+        c = self.config
+        self.native_layers = kernels.NativeDecoderLayer.for_layers(
+            [self.midlayer, *self.layers.values()], c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+            c.rms_norm_eps)
         return self
 
     @property

@@ -1244,11 +1244,11 @@ static void add_bf16(const uint16_t *a, const uint16_t *b, uint16_t *y, size_t n
     for (; i < n; i++) y[i] = f2bf(bf2f(a[i]) + bf2f(b[i]));
 }
 
-/* y [B*T, H] = the layer from its attention input: `in` [B*T, Kin] is what q, k and v multiply (a decoder layer's
-   normed x, Kin = H; the drafter's fusion layer's [normed embedding, normed feature], Kin = 2H) and `res` [B*T, H]
-   what the attention output is added to (x; the fusion layer's feature). Writes this step's keys and values into
-   the cache like peagle_attention_bf16. Returns 0; -1 when scratch memory could not be allocated; -2 when a slot or
-   position lies outside the cache (y is then incomplete). */
+/* y [B*T, H] = the layer from its attention input: `in` [B*T, Kin] is what q, k and v multiply (the drafter's fusion
+   layer's [normed embedding, normed feature], Kin = 2H; NULL for a decoder layer: RMSNorm(res), Kin = H) and
+   `res` [B*T, H] what the attention output is added to (x; the fusion layer's feature). Writes this step's keys
+   and values into the cache like peagle_attention_bf16. Returns 0; -1 when scratch memory could not be allocated;
+   -2 when a slot or position lies outside the cache (y is then incomplete). */
 int peagle_layer_from_input(const peagle_layer *w, const uint16_t *in, int Kin, const uint16_t *res, uint16_t *y,
                             int B, int T, const uint16_t *cos_, const uint16_t *sin_, uint16_t *kc, uint16_t *vc,
                             const int64_t *slots, const int64_t *positions, int num_slots, int max_len,
@@ -1260,6 +1260,10 @@ int peagle_layer_from_input(const peagle_layer *w, const uint16_t *in, int Kin, 
     uint16_t *normed = buf, *qkv = normed + M * H, *att = qkv + M * W, *out = att + M * nh * D, *gu = out + M * H;
     uint16_t *act = gu + M * 2 * I;
     int rc;
+    if (!in) { /* a decoder layer: its own input norm (normed is free again once q, k and v are computed) */
+        peagle_rms_norm_bf16(res, w->input_norm, normed, (int)M, H, w->eps);
+        in = normed, Kin = H;
+    }
     if ((rc = w->gemm_qkv(in, Kin, w->qkv, qkv, W, (int)M, W, Kin, nthreads))) goto done;
     peagle_rope_bf16(qkv, cos_, sin_, (int)M, nh + 2 * nkv, nh + nkv, D);
     if ((rc = peagle_attention_bf16(qkv, W, qkv + (size_t)nh * D, qkv + (size_t)(nh + nkv) * D, W, kc, vc, slots,
@@ -1283,14 +1287,8 @@ done:
 int peagle_decoder_layer(const peagle_layer *w, const uint16_t *x, uint16_t *y, int B, int T, const uint16_t *cos_,
                          const uint16_t *sin_, uint16_t *kc, uint16_t *vc, const int64_t *slots,
                          const int64_t *positions, int num_slots, int max_len, int nthreads) {
-    size_t M = (size_t)B * T;
-    uint16_t *normed = malloc(M * (size_t)w->H * 2);
-    if (!normed) return -1;
-    peagle_rms_norm_bf16(x, w->input_norm, normed, (int)M, w->H, w->eps);
-    int rc = peagle_layer_from_input(w, normed, w->H, x, y, B, T, cos_, sin_, kc, vc, slots, positions, num_slots,
-                                     max_len, nthreads);
-    free(normed);
-    return rc;
+    return peagle_layer_from_input(w, NULL, w->H, x, y, B, T, cos_, sin_, kc, vc, slots, positions, num_slots,
+                                   max_len, nthreads);
 }
 
 #pragma GCC pop_options

@@ -19,6 +19,7 @@ loaded with ctypes. Every allocation in the C code is checked; a failure raises 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -57,15 +58,16 @@ _tried = False
 _error: str | None = None  # a PEAGLE_CPU_KERNELS choice this machine cannot run
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return set()
+        return frozenset()
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return frozenset()
     line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.split())
+    return frozenset(line.split())
 
 
 def build_dir() -> Path:
@@ -425,6 +427,18 @@ class NativeDecoderLayer:
     def applies(packed: list, head_dim: int, intermediate: int) -> bool:
         """Whether the native layer can run these (bias-free, all packed) weights."""
         return all(p is not None for p in packed) and head_dim % 8 == 0 and head_dim <= 256 and intermediate % 8 == 0
+
+    @classmethod
+    def for_layers(cls, layers: list, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int,
+                   eps: float) -> "list[NativeDecoderLayer] | None":
+        """One native layer per packed layers.DecoderLayer (the target's, the drafter's), or None when any of them
+        cannot run natively (then all run as modules)."""
+        packed = [[la.self_attn.qkv.packed, la.self_attn.o_packed, la.mlp.gate_up.packed, la.mlp.down_packed]
+                  for la in layers]
+        if not all(cls.applies(p, head_dim, intermediate) for p in packed):
+            return None
+        return [cls(la.input_layernorm.weight, la.post_attention_layernorm.weight, *p, num_heads, num_kv_heads,
+                    head_dim, eps) for la, p in zip(layers, packed)]
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_k: torch.Tensor,
                  cache_v: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

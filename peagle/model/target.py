@@ -283,16 +283,9 @@ class TargetModel(nn.Module):
             self.lm_head_packed = self.embed_tokens.quant  # tied: the LM head reads the embedding's blocks
         else:
             self.lm_head_packed = kernels.PackedWeight.pack(self.lm_head_weight, path)
-        self.native_layers = None
         c = self.config
-        if not (c.attention_bias or c.qk_norm):
-            packed = [[la.self_attn.qkv.packed, la.self_attn.o_packed, la.mlp.gate_up.packed, la.mlp.down_packed]
-                      for la in self.layers]
-            if all(kernels.NativeDecoderLayer.applies(p, c.head_dim, c.intermediate_size) for p in packed):
-                self.native_layers = [
-                    kernels.NativeDecoderLayer(la.input_layernorm.weight, la.post_attention_layernorm.weight, *p,
-                                               c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)
-                    for la, p in zip(self.layers, packed)]
+        self.native_layers = None if c.attention_bias or c.qk_norm else kernels.NativeDecoderLayer.for_layers(
+            list(self.layers), c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps)
         return self
 
 
