@@ -15,6 +15,7 @@ record of every round: the learning curve's rows.
         --baseline BUNDLED.json                                           # gate, bundle, record, advance
     python3 scripts/campaign_rounds.py start --method peagle --rounds runs/campaign/rounds   # the head to continue
     python3 scripts/campaign_rounds.py table                              # the rounds so far, as a table
+    python3 scripts/campaign_rounds.py plot --out docs/heads/campaign-curve   # the learning curve along the line
 
 A round continues the head of the method's last round when that head is on this machine, bundled or not: a round
 that gained on one set only (code answers move HumanEval, not MT-Bench) is not thrown away, and the gain of the next
@@ -50,6 +51,7 @@ POOL = ("the conversations the second bundle had not trained on, in this order, 
         "code answers and the multi-turn conversations, shuffled together (seed 0); the answers to prompts-4 "
         "(chat and code, mixed); the answers to prompts-5 (questions the target wrote and code, mixed) as they are "
         "answered")
+HELDOUT_DEPTHS = 3  # held-out accuracy recorded per round, at depths 1..HELDOUT_DEPTHS
 NOT_ENOUGH_ROWS = 3  # `next`'s exit status when the pool has fewer than ROWS new conversations (yet)
 
 
@@ -164,10 +166,14 @@ def close_round(method: str, round_path: Path, acceptance: Path, baseline: Path,
     packed_to = json.loads(data_meta.read_text()).get("packed_to") if data_meta.exists() else None
     args = round_path / method / "training_args.json"
     lm_head = "frozen" if args.exists() and json.loads(args.read_text()).get("freeze_lm_head") else "trained"
+    # The held-out accuracy the trainer measured at the round's end (the same 32 conversations in every round)
+    evaluation = round_path / method / "eval.json"
+    heldout = ([round(a, 4) for a in json.loads(evaluation.read_text())["accuracy_per_depth"][:HELDOUT_DEPTHS]]
+               if evaluation.exists() else None)
     started = round_path / f"{method}.started_from"
     started_from = started.read_text().strip() if started.exists() else BUNDLES[method]
     rec = {"method": method, "rows": [first, end], "steps": steps, "tokens": tokens, "packed_to": packed_to,
-           "lm_head": lm_head, "started_from": started_from,
+           "lm_head": lm_head, "started_from": started_from, "heldout_accuracy": heldout,
            "mean_acceptance_length": {ds: v for ds, (k, v) in deepest_mal(new, method).items()},
            "bundled_mean_acceptance_length": {ds: v for ds, (k, v) in deepest_mal(old, method).items()},
            "k": max(k for k, _ in deepest_mal(new, method).values()),
@@ -195,23 +201,84 @@ def _start_name(started_from: str) -> str:
 
 def table(state: dict) -> str:
     """The rounds as a markdown table: the campaign's learning curve in benchmark acceptance, a row per round."""
-    out = ["| head | rows | steps | tokens | the head's campaign tokens so far | K | HumanEval: round / bundle | "
-           "MT-Bench: round / bundle | re-bundled | started from | rows per step | LM head | machine |",
-           "|---|---|---:|---:|---:|---:|---|---|---|---|---|---|---|"]
-    seen: dict[str, int] = {}
+    out = ["| head | rows | steps | tokens | tokens along its line | K | HumanEval: round / bundle | "
+           "MT-Bench: round / bundle | held-out accuracy, depths 1-2 | re-bundled | started from | rows per step | "
+           "LM head | machine |", "|---|---|---:|---:|---:|---:|---|---|---|---|---|---|---|---|"]
+    line = {id(rec): seen for method in BUNDLES for rec, seen in line_tokens(state, method)}
     for rec in state["rounds"]:
-        seen[rec["method"]] = seen.get(rec["method"], 0) + rec["tokens"]
         cells = []
         for ds in ("humaneval", "mtbench"):
             new, old = rec["mean_acceptance_length"].get(ds), rec["bundled_mean_acceptance_length"].get(ds)
             cells.append(f"{new:.3f} / {old:.3f} ({new / old - 1:+.1%})" if new and old else "")
         verdict = "yes" if rec["bundled"] else "no: " + "; ".join(rec["why_not"])
+        heldout = " / ".join(f"{a:.3f}" for a in (rec.get("heldout_accuracy") or [])[:2])
         out.append(f"| {rec['method']} | {rec['rows'][0]:,}-{rec['rows'][1]:,} | {rec['steps']} | {rec['tokens']:,} | "
-                   f"{seen[rec['method']]:,} | {rec['k']} | {cells[0]} | {cells[1]} | {verdict} | "
+                   f"{line[id(rec)]:,} | {rec['k']} | {cells[0]} | {cells[1]} | {heldout} | {verdict} | "
                    f"{_start_name(rec.get('started_from', BUNDLES[rec['method']]))} | "
                    f"{'1 packed to ' + str(rec['packed_to']) + ' tokens' if rec.get('packed_to') else '4 conversations'}"
                    f" | {rec.get('lm_head', 'frozen')} | {rec['machine']} |")
     return "\n".join(out)
+
+
+def line_tokens(state: dict, method: str) -> list[tuple[dict, int]]:
+    """Each of `method`'s rounds with the campaign tokens its head has trained on along its line: its own and those
+    of the round it continued, back to the campaign's first round (a round started from the bundle continues the
+    last round that was bundled before it)."""
+    out: list[tuple[dict, int]] = []
+    by_rows: dict[tuple[int, int], int] = {}
+    bundled_line = 0  # the line's tokens in the bundle as it stood
+    for rec in (r for r in state["rounds"] if r["method"] == method):
+        start = rec.get("started_from", BUNDLES[method])
+        if start in BUNDLES.values():
+            before = bundled_line
+        else:
+            first, end = (int(x) for x in Path(start).parent.name.split("-")[1:3])
+            before = by_rows[first, end]
+        seen = before + rec["tokens"]
+        by_rows[tuple(rec["rows"])] = seen
+        if rec["bundled"]:
+            bundled_line = seen
+        out.append((rec, seen))
+    return out
+
+
+TARGETS = {"humaneval": 2.0, "mtbench": 1.8}  # P-EAGLE's mean acceptance length at K = 7 that the campaign aims at
+
+
+def plot(state: dict, method: str, out: Path) -> None:
+    """The learning curve along the line of rounds: benchmark mean acceptance length (all 164 + 80 prompts at the
+    round's K) and held-out accuracy at depths 1-2, against the tokens the round's head has trained on."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rounds = line_tokens(state, method)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    for ds, color in (("humaneval", "tab:blue"), ("mtbench", "tab:orange")):
+        pts = [(seen / 1e6, rec["mean_acceptance_length"][ds], rec["bundled"]) for rec, seen in rounds
+               if ds in rec["mean_acceptance_length"]]
+        top.plot([x for x, _, _ in pts], [y for _, y, _ in pts], "-", color=color, alpha=0.35)
+        for filled in (True, False):
+            sel = [(x, y) for x, y, b in pts if b == filled]
+            top.plot([x for x, _ in sel], [y for _, y in sel], "o", color=color,
+                     markerfacecolor=color if filled else "white",
+                     label=f"{ds}, {'re-bundled' if filled else 'not bundled'}")
+        top.axhline(TARGETS[ds], color=color, linestyle="--", linewidth=1)
+    top.set_ylabel(f"mean acceptance length, K={rounds[-1][0]['k'] if rounds else 7}")
+    top.legend(fontsize=8, loc="center left")
+    top.set_title(f"{BUNDLES[method]}: the campaign's rounds (dashed: the targets)")
+    for depth, marker in ((0, "o"), (1, "s")):
+        pts = [(seen / 1e6, rec["heldout_accuracy"][depth]) for rec, seen in rounds
+               if rec.get("heldout_accuracy") and len(rec["heldout_accuracy"]) > depth]
+        bottom.plot([x for x, _ in pts], [y for _, y in pts], marker + "-", label=f"held-out accuracy, depth {depth + 1}")
+    bottom.set_ylabel("held-out accuracy (32 conversations)")
+    bottom.set_xlabel("campaign tokens the round's head has trained on (millions)")
+    bottom.legend(fontsize=8)
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out.with_suffix(".png"), dpi=110)
 
 
 def main() -> None:
@@ -233,9 +300,15 @@ def main() -> None:
     start.add_argument("--method", choices=BUNDLES, required=True)
     start.add_argument("--rounds", type=Path, required=True, help="the folder that holds the rounds")
     sub.add_parser("table", help="print the rounds recorded in data/heads/campaign.json as a markdown table")
+    plt = sub.add_parser("plot", help="draw the learning curve along the line of rounds as OUT.png")
+    plt.add_argument("--method", choices=BUNDLES, default="peagle")
+    plt.add_argument("--out", type=Path, default=ROOT / "docs" / "heads" / "campaign-curve")
     args = ap.parse_args()
     if args.command == "table":
         print(table(load_state()))
+    elif args.command == "plot":
+        plot(load_state(), args.method, args.out)
+        print(f"campaign_rounds: wrote {args.out.with_suffix('.png')}")
     elif args.command == "start":
         print(start_head(args.method, args.rounds))
     elif args.command == "next":

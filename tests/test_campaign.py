@@ -256,6 +256,7 @@ def test_campaign_rounds_move_past_their_rows_and_rebundle_only_a_better_head(tm
     (one / "peagle").mkdir()
     (one / "peagle" / "train_log.jsonl").write_text(
         "".join(json.dumps({"step": s, "tokens": 10}) + "\n" for s in (1, 2, 2, 3)) + '{"step": 4, "tok')
+    (one / "peagle" / "eval.json").write_text(json.dumps({"accuracy_per_depth": [0.45, 0.2, 0.1, 0.05]}))
     (one / "teacher-cache").mkdir()
     better, baseline = tmp_path / "better.json", tmp_path / "baseline.json"
     better.write_text(json.dumps(rows("peagle", {"humaneval": 1.60, "mtbench": 1.50})))
@@ -266,6 +267,7 @@ def test_campaign_rounds_move_past_their_rows_and_rebundle_only_a_better_head(tm
     assert (rec["rows"], rec["steps"], rec["tokens"], rec["k"]) == ([0, 4], 3, 30, 7)
     assert rec["mean_acceptance_length"] == {"humaneval": 1.60, "mtbench": 1.50}
     assert rec["lm_head"] == "trained"  # no --freeze-lm-head in its training_args.json
+    assert rec["heldout_accuracy"] == [0.45, 0.2, 0.1]  # the trainer's last held-out evaluation, depths 1-3
     assert (one / "teacher-cache").exists()  # EAGLE-3's cursor is still at this round: it will read the cache
     assert rounds_mod.close_round("peagle", one, better, baseline, state, bundle_fn=bundled.append) == rec
     assert len(bundled) == 1 and len(json.loads(state.read_text())["rounds"]) == 1  # closed twice, recorded once
@@ -281,7 +283,7 @@ def test_campaign_rounds_move_past_their_rows_and_rebundle_only_a_better_head(tm
     assert [json.loads(line)["id"] for line in (two / "train.jsonl").read_text().splitlines()] == [
         "a5", "b0", "b1", "b2"]
 
-    assert "| peagle | 0-4 | 3 | 30 | 30 | 7 | 1.600 / 1.500 (+6.7%) | 1.500 / 1.400 (+7.1%) | yes |" in \
+    assert "| peagle | 0-4 | 3 | 30 | 30 | 7 | 1.600 / 1.500 (+6.7%) | 1.500 / 1.400 (+7.1%) | 0.450 / 0.200 | yes |" in \
         rounds_mod.table(json.loads(state.read_text()))
 
     # a round that is not clearly better is recorded and passed over, but not bundled
@@ -337,6 +339,23 @@ def test_a_round_continues_the_last_rounds_head_when_it_is_on_this_machine(tmp_p
         (one / "peagle" / name).write_text("x")
     assert rounds_mod.start_head("peagle", rounds, state) == str(one / "peagle")
     assert rounds_mod.start_head("eagle3", rounds, state) == "smollm2-135m-eagle3"  # each head its own line
+
+    # the learning curve's x: the tokens along a round's line (a round from the bundle continues the last bundled)
+    two = rounds_mod.next_round("peagle", 4, rounds, [str(src)], set(), state)
+    (two / "peagle.started_from").write_text(str(one / "peagle") + "\n")
+    (two / "peagle").mkdir()
+    (two / "peagle" / "train_log.jsonl").write_text(json.dumps({"step": 1, "tokens": 5}) + "\n")
+    better = tmp_path / "better.json"
+    better.write_text(json.dumps(rows("peagle", {"humaneval": 1.7, "mtbench": 1.6})))
+    rounds_mod.close_round("peagle", two, better, same, state, bundle_fn=lambda *a: None)
+    recorded = json.loads(state.read_text())
+    assert [seen for _, seen in rounds_mod.line_tokens(recorded, "peagle")] == [7, 12]
+    recorded["rounds"].append({**recorded["rounds"][0], "rows": [8, 12], "tokens": 3})  # from the bundle again
+    assert [seen for _, seen in rounds_mod.line_tokens(recorded, "peagle")] == [7, 12, 15]  # round two was bundled
+    recorded["rounds"][1]["bundled"] = False
+    assert [seen for _, seen in rounds_mod.line_tokens(recorded, "peagle")] == [7, 12, 3]  # nothing bundled before
+    rounds_mod.plot(recorded, "peagle", tmp_path / "curve")
+    assert (tmp_path / "curve.png").stat().st_size > 0
 
 
 def test_self_prompts_are_new_clean_questions_and_resume(tmp_path, one_thread):
