@@ -121,7 +121,7 @@ regenerate data/heads/prompts-3.jsonl regen3 >> "$WORK/logs/data.log" 2>&1 & wai
 common() {
   local rows_per_step=4
   grep -q '"packed_to": [0-9]' "$1/train-data/peagle_data.json" && rows_per_step=1
-  COMMON=(--data "$1/train-data" --batch-size "$rows_per_step" --eval-data "$WORK/heldout-data" --eval-every 100 --eval-depths 8 --lr "$LR"
+  COMMON=(--data "$1/train-data" --batch-size "$rows_per_step" --eval-data "$WORK/heldout-data" --eval-every 100 --eval-depths 8
           --save-every 20 --resume latest --teacher-cache "$1/teacher-cache" --share-teacher-cache
           --max-seq-len 4096 --attn-chunk 512 --teacher-ahead --no-progress)
 }
@@ -135,14 +135,18 @@ train() {
   if [ ! -f "$round/$method.lm_head" ]; then  # a round begun before the knob existed trained a frozen LM head
     if [ -f "$round/$method.started_from" ]; then echo frozen; else echo "$LM_HEAD"; fi > "$round/$method.lm_head"
   fi
+  if [ ! -f "$round/$method.lr" ]; then  # likewise its rate: 5e-4 before the knob was kept per round
+    if [ -f "$round/$method.started_from" ]; then echo 5e-4; else echo "$LR"; fi > "$round/$method.lr"
+  fi
   [ -f "$round/$method.started_from" ] || python3 scripts/campaign_rounds.py start --method "$method" \
     --rounds "$WORK/rounds" > "$round/$method.started_from"
   local from freeze=()
   from=$(cat "$round/$method.started_from")
   [ "$(cat "$round/$method.lm_head")" = frozen ] && freeze=(--freeze-lm-head)
-  log "train $method in $round from $from ($(cat "$round/$method.lm_head") LM head)"
+  log "train $method in $round from $from ($(cat "$round/$method.lm_head") LM head, lr $(cat "$round/$method.lr"))"
   common "$round"
-  peagle train --method "$method" --init-head "$from" --out "$round/$method" "${freeze[@]}" "$@" "${COMMON[@]}"
+  peagle train --method "$method" --init-head "$from" --out "$round/$method" "${freeze[@]}" "$@" "${COMMON[@]}" \
+    --lr "$(cat "$round/$method.lr")"
 }
 # gate ROUND METHOD: the bundled head and the round's, at K=7 on all of HumanEval and MT-Bench, side by side on this
 # machine (the bundle's figures kept per bundle and kernel source under WORK/baseline: kernels that round otherwise

@@ -165,7 +165,8 @@ def close_round(method: str, round_path: Path, acceptance: Path, baseline: Path,
     data_meta = round_path / "train-data" / "peagle_data.json"
     packed_to = json.loads(data_meta.read_text()).get("packed_to") if data_meta.exists() else None
     args = round_path / method / "training_args.json"
-    lm_head = "frozen" if args.exists() and json.loads(args.read_text()).get("freeze_lm_head") else "trained"
+    trained_with = json.loads(args.read_text()) if args.exists() else {}
+    lm_head = "frozen" if trained_with.get("freeze_lm_head") else "trained"
     # The held-out accuracy the trainer measured at the round's end (the same 32 conversations in every round)
     evaluation = round_path / method / "eval.json"
     heldout = ([round(a, 4) for a in json.loads(evaluation.read_text())["accuracy_per_depth"][:HELDOUT_DEPTHS]]
@@ -173,7 +174,8 @@ def close_round(method: str, round_path: Path, acceptance: Path, baseline: Path,
     started = round_path / f"{method}.started_from"
     started_from = started.read_text().strip() if started.exists() else BUNDLES[method]
     rec = {"method": method, "rows": [first, end], "steps": steps, "tokens": tokens, "packed_to": packed_to,
-           "lm_head": lm_head, "started_from": started_from, "heldout_accuracy": heldout,
+           "lm_head": lm_head, "lr": trained_with.get("lr"), "started_from": started_from,
+           "heldout_accuracy": heldout,
            "mean_acceptance_length": {ds: v for ds, (k, v) in deepest_mal(new, method).items()},
            "bundled_mean_acceptance_length": {ds: v for ds, (k, v) in deepest_mal(old, method).items()},
            "k": max(k for k, _ in deepest_mal(new, method).values()),
@@ -199,11 +201,16 @@ def _start_name(started_from: str) -> str:
     return f"rows {int(first):,}-{int(end):,}'s head"
 
 
+def _rate(lr: float) -> str:
+    """A learning rate as the campaign writes it: 5.0e-4."""
+    return f"{lr:.1e}".replace("e-0", "e-")
+
+
 def table(state: dict) -> str:
     """The rounds as a markdown table: the campaign's learning curve in benchmark acceptance, a row per round."""
     out = ["| head | rows | steps | tokens | tokens along its line | K | HumanEval: round / bundle | "
            "MT-Bench: round / bundle | held-out accuracy, depths 1-2 | re-bundled | started from | rows per step | "
-           "LM head | machine |", "|---|---|---:|---:|---:|---:|---|---|---|---|---|---|---|---|"]
+           "LM head | lr | machine |", "|---|---|---:|---:|---:|---:|---|---|---|---|---|---|---|---:|---|"]
     line = {id(rec): seen for method in BUNDLES for rec, seen in line_tokens(state, method)}
     for rec in state["rounds"]:
         cells = []
@@ -216,7 +223,7 @@ def table(state: dict) -> str:
                    f"{line[id(rec)]:,} | {rec['k']} | {cells[0]} | {cells[1]} | {heldout} | {verdict} | "
                    f"{_start_name(rec.get('started_from', BUNDLES[rec['method']]))} | "
                    f"{'1 packed to ' + str(rec['packed_to']) + ' tokens' if rec.get('packed_to') else '4 conversations'}"
-                   f" | {rec.get('lm_head', 'frozen')} | {rec['machine']} |")
+                   f" | {rec.get('lm_head', 'frozen')} | {_rate(rec.get('lr') or 5e-4)} | {rec['machine']} |")
     return "\n".join(out)
 
 

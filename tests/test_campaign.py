@@ -289,11 +289,11 @@ def test_campaign_rounds_move_past_their_rows_and_rebundle_only_a_better_head(tm
     # a round that is not clearly better is recorded and passed over, but not bundled
     (two / "peagle").mkdir()
     (two / "peagle" / "train_log.jsonl").write_text(json.dumps({"step": 1, "tokens": 5}) + "\n")
-    (two / "peagle" / "training_args.json").write_text(json.dumps({"freeze_lm_head": True}))
+    (two / "peagle" / "training_args.json").write_text(json.dumps({"freeze_lm_head": True, "lr": 1.5e-4}))
     (two / "teacher-cache").mkdir()
     rec = rounds_mod.close_round("peagle", two, baseline, baseline, state, bundle_fn=bundled.append)
     assert not rec["bundled"] and len(rec["why_not"]) == 1 and len(bundled) == 1
-    assert rec["lm_head"] == "frozen"
+    assert (rec["lm_head"], rec["lr"]) == ("frozen", 1.5e-4)  # what the round trained with
     assert json.loads(state.read_text())["trained_rows"] == {"peagle": 8, "eagle3": 0}
     assert not (two / "teacher-cache").exists()  # EAGLE-3 is not at this round: nobody reads its cache again
     with pytest.raises(SystemExit, match="cursor is at row 0"):  # EAGLE-3 closing a round it did not start at
