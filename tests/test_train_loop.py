@@ -127,6 +127,38 @@ def test_init_head_continues_from_a_saved_head(tmp_path, method):
         assert torch.isfinite(torch.tensor(warm.train_step()["loss"]))
 
 
+def test_a_grown_head_starts_where_the_saved_head_was(tmp_path):
+    """--grow-layers appends decoder layers that start as the identity (a copy of the last layer with its output
+    projections zeroed): the grown head computes exactly what the saved one did, and the new layer then trains."""
+    from peagle.model.layers import BatchLayout
+
+    target = make_tiny_model(tmp_path / "t", "llama", num_hidden_layers=8, vocab_size=128)
+    save_rows(_random_rows(6, 40, 128, seed=4), tmp_path / "data", {})
+    first = Trainer(_cfg(tmp_path / "a", target, tmp_path / "data", method="peagle", max_steps=2, num_layers=2,
+                         draft_vocab_size=64))
+    for _ in range(2):
+        first.train_step()
+    head = first.save_head(tmp_path / "head")
+    grown = Trainer(_cfg(tmp_path / "b", target, tmp_path / "data", method="peagle", max_steps=2,
+                         init_head=str(head), grow_layers=1))
+    d = grown.drafter
+    assert d.config.num_layers == 3 and set(d.layers) == {"1", "2"}
+    assert torch.equal(d.layers["2"].self_attn.q_proj.weight, d.layers["1"].self_attn.q_proj.weight)
+    assert not d.layers["2"].self_attn.o_proj.weight.any() and not d.layers["2"].mlp.down_proj.weight.any()
+    saved = load_head(head, target_embeddings=grown.teacher.input_embeddings().float(), dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(4, 128, (1, 6), generator=g)
+    tokens[tokens == saved.config.mask_token_id] = 5
+    features = torch.randn(1, 6, 3 * saved.config.target_hidden_size, generator=g)
+    layout = BatchLayout.build(torch.tensor([0]), torch.arange(6)[None])
+    with torch.no_grad():
+        torch.testing.assert_close(d(tokens, features, layout, None), saved(tokens, features, layout, None))
+    assert torch.isfinite(torch.tensor(grown.train_step()["loss"]))
+    assert d.layers["2"].mlp.down_proj.weight.any()  # the new layer opens
+    with pytest.raises(ValueError, match="--grow-layers"):
+        _cfg(tmp_path / "c", target, tmp_path / "data", grow_layers=1)  # nothing to grow from
+
+
 def test_teacher_cache_gives_identical_training(tmp_path):
     """A run reading the target's outputs from --teacher-cache trains exactly as one computing them, and a second
     epoch (or another run on the same data) is served from the cache."""

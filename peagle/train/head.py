@@ -10,6 +10,9 @@ lr per element per step, and the slots stop telling depths apart.
 `--init-head` starts from a saved head instead (its layers, draft vocab, mask token and `norm_before_residual`); an
 EAGLE-3 head may start a P-EAGLE run, which keeps its layers and adds a fresh mask row and `mask_hidden`.
 `--fresh-mask-hidden` restarts a P-EAGLE head's `mask_hidden` from the standard normal and keeps the rest.
+`--grow-layers N` appends N decoder layers to the saved head's, each a copy of its last decoder layer (a fresh one
+after a fusion layer alone) whose output projections (o_proj, down_proj) are zero: each adds nothing to the residual
+stream, so the grown head starts exactly where the saved one was, and gradients open the new layers from there.
 """
 from __future__ import annotations
 
@@ -34,7 +37,8 @@ def build_head(cfg: TrainConfig, teacher: Teacher, tokenizer, rows: Iterable[tup
     V = teacher.vocab_size
     init = load_init_head(cfg, teacher, log) if cfg.init_head else None
     if init is not None:  # the head decides the shape: its layers, draft vocab, mask token and residual norm
-        num_layers, Vd, mask_id = init.config.num_layers, init.config.draft_vocab_size, init.config.mask_token_id
+        num_layers, Vd, mask_id = (init.config.num_layers + cfg.grow_layers, init.config.draft_vocab_size,
+                                   init.config.mask_token_id)
         norm_before_residual = init.config.norm_before_residual
         used = used_ids(init.d2t.cpu())
     else:
@@ -67,6 +71,7 @@ def build_head(cfg: TrainConfig, teacher: Teacher, tokenizer, rows: Iterable[tup
                                      if not k.startswith("embed_tokens.") and k != "mask_hidden"}, strict=False)
             emb = init.embed_tokens.weight.detach().float() if init.config.parallel_capable else emb
             log(f"starting from the weights of {cfg.init_head}")
+            _grow(drafter, init.config.num_layers, log)
         if cfg.train_embeddings:
             drafter.embed_tokens.weight.copy_(emb)
         else:
@@ -88,6 +93,23 @@ def build_head(cfg: TrainConfig, teacher: Teacher, tokenizer, rows: Iterable[tup
     return drafter
 
 
+def _grow(drafter: Drafter, had: int, log: Callable[[str], None]) -> None:
+    """Layers `had`.. of `drafter` (past the saved head's): a copy of its last decoder layer, if it had one, with
+    the projections that write to the residual stream zeroed, so that each new layer starts as the identity."""
+    new = [str(i) for i in range(had, drafter.config.num_layers)]
+    if not new:
+        return
+    last = drafter.layers[str(had - 1)].state_dict() if had > 1 else None
+    for name in new:
+        layer = drafter.layers[name]
+        if last is not None:
+            layer.load_state_dict(last)
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+    log(f"grew the head from {had} to {drafter.config.num_layers} layer(s): layer(s) {', '.join(new)} start as the "
+        "identity")
+
+
 def load_init_head(cfg: TrainConfig, teacher: Teacher, log: Callable[[str], None]) -> Drafter:
     """The head --init-head names, checked against this run: a head for the same target, of the same kind (or an
     EAGLE-3 head warm-starting P-EAGLE)."""
@@ -104,8 +126,9 @@ def load_init_head(cfg: TrainConfig, teacher: Teacher, log: Callable[[str], None
             tuple(c.feature_layer_ids) != tuple(teacher.feature_layer_ids):
         raise ValueError(f"--init-head {cfg.init_head} was trained for another target (vocab {c.vocab_size}, "
                          f"hidden {c.target_hidden_size}, feature layers {list(c.feature_layer_ids)})")
-    if cfg.num_layers != c.num_layers:
-        log(f"--init-head has {c.num_layers} layer(s); --num-layers {cfg.num_layers} is ignored")
+    if cfg.num_layers != c.num_layers and not cfg.grow_layers:
+        log(f"--init-head has {c.num_layers} layer(s); --num-layers {cfg.num_layers} is ignored (--grow-layers "
+            "adds layers)")
     if cfg.norm_before_residual != c.norm_before_residual:
         log(f"--init-head has norm_before_residual={c.norm_before_residual}; the flag given is ignored")
     return head

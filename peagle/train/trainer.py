@@ -83,6 +83,7 @@ class TrainConfig:
     resume: str | None = None  # "latest" or a checkpoint folder
     init_head: str | None = None  # start from a trained head's weights (fresh optimizer)
     fresh_mask_hidden: bool = False  # with init_head: mask_hidden from N(0, 1), not the head's
+    grow_layers: int = 0  # with init_head: decoder layers appended to the head's, adding nothing until trained
     teacher_cache: str | None = None  # folder keeping the target's outputs per training row (epochs 2+ skip it)
     share_teacher_cache: bool = False  # the cache serves exactly two one-pass runs: the second to read a row deletes it
     teacher_ahead: bool = False  # the next step's target outputs are computed in a second thread while this step trains
@@ -111,6 +112,8 @@ class TrainConfig:
             self.num_depths = DEFAULT_DEPTHS[self.method]
         if self.num_depths < 1:
             raise ValueError("--num-depths must be at least 1")
+        if self.grow_layers < 0 or (self.grow_layers and not self.init_head):
+            raise ValueError("--grow-layers N appends N >= 0 decoder layers to the --init-head head; give both")
         if self.partitions < 1:
             raise ValueError("--partitions must be at least 1")
         if self.dtype not in ("auto", "bf16", "fp32"):
