@@ -307,8 +307,15 @@ def test_bad_inputs_get_openai_errors_and_others_keep_running(server):
     server.wait_idle()
 
 
-def test_client_disconnect_frees_the_slot(server):
+def test_client_disconnect_frees_the_slot(server, monkeypatch):
     server.wait_idle()
+    step = server.aengine.engine.step
+
+    def slow_step(*args, **kwargs):  # the client must leave mid-generation, however loaded the machine is
+        time.sleep(0.01)
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(server.aengine.engine, "step", slow_step)
     body = {"model": "tiny", "messages": CHAT, "max_tokens": 400, "temperature": 0, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
         seen = 0

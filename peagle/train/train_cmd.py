@@ -148,7 +148,7 @@ def _add_head_args(p) -> None:
     _option(p, "fresh_mask_hidden", action="store_true",
             help="with --init-head: start mask_hidden from N(0, 1) instead of the head's (a head trained from the "
                  "old mean-feature start keeps its mask slots flat otherwise)")
-    _option(p, "grow_layers", type=int,
+    _option(p, "grow_layers", type=cli_args.int_range(0),
             help="with --init-head: append N decoder layers to the head's, each a copy of its last with the output "
                  "projections zeroed, so the head drafts as before until they train [%(default)s]")
     _option(p, "optimizer", choices=("adamw", "muon"),
