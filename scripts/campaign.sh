@@ -48,8 +48,9 @@
 #               on this machine, bundled or not (else the bundle: campaign_rounds.py start); checkpoint every 20
 #               steps, held-out evaluation every 100 (the same 32 conversations in every round); then the gate:
 #               benchmarks/acceptance.py at K=7 on all of HumanEval and MT-Bench for the bundled head and the
-#               round's, and scripts/campaign_rounds.py close, which re-bundles the round's head if it beats the
-#               bundle by 2% averaged over both sets and is lower on neither, records the round and advances the cursor
+#               round's, and scripts/campaign_rounds.py close, which re-bundles the round's head if its gain averaged
+#               over both sets is above zero at 95% confidence over the prompts (scripts/bundle_head.py) and it is
+#               lower on neither, records the round and advances the cursor
 #   slice lane (mostly asleep): scripts/campaign_slices.py measures the bundled heads and every 200th step's
 #             checkpoint of every round on the first 16 HumanEval and 16 MT-Bench prompts (K 7), into ROUND/slices
 # Each lane writes its output, with a line when each of its stages starts, to WORK/logs/LANE.log. After a round that

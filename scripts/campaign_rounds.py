@@ -40,7 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-from bundle_head import MIN_GAIN, bundle, deepest_mal, not_better  # noqa: E402
+from bundle_head import MIN_GAIN, bundle, deepest_mal, deepest_rows, gain_lower_bound, not_better  # noqa: E402
 from campaign_slices import records, tokens_seen  # noqa: E402
 
 STATE = ROOT / "data" / "heads" / "campaign.json"
@@ -180,6 +180,8 @@ def close_round(method: str, round_path: Path, acceptance: Path, baseline: Path,
            "bundled_mean_acceptance_length": {ds: v for ds, (k, v) in deepest_mal(old, method).items()},
            "k": max(k for k, _ in deepest_mal(new, method).values()),
            "bundled": not reasons, "why_not": reasons,
+           # the paired bootstrap's 95% lower bound of the mean gain over the sets (None: no per-prompt counts)
+           "gain_lower_bound": _bound(new, old, method),
            "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine_name()}
     if not reasons:
         bundle_fn(round_path / method, BUNDLES[method])
@@ -191,6 +193,14 @@ def close_round(method: str, round_path: Path, acceptance: Path, baseline: Path,
     if state["trained_rows"][other] != first:
         shutil.rmtree(round_path / "teacher-cache", ignore_errors=True)
     return rec
+
+
+def _bound(new: list[dict], old: list[dict], method: str) -> float | None:
+    new_rows, old_rows = deepest_rows(new, method), deepest_rows(old, method)
+    if not new_rows or set(old_rows) - set(new_rows):
+        return None
+    bound = gain_lower_bound(new_rows, old_rows)
+    return None if bound is None else round(bound, 4)
 
 
 def _start_name(started_from: str) -> str:

@@ -41,6 +41,37 @@ def test_rebundling_refuses_a_head_that_is_not_clearly_better():
         "the new acceptance file has no peagle rows"]
 
 
+def measured(method: str, per_prompt: dict[str, list[list[int]]], k: int = 7) -> list[dict]:
+    """acceptance.py's rows with each prompt's [drafting steps, accepted drafts]."""
+    return [{"method": method, "k": k, "dataset": d, "per_prompt": counts,
+             "mean_acceptance_length": 1 + sum(a for _, a in counts) / sum(n for n, _ in counts)}
+            for d, counts in per_prompt.items()]
+
+
+def test_rebundling_asks_per_prompt_counts_for_a_gain_clear_of_the_prompts_spread():
+    """With each prompt's counts the gate asks for a gain above zero at 95% confidence over the prompts (a paired
+    bootstrap), not for a fixed 2%: a small gain on every prompt is clear, the same gain from one prompt is not."""
+    bundle = script("bundle_head")
+    old_counts = {d: [[50 + i % 7, 25 + (i * 13) % 11] for i in range(60)] for d in ("humaneval", "mtbench")}
+    old = measured("peagle", old_counts)
+    everywhere = measured("peagle", {d: [[n, a + 1] for n, a in c] for d, c in old_counts.items()})
+    gain = [r["mean_acceptance_length"] / o["mean_acceptance_length"] - 1 for r, o in zip(everywhere, old)]
+    assert 0.005 < sum(gain) / 2 < bundle.MIN_GAIN  # below the fixed margin the files without counts need
+    assert bundle.not_better(everywhere, old, "peagle") == []
+    one_prompt = {d: [[n, a + (60 if i == 0 else 0)] for i, (n, a) in enumerate(c)] for d, c in old_counts.items()}
+    lumpy = measured("peagle", one_prompt)
+    assert [r["mean_acceptance_length"] for r in lumpy] == pytest.approx([r["mean_acceptance_length"] for r in everywhere])
+    why = bundle.not_better(lumpy, old, "peagle")
+    assert len(why) == 1 and "within the spread over prompts" in why[0]
+    # a set that falls still refuses, however clear the other's gain
+    worse_chat = measured("peagle", {"humaneval": everywhere[0]["per_prompt"],
+                                     "mtbench": [[n, a - 1] for n, a in old_counts["mtbench"]]})
+    assert bundle.not_better(worse_chat, old, "peagle")[0].startswith("mtbench: mean acceptance length")
+    # the bound is reproducible (a fixed seed), so a round's gate gives the same answer when re-run
+    new_rows, old_rows = bundle.deepest_rows(everywhere, "peagle"), bundle.deepest_rows(old, "peagle")
+    assert bundle.gain_lower_bound(new_rows, old_rows) == bundle.gain_lower_bound(new_rows, old_rows) > 0
+
+
 def test_bundle_head_refuses_without_a_measurement(tmp_path):
     head = ROOT / "peagle" / "heads" / "smollm2-135m-peagle"
     worse = tmp_path / "acceptance.json"
