@@ -9,6 +9,21 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MAX_SPECULATIVE_TOKENS = 16
+# Model-free drafts (ngram, suffix) cost nothing to make, only verify rows, so they may run longer: the adaptive
+# policy cuts each one to what its score pays for (docs/engine.md, "Choosing K").
+MAX_MODEL_FREE_TOKENS = 32
+# vLLM's defaults for its model-free methods (vllm.config.speculative): prompt lookup of 5-grams, suffix trees 24 deep.
+DEFAULT_PROMPT_LOOKUP = 5
+DEFAULT_NGRAM_TOKENS = 8
+DEFAULT_SUFFIX_TREE_DEPTH = 24
+DEFAULT_SUFFIX_CACHED_REQUESTS = 10_000
+DEFAULT_SUFFIX_SPEC_FACTOR = 1.0
+DEFAULT_SUFFIX_MIN_TOKEN_PROB = 0.1
+HEAD_METHODS = ("eagle3", "eagle", "peagle")
+MODEL_FREE_METHODS = ("ngram", "suffix")
+# The head's draft or the suffix tree's, whichever is expected to pay more, per request and step
+# (peagle/engine/proposers/hybrid.py): what `peagle serve` and `generate` run when no config is given.
+HYBRID_METHOD = "hybrid"
 # K when a config or command gives none: with the bundled heads, drafts past the third are rarely accepted, and K = 3
 # was the fastest at concurrency 1 in docs/benchmarks.md.
 DEFAULT_NUM_SPECULATIVE_TOKENS = 3
@@ -25,8 +40,10 @@ class SpeculativeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     model: str | None = Field(None, description="drafter head: a folder, or a bundled head name")
-    method: Literal["eagle3", "eagle", "peagle"] = "eagle3"
-    num_speculative_tokens: int = Field(DEFAULT_NUM_SPECULATIVE_TOKENS, description="K, tokens drafted per step")
+    method: Literal["eagle3", "eagle", "peagle", "ngram", "suffix", "hybrid"] = "eagle3"
+    # None: the method's default (the head's K; ngram's DEFAULT_NGRAM_TOKENS; suffix: the tree depth, as vLLM). In
+    # the hybrid it is the head's K; the suffix tree's drafts run up to suffix_decoding_max_tree_depth.
+    num_speculative_tokens: int | None = Field(None, description="K, the most tokens drafted per step")
     parallel_drafting: bool = False
     draft_tensor_parallel_size: int | None = None
     max_model_len: int | None = None
@@ -37,13 +54,43 @@ class SpeculativeConfig(BaseModel):
     revision: str | None = None
     code_revision: str | None = None
     speculative_token_tree: str | None = None
+    # method "ngram" (vLLM's prompt lookup): the last n tokens, n from max down to min, matched in the request's own
+    # prompt and output; None: the other one's value, or DEFAULT_PROMPT_LOOKUP for both.
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    # methods "suffix" and "hybrid" (vLLM's suffix decoding keys)
+    suffix_decoding_max_tree_depth: int = DEFAULT_SUFFIX_TREE_DEPTH
+    suffix_decoding_max_cached_requests: int = DEFAULT_SUFFIX_CACHED_REQUESTS
+    suffix_decoding_max_spec_factor: float = DEFAULT_SUFFIX_SPEC_FACTOR
+    suffix_decoding_min_token_prob: float = DEFAULT_SUFFIX_MIN_TOKEN_PROB
 
-    @field_validator("num_speculative_tokens")
+    @field_validator("prompt_lookup_min", "prompt_lookup_max", "suffix_decoding_max_tree_depth")
     @classmethod
-    def _k_range(cls, k: int) -> int:
-        if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"must be between 1 and {MAX_SPECULATIVE_TOKENS}, got {k}")
-        return k
+    def _at_least_one(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError(f"must be at least 1, got {v}")
+        return v
+
+    @field_validator("suffix_decoding_max_cached_requests")
+    @classmethod
+    def _not_negative(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError(f"must be 0 (no shared tree) or more, got {v}")
+        return v
+
+    @field_validator("suffix_decoding_max_spec_factor")
+    @classmethod
+    def _positive_factor(cls, v: float) -> float:
+        if v <= 0:
+            raise ValueError(f"must be positive, got {v}")
+        return v
+
+    @field_validator("suffix_decoding_min_token_prob")
+    @classmethod
+    def _probability(cls, v: float) -> float:
+        if not 0 <= v <= 1:
+            raise ValueError(f"must be a probability in [0, 1], got {v}")
+        return v
 
     @field_validator("draft_tensor_parallel_size")
     @classmethod
@@ -80,7 +127,48 @@ class SpeculativeConfig(BaseModel):
         # "peagle" is shorthand for eagle3 + parallel drafting; "eagle" heads are drafted the same way here.
         if self.method == "peagle":
             self.method, self.parallel_drafting = "eagle3", True
+        if self.method == HYBRID_METHOD and "parallel_drafting" not in self.model_fields_set:
+            self.parallel_drafting = True  # the hybrid's head is a P-EAGLE head unless the config says otherwise
+        if self.method == "ngram":
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            self.prompt_lookup_min = lo or hi or DEFAULT_PROMPT_LOOKUP
+            self.prompt_lookup_max = hi or lo or DEFAULT_PROMPT_LOOKUP
+            if self.prompt_lookup_min > self.prompt_lookup_max:
+                raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
+                                 f"({self.prompt_lookup_max})")
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = (DEFAULT_NGRAM_TOKENS if self.method == "ngram" else
+                                           self.suffix_decoding_max_tree_depth if self.method == "suffix" else
+                                           DEFAULT_NUM_SPECULATIVE_TOKENS)
+        limit = MAX_MODEL_FREE_TOKENS if self.method in MODEL_FREE_METHODS else MAX_SPECULATIVE_TOKENS
+        if not 1 <= self.num_speculative_tokens <= limit:
+            raise ValueError(f"num_speculative_tokens must be between 1 and {limit} for method {self.method!r}, "
+                             f"got {self.num_speculative_tokens}")
+        if self.method == HYBRID_METHOD and self.suffix_decoding_max_tree_depth > MAX_MODEL_FREE_TOKENS:
+            raise ValueError(f"suffix_decoding_max_tree_depth must be at most {MAX_MODEL_FREE_TOKENS} in the hybrid "
+                             f"(its suffix drafts run that long), got {self.suffix_decoding_max_tree_depth}")
         return self
+
+    @property
+    def uses_head(self) -> bool:
+        """Whether a drafter head runs (the heads' methods and the hybrid)."""
+        return self.method not in MODEL_FREE_METHODS
+
+    @property
+    def head_method(self) -> str:
+        """The kind of head that drafts: `peagle` (parallel drafting) or `eagle3`."""
+        return "peagle" if self.parallel_drafting else "eagle3"
+
+    @property
+    def uses_suffix_tree(self) -> bool:
+        return self.method in ("suffix", HYBRID_METHOD)
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """The longest draft any of the method's proposers makes: a step's widest window."""
+        if self.method == HYBRID_METHOD:
+            return max(self.num_speculative_tokens, self.suffix_decoding_max_tree_depth)
+        return self.num_speculative_tokens
 
     @property
     def drafting(self) -> Literal["parallel", "chain"]:
@@ -88,8 +176,10 @@ class SpeculativeConfig(BaseModel):
 
     @property
     def method_name(self) -> str:
-        """What benchmarks and stats call it: `peagle` or `eagle3`."""
-        return "peagle" if self.parallel_drafting else "eagle3"
+        """What benchmarks and stats call it: `peagle`, `eagle3`, `ngram`, `suffix` or `hybrid`."""
+        if not self.uses_head or self.method == HYBRID_METHOD:
+            return self.method
+        return self.head_method
 
     def to_dict(self) -> dict:
         """vLLM's JSON form, as a dict: every field that is set (defaults included, so K and the drafting mode are
@@ -97,8 +187,10 @@ class SpeculativeConfig(BaseModel):
         trainer's hint, benchmark servers) writes this form. parallel_drafting appears only when true: vLLM releases
         before parallel drafting refuse the field, and false is their behaviour anyway."""
         d = self.model_dump(exclude_none=True)
-        if not d["parallel_drafting"]:
+        if not d["parallel_drafting"] or not self.uses_head:
             del d["parallel_drafting"]
+        if not self.uses_suffix_tree:  # vLLM sets them on every config; written only where they are used
+            d = {k: v for k, v in d.items() if not k.startswith("suffix_decoding_")}
         return d
 
     def to_json(self) -> str:

@@ -279,9 +279,9 @@ def test_steps_split_between_windows_are_lossless(tiny_target, parallel):
     hook = eng.target.register_forward_hook(lambda module, args, out: forwards.append(args[0].shape))
     real_step = eng._decode_step
 
-    def decode_step(reqs, ks):
+    def decode_step(reqs, ks, free=None):
         before = len(forwards)
-        real_step(reqs, ks)
+        real_step(reqs, ks, free)
         per_step.append((len(forwards) - before, forwards[-1], sum(k + 1 for k in ks)))
 
     eng._decode_step = decode_step

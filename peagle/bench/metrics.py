@@ -147,12 +147,16 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 METHOD_NAMES = {"baseline": "No speculation", "eagle3": "EAGLE-3", "peagle": "P-EAGLE",
-                "transformers": "transformers generate()", "transformers-pld": "transformers prompt lookup"}
-SPEC_METHODS = ("eagle3", "peagle")
+                "transformers": "transformers generate()", "transformers-pld": "transformers prompt lookup",
+                "ngram": "n-gram", "suffix": "Suffix decoding", "hybrid": "Hybrid (P-EAGLE + suffix)"}
+SPEC_METHODS = ("eagle3", "peagle")  # the heads, measured at each K of --k
+# peagle's other drafters, each at its own config's defaults under the adaptive policy (hybrid: the P-EAGLE head's)
+AUTO_METHODS = ("ngram", "suffix", "hybrid")
+DRAFTING_METHODS = SPEC_METHODS + AUTO_METHODS
 
 
 def config_label(method: str, k: int, policy: str = "fixed") -> str:
     name = METHOD_NAMES.get(method, method)
-    if method not in SPEC_METHODS:
+    if method not in DRAFTING_METHODS:
         return name
     return f"{name} adaptive K<={k}" if policy == "adaptive" else f"{name} K={k}"

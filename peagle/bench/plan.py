@@ -9,11 +9,11 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from peagle.bench.metrics import METHOD_NAMES, SPEC_METHODS, config_label
+from peagle.bench.metrics import AUTO_METHODS, METHOD_NAMES, SPEC_METHODS, config_label
 from peagle.config import SpeculativeConfig
 from peagle.model.heads import is_untrained
 
-METHODS = ("baseline", "eagle3", "peagle", "transformers", "transformers-pld")
+METHODS = ("baseline", "eagle3", "peagle", "ngram", "suffix", "hybrid", "transformers", "transformers-pld")
 DEFAULT_METHODS = "baseline,eagle3,peagle,transformers,transformers-pld"
 ADAPTIVE = "adaptive"
 ADAPTIVE_DEFAULT_MAX_K = 7  # the most drafts `--k adaptive` verifies when no fixed K is listed beside it
@@ -57,9 +57,16 @@ class Config:
         return config_label(self.method, self.k, self.policy)
 
     def speculative_config(self) -> SpeculativeConfig | None:
+        if self.method in AUTO_METHODS:
+            return auto_config(self.method, self.head)
         if self.method not in SPEC_METHODS:
             return None
         return SpeculativeConfig.for_head(self.head, self.k, parallel_drafting=self.method == "peagle")
+
+
+def auto_config(method: str, head: str | None = None) -> SpeculativeConfig:
+    """ngram, suffix or hybrid at its own defaults (the hybrid with the P-EAGLE head `head`)."""
+    return SpeculativeConfig(method=method, model=head if method == "hybrid" else None)
 
 
 @dataclass
@@ -248,6 +255,13 @@ def _local_configs(args, methods: list[str], ks: list[int], adaptive_k: int | No
             configs += [Config(m, k, str(path)) for k in ks]
             if adaptive_k is not None:
                 configs.append(Config(m, adaptive_k, str(path), ADAPTIVE))
+        elif m in AUTO_METHODS:  # always adaptive: the policy cuts each long model-free draft to what pays
+            head = None
+            if m == "hybrid":
+                path, untrained = _resolve_head(args, "peagle", model_path, target_holder, Path(args.out))
+                heads.setdefault("peagle", {"path": str(path), "untrained": untrained})
+                head = str(path)
+            configs.append(Config(m, auto_config(m, head).max_draft_tokens, head, ADAPTIVE))
         else:
             configs.append(Config(m))
     return configs, heads
@@ -327,9 +341,8 @@ class TargetHolder:
 
         target = self.target(model_path)
         tok = self.tokenizer(model_path)
-        spec = drafter = None
-        if cfg.method in SPEC_METHODS:
-            spec = cfg.speculative_config()
+        spec, drafter = cfg.speculative_config(), None
+        if spec is not None and spec.uses_head:
             drafter = load_head(cfg.head, target_embeddings=target.input_embeddings(), dtype=torch_dtype(self.dtype),
                                 device=target.device).pack_(drafter_quantization(spec.quantization, target.quantized))
             # (as `peagle serve` loads it)

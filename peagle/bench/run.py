@@ -16,7 +16,7 @@ from typing import Any
 
 from peagle.bench import loadgen
 from peagle.bench.datasets import BenchPrompt
-from peagle.bench.metrics import SPEC_METHODS, RequestResult, RunMetrics, config_label, summarize
+from peagle.bench.metrics import DRAFTING_METHODS, SPEC_METHODS, RequestResult, RunMetrics, config_label, summarize
 from peagle.bench.plan import (BenchError, Config, Plan, TargetHolder, _loadavg, canonical_command, machine,
                                make_plan, parse_k)
 from peagle.model.heads import is_untrained
@@ -274,7 +274,7 @@ def _http_runs(runs: _ConfigRuns, url: str, method: str, k: int, model_name: str
         cpu = server.cpu_seconds() if server else None
         res, dur = loadgen.run_http(url, runs.plan.prompts, c, settings, progress=runs.progress)
         acceptance = None
-        if method in SPEC_METHODS and not any(r.spec for r in res) and before is not None:
+        if method in DRAFTING_METHODS and not any(r.spec for r in res) and before is not None:
             after = loadgen.scrape_spec_metrics(url, args.api_key)
             acceptance = loadgen.spec_metrics_delta(before, after) if after else None
         # A running server's policy is in its responses' stats (peagle's extension); vLLM's is fixed.

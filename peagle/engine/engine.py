@@ -43,6 +43,8 @@ from peagle.engine.grammar import GrammarCompiler, count_forced, stack_bias
 from peagle.engine.request import Request, RequestError, RequestOutput, TokenLogprob
 from peagle.engine import prefix_cache
 from peagle.engine.policy import DEFAULT_POLICY, Candidate, NoSpeculation, make_policy, step_clock, timed
+from peagle.engine.proposers import Draft, Proposer, make_proposer
+from peagle.engine.proposers.heads import HeadProposer
 from peagle.engine.prefix_cache import BLOCK_SIZE, PrefixCache
 from peagle.engine.sampling import SamplingParams, target_logprobs, target_probs
 from peagle.engine.stats import SpecDecodeStats
@@ -86,11 +88,16 @@ class LLMEngine:
         requests that start with the same tokens; `enable_chunked_prefill` splits a prompt longer than
         `max_num_batched_tokens` over several steps (off: whole prompts, that many tokens of them per step, at least
         one). Neither changes any output."""
-        self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
-        self.spec = speculative_config if drafter is not None else None
-        if self.spec is not None:
-            self.spec.check_head(drafter.config.parallel_capable, self.spec.model or "the head")
-        self.k = self.spec.num_speculative_tokens if self.spec else 0
+        spec = speculative_config
+        if spec is not None and spec.uses_head and drafter is None:
+            spec = None  # a head's method without its head: nothing drafts
+        if spec is None or not spec.uses_head:
+            drafter = None  # model-free drafts (ngram, suffix) run no head
+        self.target, self.tokenizer, self.drafter, self.spec = target, tokenizer, drafter, spec
+        if drafter is not None:
+            spec.check_head(drafter.config.parallel_capable, spec.model or "the head")
+        self.k = spec.max_draft_tokens if spec else 0  # the widest window any proposer drafts
+        head_k = spec.num_speculative_tokens if drafter is not None else 0
         self.model_name = model_name
         self.max_num_seqs = max_num_seqs
         if max_num_batched_tokens < BLOCK_SIZE:
@@ -106,7 +113,7 @@ class LLMEngine:
         capacity = self.max_model_len + max(JOINT_PENDING_ROWS + 2 * self.k + 2,
                                             min(max_num_batched_tokens, self.max_model_len))
         self.target_cache = target.new_cache(max_num_seqs, capacity)
-        self.drafter_cache = drafter.new_cache(max_num_seqs, capacity) if self.spec else None
+        self.drafter_cache = drafter.new_cache(max_num_seqs, capacity) if drafter is not None else None
         self.prefix_cache = (PrefixCache(self.target_cache, self.drafter_cache, target.feature_dim, prefix_cache_gb,
                                          target.norm.weight.dtype) if enable_prefix_caching else None)
         self.device = target.device
@@ -129,8 +136,13 @@ class LLMEngine:
         self._lock = threading.Lock()
         self.stats = SpecDecodeStats(self.k)  # engine-wide, since start
         self.num_finished = 0
-        self.policy = (make_policy(speculation_policy, self.k, max_num_seqs, self.spec.disable_by_batch_size)
+        self.policy = (make_policy(speculation_policy, self.k, max_num_seqs, self.spec.disable_by_batch_size, head_k)
                        if self.spec else NoSpeculation())
+        self.head = (HeadProposer(drafter, self.drafter_cache, spec.parallel_drafting, self.device)
+                     if drafter is not None else None)
+        self.proposer: Proposer | None = make_proposer(spec, self.head, self.policy) if spec else None
+        # engine-wide, since start, per drafter that ran (the hybrid has two)
+        self.proposer_stats = {name: SpecDecodeStats(self.k) for name in (self.proposer.names if spec else ())}
         self._step_clock = step_clock(self.device)
         self.policy.calibrate(self._time_target, self._time_draft)
         self.max_forced_run = MAX_FORCED_RUN  # 0: verify no forced tokens past the drafts (token-by-token reference)
@@ -163,8 +175,8 @@ class LLMEngine:
         if isinstance(spec, (str, dict)):
             spec = SpeculativeConfig.parse(spec)
         drafter = None
-        if spec is not None:
-            head_path = resolve_head(spec.model, model, method=spec.method_name)
+        if spec is not None and spec.uses_head:
+            head_path = resolve_head(spec.model, model, method=spec.head_method)
             spec = spec.model_copy(update={"model": str(head_path)})
             drafter = load_head(head_path, target_embeddings=target.input_embeddings(), dtype=dtype, device=device)
             # the engine never trains it: pack its weights once for the CPU kernels (no-op elsewhere), in 8 bits
@@ -332,6 +344,8 @@ class LLMEngine:
             req.finished_at = time.perf_counter()
             req.backlog.clear()
             self.policy.forget(req.request_id)
+            if self.proposer is not None:
+                self.proposer.finish(req)
             self.num_finished += 1
 
     def _admit(self) -> None:
@@ -386,7 +400,7 @@ class LLMEngine:
             return
         end = start + len(hit) * BLOCK_SIZE
         features = pc.load(hit, req.slot, start, self.target_cache)
-        if self.spec is not None:
+        if self.drafter is not None:
             reused = 0
             if not req.backlog.tokens and req.backlog.start == start:
                 for j, block in enumerate(hit):
@@ -441,7 +455,7 @@ class LLMEngine:
             req.first_token_at = time.perf_counter()
             self._commit(req, [first], last[None])
             next_tokens.append(first)
-        if self.spec is not None:  # the rows wait for the drafter
+        if self.drafter is not None:  # the rows wait for the drafter
             req.backlog.append(next_tokens, features)
         self._cache_blocks(req, features)
 
@@ -481,7 +495,7 @@ class LLMEngine:
     def _cache_drafter_entries(self, req: Request) -> None:
         """Before a request's slot is freed: the drafter's entries of its cached blocks that it has run (and that
         no request has given yet), with the token after each block that they were computed with."""
-        if self.prefix_cache is None or self.spec is None:
+        if self.prefix_cache is None or self.drafter is None:
             return
         seq = req.prompt_ids + req.output_ids
         for j, block in enumerate(req.blocks):
@@ -492,23 +506,28 @@ class LLMEngine:
                 self.prefix_cache.store_drafter(block, req.slot, p, self.drafter_cache, seq[p + BLOCK_SIZE])
 
     def _decode(self, reqs: list[Request]) -> None:
-        """One decode step: the policy gives each request its number of drafts."""
-        ks = self.policy.choose([Candidate(r.request_id, r.params.max_tokens - len(r.output_ids)) for r in reqs])
-        self._decode_step(reqs, ks)
+        """One decode step: the proposer makes its model-free drafts, the policy gives each request its number of
+        drafts (cutting a model-free draft where a longer window stops paying)."""
+        free = self.proposer.score(reqs) if self.proposer is not None else [None] * len(reqs)
+        ks = self.policy.choose([Candidate(r.request_id, r.params.max_tokens - len(r.output_ids), d)
+                                 for r, d in zip(reqs, free)])
+        self._decode_step(reqs, ks, free)
 
-    def _decode_step(self, reqs: list[Request], ks: list[int]) -> None:
-        """Draft for the requests with K_b > 0 (together, at the widest K), then verify every request's
-        [x_n, d_1..d_K_b] in one target forward, accept, emit."""
-        if self.spec is not None:  # before drafting: long backlogs alone; at K = 0 only one at the cap
-            for req, k in zip(reqs, ks):
+    def _decode_step(self, reqs: list[Request], ks: list[int], free: list[Draft | None] | None = None) -> None:
+        """Draft for the requests with K_b > 0 (the head's together, at their widest K; model-free drafts as they
+        were made), then verify every request's [x_n, d_1..d_K_b] in one target forward, accept, emit.
+        free[b]: request b's model-free draft (None: the head drafts it)."""
+        free = free or [None] * len(reqs)
+        head_ks = [k if d is None else 0 for k, d in zip(ks, free)]
+        if self.drafter is not None:  # before drafting: long backlogs alone; at K = 0 only one at the cap
+            for req, k in zip(reqs, head_ks):
                 if len(req.backlog) > (JOINT_PENDING_ROWS if k else MAX_PENDING_ROWS - 1):
                     self._run_backlog(req)
-        started, dev = self._step_clock(), self.device
+        started = self._step_clock()
         kmax, drafting = max(ks), [b for b, k in enumerate(ks) if k]
-        drafts = None
-        if kmax:
-            drafters = [reqs[b] for b in drafting]
-            drafts = self._draft(drafters, torch.tensor([r.slot for r in drafters], device=dev), kmax)
+        head_rows = [b for b in drafting if free[b] is None]
+        head_kmax = max((ks[b] for b in head_rows), default=0)
+        drafts = self._drafts(reqs, ks, free, drafting, head_rows, head_kmax) if kmax else None
         drafted = ks
         if any(r.matcher is not None for r in reqs):
             ks, drafted, drafting, drafts = self._grammar_windows(reqs, ks, drafting, drafts)
@@ -533,11 +552,18 @@ class LLMEngine:
                 req.spec.record(kd, min(a, kd))
                 self.stats.record(kd, min(a, kd))
                 if kd:
+                    self.proposer_stats[free[b].proposer if free[b] is not None else self.head.name].record(
+                        kd, min(a, kd))
+                if free[b] is not None:
+                    self.proposer.observe(req, free[b], kd, min(a, kd))
+                elif kd:
                     self.policy.observe(req.request_id, kd, min(a, kd))
-                # Positions n..n+a are now verified: they become the drafter's next real rows.
-                req.backlog.append(new, features[: a + 1])
+            if self.drafter is not None:  # positions n..n+a are now verified: the drafter's next real rows
+                req.backlog.append(new, features[: len(new)])
             before = len(req.output_ids)
             self._commit(req, new, logits)
+            if self.proposer is not None:
+                self.proposer.add_tokens(req, req.output_ids[before:])
             # Positions n..n+a now hold their final keys and values: those whose tokens were kept (a stop ends the
             # request, so nothing after it needs the chain) can be reused.
             kept = len(req.output_ids) - before
@@ -550,7 +576,29 @@ class LLMEngine:
         # Timed after the backlogs (work earlier plain steps skipped, not this step's); not a step that verified
         # forced tokens after its drafts, whose layout the cost model does not describe.
         if sum(ks) == sum(drafted):
-            self.policy.observe_step(len(reqs) + sum(ks), len(drafting), kmax, self._step_clock() - started)
+            self.policy.observe_step(len(reqs) + sum(ks), len(head_rows), head_kmax, self._step_clock() - started)
+
+    def _drafts(self, reqs: list[Request], ks: list[int], free: list[Draft | None], drafting: list[int],
+                head_rows: list[int], head_kmax: int) -> torch.Tensor:
+        """The drafting requests' drafts [len(drafting), max K]: the head's (one forward at their widest K) and the
+        model-free ones cut to their K. Under a grammar a model-free draft is proposed to the matcher token by
+        token and ends at the first token it does not allow (`_grammar_windows` verifies what it kept)."""
+        dev = self.device
+        drafts = torch.zeros(len(drafting), max(ks), dtype=torch.long, device=dev)
+        row = {b: j for j, b in enumerate(drafting)}
+        if head_rows:
+            heads = [reqs[b] for b in head_rows]
+            made = self._draft(heads, torch.tensor([r.slot for r in heads], device=dev), head_kmax)
+            drafts[[row[b] for b in head_rows], :head_kmax] = made
+        for b in drafting:
+            if free[b] is None:
+                continue
+            tokens = free[b].tokens[: ks[b]]
+            drafts[row[b], : len(tokens)] = torch.tensor(tokens, device=dev)
+            if reqs[b].matcher is not None:
+                reqs[b].matcher.open_window()
+                reqs[b].matcher.propose_tokens(tokens)
+        return drafts
 
     def _grammar_windows(self, reqs: list[Request], ks: list[int], drafting: list[int], drafts: torch.Tensor | None):
         """Verify windows under grammars. A constrained request's drafts were proposed under its mask (`_draft`),
@@ -609,53 +657,10 @@ class LLMEngine:
         out = self.target(tokens[keep][:, None], layout, self.target_cache, num_logits=None)
         return out.logits[:, 0].split(sizes), out.features[:, 0].split(sizes)
 
-    def _pending_batch(self, reqs: list[Request]):
-        """Every request's unseen real rows, left-aligned: tokens [B, R], features [B, R, 3Ht], counts, starts."""
-        B, dev = len(reqs), self.device
-        R = max(len(r.backlog) for r in reqs)
-        first = reqs[0].backlog.features()
-        tokens = torch.zeros(B, R, dtype=torch.long, device=dev)
-        feats = torch.zeros(B, R, first.shape[-1], dtype=first.dtype, device=dev)
-        for b, r in enumerate(reqs):
-            tokens[b, : len(r.backlog)] = torch.tensor(r.backlog.tokens, device=dev)
-            feats[b, : len(r.backlog)] = r.backlog.features()
-        num_real = torch.tensor([len(r.backlog) for r in reqs], device=dev)
-        start = torch.tensor([r.backlog.start for r in reqs], device=dev)
-        return tokens, feats, num_real, start
-
     def _draft(self, reqs: list[Request], slots: torch.Tensor, k: int) -> torch.Tensor:
-        """Drafts [B, k] as target ids; the drafter runs every request's pending real rows on the way."""
-        tokens, feats, num_real, start = self._pending_batch(reqs)
-        for r in reqs:
-            r.backlog.consume()
-        return self._draft_fn(tokens, feats, num_real, start, slots, self.drafter_cache, k,
-                              pick=self._grammar_pick(reqs))
-
-    def _grammar_pick(self, reqs: list[Request]):
-        """The drafter's choice at each depth when some of the drafting requests are constrained: theirs under the
-        mask of the state their earlier drafts reached (each proposal is consumed tentatively, and settled in
-        `_commit`), everyone else's greedy. None when no request is constrained."""
-        constrained = [(j, r.matcher) for j, r in enumerate(reqs) if r.matcher is not None]
-        if not constrained:
-            return None
-        for _, m in constrained:
-            m.open_window()
-        draft_to_target = self._draft_to_target
-
-        def pick(depth: int, logits: torch.Tensor) -> torch.Tensor:
-            ids = self.drafter.greedy_pick(depth, logits)
-            for j, m in constrained:
-                token = m.propose(logits[j], draft_to_target)
-                if token is not None:
-                    ids[j] = token
-            return ids
-
-        return pick
-
-    @cached_property
-    def _draft_to_target(self) -> torch.Tensor:
-        """The target id of every draft-vocabulary id."""
-        return self.drafter.to_target_ids(torch.arange(self.drafter.config.draft_vocab_size, device=self.device))
+        """The head's drafts [B, k] as target ids (proposers/heads.py); its drafter runs every request's pending
+        real rows on the way."""
+        return self.head.draft(reqs, slots, k)
 
     def _run_backlog(self, req: Request) -> None:
         """Bring one request's drafter cache up to date without drafting (real rows only: no mask slots, no LM
@@ -666,10 +671,6 @@ class LLMEngine:
         layout = BatchLayout.build(torch.tensor([req.slot], device=dev), positions)
         self.drafter(tokens, backlog.features()[None, :n], layout, self.drafter_cache)
         backlog.consume(n)
-
-    @property
-    def _draft_fn(self):
-        return self.drafter.draft_parallel if self.spec.parallel_drafting else self.drafter.draft_chain
 
     # -- start-up cost calibration of the adaptive policy: forwards on scratch rows in slots no request holds yet --
     @property
@@ -692,20 +693,8 @@ class LLMEngine:
         return timed(forward, self._step_clock)
 
     def _time_draft(self, batch: int, k: int) -> float:
-        """Seconds of drafting k tokens for `batch` requests, with a typical step's two new real rows each."""
-        dev, p0, rows = self.device, self._calibration_context, 2
-        slots = torch.arange(batch, device=dev)
-        tokens = torch.ones(batch, rows, dtype=torch.long, device=dev)
-        feats = torch.zeros(batch, rows, self.drafter.fc.weight.shape[1], dtype=self.drafter.fc.weight.dtype,
-                            device=dev)
-        num_real = torch.full((batch,), rows, device=dev)
-        start = torch.full((batch,), p0 - rows, device=dev)
-
-        def draft():
-            with torch.inference_mode():
-                self._draft_fn(tokens, feats, num_real, start, slots, self.drafter_cache, k)
-
-        return timed(draft, self._step_clock)
+        """Seconds of the head drafting k tokens for `batch` requests (no head: nothing to time)."""
+        return self.head.time_draft(batch, k, self._calibration_context, self._step_clock) if self.head else 0.0
 
     def _sample_one(self, req: Request, logits: torch.Tensor) -> int:
         if req.params.greedy:

@@ -63,6 +63,7 @@ def constraint_of(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from peagle.config import SpeculativeConfigError
     from peagle.engine import LLMEngine, RequestError, SamplingParams
+    from peagle.engine.stats import by_proposer, describe_by_proposer
     from peagle.model.heads import resolve_speculation
 
     try:
@@ -100,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         "head": engine.spec.model if engine.spec else None,
         **engine.kernels,
         **{k: v for k, v in final.spec.as_dict().items()},
+        "proposers": by_proposer(engine.proposer_stats),
     }
     if args.json:
         print(json.dumps(result))
@@ -112,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
               f"{result['time_to_first_token_s'] * 1000:.0f} ms, mean acceptance length "
               f"{result['mean_acceptance_length']:.2f}" + (f", per-position acceptance {per_pos}" if per_pos else "")
               + (f", {result['num_forced_tokens']} forced tokens" if result["num_forced_tokens"] else "")
+              + (f"; {describe_by_proposer(engine.proposer_stats)}" if engine.proposer_stats else "")
               + f"; {result['weights']} weights"
               + (f" ({result['block_kernels']} integer kernels)" if result.get("block_kernels") else "")
               + f", {result['kernels']} kernels" + ("" if result["greedy_bit_exact"] else " (greedy not bit-exact)"),

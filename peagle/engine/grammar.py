@@ -304,6 +304,17 @@ class GrammarMatcher:
         self.advance([token])
         return token
 
+    def propose_tokens(self, tokens: list[int]) -> int:
+        """Consume (tentatively, inside the open window) a draft made without the grammar (a model-free proposer's)
+        for as long as the grammar allows its tokens; returns how many it took."""
+        taken = 0
+        for tok in tokens:
+            if self._window_closed or self.error is not None or self.terminated or self.mask().bias[tok] != 0:
+                break
+            self.advance([tok])
+            taken += 1
+        return taken
+
     def extend_forced(self, limit: int) -> list[int]:
         """Consume (tentatively, inside the open window) the run of forced tokens that follows, at most `limit`:
         tokens the target must produce, so they are verified without being drafted."""

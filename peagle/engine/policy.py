@@ -31,7 +31,10 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from peagle.engine.proposers.base import Draft
 
 POLICIES = ("adaptive", "fixed")
 # Of the engine (LLMEngine's speculation_policy) and of every command: on a CPU a fixed K loses to plain decoding
@@ -134,25 +137,29 @@ class StepCostModel:
     calibrated tables, each with a correction per cell learnt from real steps, and one drift factor shared by all
     cells (the machine getting slower or faster)."""
 
-    def __init__(self, max_batch: int, max_k: int):
-        self.max_batch, self.max_k = max_batch, max_k
+    def __init__(self, max_batch: int, max_k: int, max_draft_k: int | None = None):
+        """Windows up to max_k verified drafts per request; the head drafts at most max_draft_k of them (default:
+        max_k; fewer where model-free drafts, which cost no drafter forward, run longer)."""
+        max_draft_k = max_k if max_draft_k is None else max_draft_k
+        self.max_batch, self.max_k, self.max_draft_k = max_batch, max_k, max_draft_k
         self.max_rows = max_batch * (max_k + 1)
         self.target = [float(n) for n in range(self.max_rows + 1)]  # until calibrated
-        self.draft = [[0.5 * m * k for k in range(max_k + 1)] for m in range(max_batch + 1)]
+        self.draft = [[0.5 * m * k for k in range(max_draft_k + 1)] for m in range(max_batch + 1)]
         self.target_cell = [1.0] * (self.max_rows + 1)
-        self.draft_cell = [[1.0] * (max_k + 1) for _ in range(max_batch + 1)]
+        self.draft_cell = [[1.0] * (max_draft_k + 1) for _ in range(max_batch + 1)]
         self.drift = 1.0
         self.draft_drift = 1.0
 
     @staticmethod
-    def grid(max_batch: int, max_k: int) -> tuple[list[int], list[int], list[int]]:
+    def grid(max_batch: int, max_k: int, max_draft_k: int | None = None) -> tuple[list[int], list[int], list[int]]:
         """The shapes calibration times (row counts of the target; requests and windows of the drafter); the rest
         is interpolated between them."""
         max_rows = max_batch * (max_k + 1)
+        max_draft_k = max_k if max_draft_k is None else max_draft_k
         rows = sorted({n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if n < max_rows} | {max_rows})
         bs = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < max_batch} | {1, max_batch})
         # The drafter's cost grows about linearly in K (a chain: one forward per draft; parallel: wider rows).
-        ks = sorted({1, (1 + max_k) // 2, max_k}) if max_k else []
+        ks = sorted({1, (1 + max_draft_k) // 2, max_draft_k}) if max_draft_k else []
         return rows, bs, ks
 
     def calibrate(self, time_target: Callable[[int], float], time_draft: Callable[[int, int], float]) -> None:
@@ -160,17 +167,17 @@ class StepCostModel:
         For each number of requests the drafter's windows get the least-squares line through the timed ones (one
         noisy timing must not make a window look cheap: a cell the policy then never chooses is never corrected);
         shapes in between are interpolated."""
-        rows, bs, ks = self.grid(self.max_batch, self.max_k)
+        rows, bs, ks = self.grid(self.max_batch, self.max_k, self.max_draft_k)
         timed_rows = {n: time_target(n) for n in rows}
         for n in range(1, self.max_rows + 1):
             n0, n1 = _bracket(rows, n)
             self.target[n] = _lerp(n, n0, n1, timed_rows[n0], timed_rows[n1])
         if not ks:
             return
-        lines = {b: [0.0] + _line([(k, time_draft(b, k)) for k in ks], self.max_k) for b in bs}
+        lines = {b: [0.0] + _line([(k, time_draft(b, k)) for k in ks], self.max_draft_k) for b in bs}
         for b in range(1, self.max_batch + 1):
             b0, b1 = _bracket(bs, b)
-            self.draft[b] = [_lerp(b, b0, b1, lines[b0][k], lines[b1][k]) for k in range(self.max_k + 1)]
+            self.draft[b] = [_lerp(b, b0, b1, lines[b0][k], lines[b1][k]) for k in range(self.max_draft_k + 1)]
 
     def predict_target(self, rows: int) -> float:
         return self.target[rows] * self.target_cell[rows] * self.drift
@@ -202,9 +209,11 @@ class StepCostModel:
 
 @dataclass
 class Candidate:
-    """One request as the policy sees it: its id and how many tokens it may still emit."""
+    """One request as the policy sees it: its id, how many tokens it may still emit, and the model-free draft a
+    proposer already made for it this step (peagle/engine/proposers/base.py; None: the head drafts, if any)."""
     request_id: str
     remaining: int
+    draft: "Draft | None" = None
 
 
 class SpeculationPolicy(Protocol):
@@ -215,6 +224,7 @@ class SpeculationPolicy(Protocol):
     max_k: int
 
     def choose(self, requests: Sequence[Candidate]) -> list[int]: ...
+    def value(self, request: Candidate) -> float: ...
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None: ...
     def observe_step(self, rows: int, drafted: int, k: int, seconds: float) -> None: ...
     def forget(self, request_id: str) -> None: ...
@@ -231,6 +241,14 @@ class NoSpeculation:
     def choose(self, requests: Sequence[Candidate]) -> list[int]:
         return [0] * len(requests)
 
+    def value(self, request: Candidate) -> float:
+        """How much speculating this request alone is expected to pay, as expected tokens per plain step's time
+        (1.0: no better than plain): the hybrid's measure for choosing between drafts. Without a cost model, the
+        expected tokens of a window (the head's at INITIAL_ACCEPTANCE per draft)."""
+        if request.draft is not None:
+            return 1.0 + sum(request.draft.survival[: self.max_k])
+        return 1.0 + sum(INITIAL_ACCEPTANCE ** i for i in range(1, self.max_k + 1))
+
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
         pass
 
@@ -245,15 +263,15 @@ class NoSpeculation:
 
 
 class FixedK(NoSpeculation):
-    """Always the configured K (vLLM's behaviour)."""
+    """Always the configured K (vLLM's behaviour): the head's K, a model-free draft's whole length (up to max_k)."""
 
     name = "fixed"
 
-    def __init__(self, k: int):
-        self.max_k = k
+    def __init__(self, k: int, head_k: int | None = None):
+        self.max_k, self.head_k = k, k if head_k is None else head_k
 
     def choose(self, requests: Sequence[Candidate]) -> list[int]:
-        return [self.max_k] * len(requests)
+        return [self.head_k if r.draft is None else min(self.max_k, len(r.draft.tokens)) for r in requests]
 
 
 class AdaptiveK(NoSpeculation):
@@ -261,10 +279,13 @@ class AdaptiveK(NoSpeculation):
 
     name = "adaptive"
 
-    def __init__(self, max_k: int, max_batch: int, cost: StepCostModel | None = None):
+    def __init__(self, max_k: int, max_batch: int, cost: StepCostModel | None = None, head_k: int | None = None):
+        """Windows of up to max_k drafts; the head's up to head_k (default max_k; 0: no head, model-free drafts
+        only)."""
         self.max_k = max_k
-        self.cost = cost or StepCostModel(max_batch, max_k)
-        self.engine_wide = AcceptanceEstimate(max_k, ENGINE_MEMORY)
+        self.head_k = max_k if head_k is None else head_k
+        self.cost = cost or StepCostModel(max_batch, max_k, self.head_k)
+        self.engine_wide = AcceptanceEstimate(self.head_k, ENGINE_MEMORY)
         self.requests: dict[str, AcceptanceEstimate] = {}
         self.plain_steps_in_a_row = 0
         self.probe_after = PROBE_AFTER
@@ -272,31 +293,46 @@ class AdaptiveK(NoSpeculation):
     def estimate(self, request_id: str) -> AcceptanceEstimate:
         est = self.requests.get(request_id)
         if est is None:
-            est = self.requests[request_id] = AcceptanceEstimate(self.max_k, REQUEST_MEMORY, prior=self.engine_wide)
+            est = self.requests[request_id] = AcceptanceEstimate(self.head_k, REQUEST_MEMORY, prior=self.engine_wide)
         return est
 
     def margins(self, request: Candidate) -> list[float]:
         """s_1, s_2, ..: what each further draft of this request adds to its expected tokens (nothing past the
-        request's last token)."""
-        useful = max(0, min(self.max_k, request.remaining - 1))
+        request's last token): the head's from its acceptance estimate, a model-free draft's from its proposer."""
+        if request.draft is not None:
+            return request.draft.survival[: max(0, min(self.max_k, request.remaining - 1))]
+        useful = max(0, min(self.head_k, request.remaining - 1))
         return self.estimate(request.request_id).survival()[:useful]
+
+    def value(self, request: Candidate) -> float:
+        """The best window's expected tokens per second for this request alone, over a plain step's."""
+        margins, best, tokens = self.margins(request), 1.0, 1.0
+        plain = self.cost.predict_target(1)
+        for w, s in enumerate(margins, start=1):
+            tokens += s
+            drafter = self.cost.predict_draft(1, w) if request.draft is None else 0.0
+            best = max(best, tokens * plain / (self.cost.predict_target(1 + w) + drafter))
+        return best
 
     def choose(self, requests: Sequence[Candidate]) -> list[int]:
         """K per request. Draft slots (request b, position i) are worth s_b,i expected tokens; for each widest
-        window W they are taken best first (so each request's slots stay a prefix) while the step's expected
-        tokens per second rise; the best (W, slots) wins if it beats the plain step by SPECULATION_MARGIN."""
+        head window W they are taken best first (so each request's slots stay a prefix) while the step's expected
+        tokens per second rise; the best (W, slots) wins if it beats the plain step by SPECULATION_MARGIN. A
+        model-free draft's slots cost verify rows only, whatever W (no drafter runs for them)."""
         batch = len(requests)
         margins = [self.margins(r) for r in requests]
+        heads = [r.draft is None for r in requests]
         target = [self.cost.predict_target(batch + n) for n in range(sum(map(len, margins)) + 1)]
         plain = batch / target[0]
         best_rate, best = plain, [0] * batch
-        for w in range(1, self.max_k + 1):
-            slots = sorted((-s, b, i) for b, m in enumerate(margins) for i, s in enumerate(m[:w]))
-            draft = [0.0] + [self.cost.predict_draft(m, w) for m in range(1, batch + 1)]
+        head_windows = range(1, self.head_k + 1) if any(h and m for h, m in zip(heads, margins)) else [0]
+        for w in head_windows:
+            slots = sorted((-s, b, i) for b, m in enumerate(margins) for i, s in enumerate(m[:w] if heads[b] else m))
+            draft = [0.0] + [self.cost.predict_draft(m, w) if w else 0.0 for m in range(1, batch + 1)]
             ks, tokens, drafted, left = [0] * batch, float(batch), 0, -sum(neg_s for neg_s, _, _ in slots)
             for n, (neg_s, b, i) in enumerate(slots, start=1):
                 ks[b] = i + 1
-                drafted += i == 0
+                drafted += i == 0 and heads[b]
                 tokens, left = tokens - neg_s, left + neg_s
                 cost = target[n] + draft[drafted]
                 if tokens / cost > best_rate:
@@ -309,8 +345,8 @@ class AdaptiveK(NoSpeculation):
             return best
         ks = [0] * batch
         self.plain_steps_in_a_row += 1
-        promising = max(range(batch), key=lambda b: margins[b][0] if margins[b] else -1.0)
-        if self.max_k and margins[promising]:
+        promising = max(range(batch), key=lambda b: margins[b][0] if margins[b] and heads[b] else -1.0)
+        if self.head_k and heads[promising] and margins[promising]:
             # One draft for the most promising request re-measures acceptance: one more verify row and the
             # drafter for one request, not a window for the whole batch.
             probe_rate = (batch + margins[promising][0]) / (target[1] + self.cost.predict_draft(1, 1))
@@ -324,9 +360,12 @@ class AdaptiveK(NoSpeculation):
         return ks
 
     def _age(self, requests: Sequence[Candidate], ks: list[int]) -> None:
-        """Requests that take a plain step learn nothing from it; their estimates age instead."""
+        """Requests whose head does not draft this step (a plain step, or a model-free draft's) learn nothing about
+        it; its estimates age instead."""
+        if not self.head_k:
+            return
         for r, k in zip(requests, ks):
-            if k == 0:
+            if k == 0 or r.draft is not None:
                 self.estimate(r.request_id).age()
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
@@ -354,6 +393,9 @@ class OffAtBatchSize:
     def choose(self, requests: Sequence[Candidate]) -> list[int]:
         return [0] * len(requests) if len(requests) >= self.batch_size else self.policy.choose(requests)
 
+    def value(self, request: Candidate) -> float:
+        return self.policy.value(request)
+
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
         self.policy.observe(request_id, num_drafted, num_accepted)
 
@@ -367,14 +409,15 @@ class OffAtBatchSize:
         self.policy.calibrate(time_target, time_draft)
 
 
-def make_policy(name: str, max_k: int, max_batch: int, disable_by_batch_size: int | None = None
-                ) -> SpeculationPolicy:
-    """The policy called `name` for drafts up to max_k, off while disable_by_batch_size requests run."""
+def make_policy(name: str, max_k: int, max_batch: int, disable_by_batch_size: int | None = None,
+                head_k: int | None = None) -> SpeculationPolicy:
+    """The policy called `name` for drafts up to max_k (the head's up to head_k, default max_k), off while
+    disable_by_batch_size requests run."""
     policy: SpeculationPolicy
     if name == "fixed":
-        policy = FixedK(max_k)
+        policy = FixedK(max_k, head_k)
     elif name == "adaptive":
-        policy = AdaptiveK(max_k, max_batch)
+        policy = AdaptiveK(max_k, max_batch, head_k=head_k)
     else:
         raise ValueError(f"unknown speculation policy {name!r}: choose one of {', '.join(POLICIES)} "
                      f"(--speculation-policy or {ENV_VAR})")

@@ -138,6 +138,9 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     # Structured output: the grammar state of the committed tokens (None when unconstrained).
     matcher: GrammarMatcher | None = None
+    # Whose earlier outputs a suffix tree may draft from (proposers/suffix.py): requests under one key share a
+    # tree, so no client's text is drafted into another's answers.
+    cache_key: str = ""
 
     @property
     def num_tokens(self) -> int:

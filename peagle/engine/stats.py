@@ -106,3 +106,18 @@ class SpecDecodeStats:
         return cls(max(len(per_pos), len(steps) - 1, 0), int(d.get("num_drafts") or 0),
                    int(d.get("num_draft_tokens") or 0), int(d.get("num_accepted_tokens") or 0), per_pos, steps,
                    int(d.get("num_forced_tokens") or 0))
+
+
+def by_proposer(stats: dict[str, SpecDecodeStats]) -> dict[str, dict]:
+    """Per drafter (engine.proposer_stats): how often it drafted and how much of it was accepted, for /v1/models and
+    the generate command's stats."""
+    return {name: {"num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
+                   "num_accepted_tokens": s.num_accepted_tokens, "acceptance_rate": round(s.acceptance_rate, 4),
+                   "mean_acceptance_length": round(s.mean_acceptance_length, 4)}
+            for name, s in stats.items()}
+
+
+def describe_by_proposer(stats: dict[str, SpecDecodeStats]) -> str:
+    """One line: e.g. `peagle 40 drafts (31% accepted), suffix 12 drafts (83% accepted)`."""
+    return ", ".join(f"{name} {s.num_drafts} drafts ({100 * s.acceptance_rate:.0f}% accepted)"
+                     for name, s in stats.items())

@@ -41,6 +41,7 @@ from peagle.engine import LLMEngine, RequestError, RequestOutput, SamplingParams
 from peagle.engine.detokenize import TokenStrings
 from peagle.engine.request import Request as EngineRequest
 from peagle.engine.request import TokenLogprob
+from peagle.engine.stats import by_proposer
 from peagle.serve import tools
 from peagle.serve.async_engine import AsyncEngine, EngineFailure, RequestStream
 from peagle.serve.metrics import CONTENT_TYPE_LATEST
@@ -176,6 +177,7 @@ def _add_inference_routes(app: FastAPI, state: ServerState) -> None:
     async def models():
         cards = [ModelCard(id=name, created=state.created, root=state.model_path or state.engine.model_name,
                            max_model_len=state.engine.max_model_len, speculative_config=state.speculative_config,
+                           proposers=by_proposer(state.engine.proposer_stats) if state.engine.spec else None,
                            kernels=state.engine.kernels)
                  for name in state.names]
         return ModelList(data=cards).model_dump()

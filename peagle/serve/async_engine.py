@@ -241,7 +241,7 @@ class AsyncEngine:
                     continue
                 self._hand_over(outputs)
                 if self.metrics is not None and engine.spec is not None:
-                    self.metrics.record_spec(engine.stats)
+                    self.metrics.record_spec(engine.stats, engine.proposer_stats)
                 if self.metrics is not None and engine.prefix_cache is not None:
                     self.metrics.record_prefix_cache(engine.prefix_cache)
             if not busy:

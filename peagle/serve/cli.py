@@ -196,10 +196,10 @@ def resolve(args) -> dict:
             raise ServeError(str(e))
 
     head_dir = None  # a local head's folder, found here once; what the engine (or vLLM) is given
-    if spec is not None and (preset is None or preset.engine == "peagle"):
+    if spec is not None and spec.uses_head and (preset is None or preset.engine == "peagle"):
         spec = spec.model_copy(update={"model": _sagemaker_channel(spec.model, args.sagemaker)})
         try:
-            head_dir = resolve_head(spec.model, model, method=spec.method_name)
+            head_dir = resolve_head(spec.model, model, method=spec.head_method)
         except FileNotFoundError as e:
             if args.engine == "peagle":
                 raise ServeError(f"speculative config: {e}") from None

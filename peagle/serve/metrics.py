@@ -37,6 +37,15 @@ class Metrics:
                                            labels, registry=r)
         self.accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                         "Accepted tokens per draft position.", labels + ["position"], registry=r)
+        # Which drafter ran how often, and how well: the hybrid runs two (a head and the suffix tree).
+        self.proposer_drafts = Counter("peagle:spec_decode_proposer_num_drafts",
+                                       "Spec decoding drafts, by the proposer that made them.", labels + ["proposer"],
+                                       registry=r)
+        self.proposer_draft_tokens = Counter("peagle:spec_decode_proposer_num_draft_tokens",
+                                             "Draft tokens verified, by proposer.", labels + ["proposer"], registry=r)
+        self.proposer_accepted_tokens = Counter("peagle:spec_decode_proposer_num_accepted_tokens",
+                                                "Accepted draft tokens, by proposer.", labels + ["proposer"],
+                                                registry=r)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                               labels, buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
@@ -79,13 +88,23 @@ class Metrics:
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name=m, finished_reason=reason)
         self._seen = SpecDecodeStats(num_speculative_tokens)
+        self._seen_by_proposer: dict[str, SpecDecodeStats] = {}
         self._seen_prefix: dict[int, tuple[int, int]] = {}  # per prefix cache (the baseline engine has its own)
         self._last_token_at: dict[str, float] = {}
 
     # -- called from the engine thread after each step -------------------------------------------------------
-    def record_spec(self, stats: SpecDecodeStats) -> None:
-        """Advance the spec-decode counters to the engine's running totals."""
-        m, seen = self.model_name, self._seen
+    def record_spec(self, stats: SpecDecodeStats, by_proposer: dict[str, SpecDecodeStats] | None = None) -> None:
+        """Advance the spec-decode counters to the engine's running totals (and those of each proposer)."""
+        m = self.model_name
+        for name, s in (by_proposer or {}).items():
+            before = self._seen_by_proposer.get(name) or SpecDecodeStats()
+            self.proposer_drafts.labels(model_name=m, proposer=name).inc(s.num_drafts - before.num_drafts)
+            self.proposer_draft_tokens.labels(model_name=m, proposer=name).inc(
+                s.num_draft_tokens - before.num_draft_tokens)
+            self.proposer_accepted_tokens.labels(model_name=m, proposer=name).inc(
+                s.num_accepted_tokens - before.num_accepted_tokens)
+            self._seen_by_proposer[name] = s.copy()
+        seen = self._seen
         self.num_drafts.labels(model_name=m).inc(stats.num_drafts - seen.num_drafts)
         self.num_draft_tokens.labels(model_name=m).inc(stats.num_draft_tokens - seen.num_draft_tokens)
         self.num_accepted_tokens.labels(model_name=m).inc(stats.num_accepted_tokens - seen.num_accepted_tokens)

@@ -593,6 +593,8 @@ class ModelCard(BaseModel):
     max_model_len: int | None = None
     # peagle extensions: how this model decodes, and which kernels run its forward.
     speculative_config: dict | None = None
+    # engine-wide since start, per drafter (the hybrid has two): drafts, draft and accepted tokens, acceptance
+    proposers: dict | None = None
     kernels: dict | None = None
 
 

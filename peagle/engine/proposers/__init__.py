@@ -1,0 +1,33 @@
+"""Drafters behind one interface (base.Proposer): the heads, prompt lookup, suffix trees, and the hybrid that picks
+between a head and the suffix tree per request and step (docs/design.md, "Decoding step")."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from peagle.engine.proposers.base import Draft, Proposer
+
+if TYPE_CHECKING:
+    from peagle.config import SpeculativeConfig
+    from peagle.engine.policy import SpeculationPolicy
+    from peagle.engine.proposers.heads import HeadProposer
+
+__all__ = ["Draft", "Proposer", "make_proposer"]
+
+
+def make_proposer(spec: "SpeculativeConfig", head: "HeadProposer | None", policy: "SpeculationPolicy") -> Proposer:
+    """The proposer a speculative config names (`head`: the loaded head's, for the methods that draft with one)."""
+    if spec.method == "ngram":
+        from peagle.engine.proposers.ngram import NgramProposer
+
+        return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "suffix":
+        from peagle.engine.proposers.suffix import SuffixProposer
+
+        return SuffixProposer(spec, spec.num_speculative_tokens)
+    assert head is not None, f"method {spec.method!r} drafts with a head"
+    if spec.method == "hybrid":
+        from peagle.engine.proposers.hybrid import HybridProposer
+        from peagle.engine.proposers.suffix import SuffixProposer
+
+        return HybridProposer(head, SuffixProposer(spec, spec.suffix_decoding_max_tree_depth), policy)
+    return head

@@ -1,0 +1,113 @@
+"""The seam between the engine and its drafters (docs/design.md, "Decoding step"): every kind of draft is one
+module behind the small `Proposer` interface, as vLLM v1 keeps its n-gram, EAGLE and suffix proposers apart.
+
+A step asks the proposer twice. `score` comes before the speculation policy picks each request's window: a
+model-free proposer (ngram.py, suffix.py) makes its whole draft there, cheaply, with the probability that each of
+its prefixes is accepted, so the policy can cut it to what the window's measured cost pays for. A head (heads.py)
+returns None there and drafts afterwards, in one forward at the chosen windows (`LLMEngine._draft`), since its
+drafts cost a forward of the drafter. hybrid.py picks, per request and step, between the two.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from peagle.engine.request import Request
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A model-free draft, made before the step's windows are chosen."""
+    proposer: str  # who made it: "ngram" or "suffix"
+    tokens: list[int]
+    survival: list[float]  # survival[i]: the expected probability that tokens[: i + 1] are all accepted
+
+    @property
+    def score(self) -> float:
+        """Expected accepted tokens if the whole draft is verified."""
+        return sum(self.survival)
+
+
+class Proposer(Protocol):
+    """What the engine asks of a drafter. `names` are the drafters it may run (for the per-proposer counters)."""
+    names: tuple[str, ...]
+
+    def score(self, reqs: Sequence["Request"]) -> list[Draft | None]:
+        """Per request this step: a model-free draft (empty: nothing worth proposing), or None where the head
+        drafts once the windows are chosen."""
+        ...
+
+    def observe(self, req: "Request", draft: Draft, num_drafted: int, num_accepted: int) -> None:
+        """How the request's model-free draft fared: `num_drafted` of it verified (0: the policy ran a plain step
+        or the head instead), the first `num_accepted` accepted."""
+        ...
+
+    def add_tokens(self, req: "Request", tokens: list[int]) -> None:
+        """Tokens the request just committed. A proposer that has not seen the request yet starts it from its prompt
+        and whole output (so the first token, sampled at the end of prefill, needs no call of its own)."""
+        ...
+
+    def finish(self, req: "Request") -> None:
+        """The request left (finished or aborted: `req.finish_reason` says which)."""
+        ...
+
+
+class NoModelFreeDrafts:
+    """The lifecycle of a proposer without model-free drafts (the heads alone): nothing to keep per request."""
+
+    def observe(self, req: "Request", draft: Draft, num_drafted: int, num_accepted: int) -> None:
+        pass
+
+    def add_tokens(self, req: "Request", tokens: list[int]) -> None:
+        pass
+
+    def finish(self, req: "Request") -> None:
+        pass
+
+
+class MeasuredAcceptance:
+    """A model-free proposer's acceptance per draft position, measured the way the adaptive policy measures the
+    head's (policy.AcceptanceEstimate: each request's recent drafts, shrunk towards the proposer's engine-wide
+    record), so a proposer whose drafts stop matching the target's text gets short windows, then none, within a few
+    steps, and drafts again as it recovers."""
+
+    def __init__(self, max_k: int):
+        from peagle.engine.policy import ENGINE_MEMORY, AcceptanceEstimate
+
+        self.max_k = max_k
+        self.engine_wide = AcceptanceEstimate(max_k, ENGINE_MEMORY)
+        self.requests: dict[str, "AcceptanceEstimate"] = {}
+
+    def _estimate(self, request_id: str):
+        from peagle.engine.policy import REQUEST_MEMORY, AcceptanceEstimate
+
+        est = self.requests.get(request_id)
+        if est is None:
+            est = self.requests[request_id] = AcceptanceEstimate(self.max_k, REQUEST_MEMORY, prior=self.engine_wide)
+        return est
+
+    def conditional(self, request_id: str) -> list[float]:
+        """a_i: the probability that draft position i is accepted given that those before it were."""
+        return self._estimate(request_id).conditional()
+
+    def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
+        est = self._estimate(request_id)
+        if num_drafted:
+            est.observe(num_drafted, num_accepted)
+            self.engine_wide.observe(num_drafted, num_accepted)
+        else:
+            est.age()
+
+    def forget(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+
+def survival(conditional: Sequence[float]) -> list[float]:
+    """s_i = a_1 * ... * a_i."""
+    out, s = [], 1.0
+    for a in conditional:
+        s *= a
+        out.append(s)
+    return out

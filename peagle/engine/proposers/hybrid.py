@@ -1,0 +1,46 @@
+"""The hybrid: per request and step, the suffix tree's draft or the head's, whichever the speculation policy expects
+to pay more (its `value`: the best window's expected tokens per second over a plain step's, from the window costs it
+measured, the head's measured acceptance and the suffix draft's own probabilities), or none, when the policy then
+finds that no window pays. Text that repeats (code edits, quotes, resent turns) gets the suffix tree's long drafts;
+fresh text gets the head's."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from peagle.engine.policy import Candidate
+from peagle.engine.proposers.base import Draft
+from peagle.engine.proposers.heads import HeadProposer
+from peagle.engine.proposers.suffix import SuffixProposer
+
+if TYPE_CHECKING:
+    from peagle.engine.policy import SpeculationPolicy
+    from peagle.engine.request import Request
+
+
+class HybridProposer:
+    def __init__(self, head: HeadProposer, suffix: SuffixProposer, policy: "SpeculationPolicy"):
+        self.head, self.suffix, self.policy = head, suffix, policy
+        self.names = head.names + suffix.names
+
+    def score(self, reqs: Sequence["Request"]) -> list[Draft | None]:
+        out: list[Draft | None] = []
+        for req, draft in zip(reqs, self.suffix.score(reqs)):
+            remaining = req.params.max_tokens - len(req.output_ids)
+            if draft.tokens and (self.policy.value(Candidate(req.request_id, remaining, draft))
+                                 >= self.policy.value(Candidate(req.request_id, remaining))):
+                out.append(draft)
+            else:
+                out.append(None)
+                if draft.tokens:
+                    self.suffix.observe(req, draft, 0, 0)  # not verified: its estimate ages
+        return out
+
+    def observe(self, req: "Request", draft: Draft, num_drafted: int, num_accepted: int) -> None:
+        self.suffix.observe(req, draft, num_drafted, num_accepted)
+
+    def add_tokens(self, req: "Request", tokens: list[int]) -> None:
+        self.suffix.add_tokens(req, tokens)
+
+    def finish(self, req: "Request") -> None:
+        self.suffix.finish(req)

@@ -1,0 +1,70 @@
+"""Suffix decoding (vLLM's `method: "suffix"`, after Arctic Inference): the draft continues the longest suffix of
+the request's context found in a suffix tree over its own prompt and output, or in the shared tree over recent
+finished requests' outputs under the same cache key (the tree itself: suffix_tree.py). The tree's counts give each
+drafted token a probability; the measured acceptance of this proposer's drafts (base.MeasuredAcceptance) caps it,
+since a path seen once says little, and the policy cuts the draft where a longer window stops paying."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from peagle.engine.proposers.base import Draft, MeasuredAcceptance, survival
+from peagle.engine.proposers.suffix_tree import SuffixCache
+
+if TYPE_CHECKING:
+    from peagle.config import SpeculativeConfig
+    from peagle.engine.request import Request
+
+NAME = "suffix"
+
+
+class SuffixProposer:
+    names = (NAME,)
+
+    def __init__(self, spec: "SpeculativeConfig", max_k: int):
+        self.max_k = max_k
+        self.max_spec_factor = spec.suffix_decoding_max_spec_factor
+        self.min_token_prob = spec.suffix_decoding_min_token_prob
+        self.cache = SuffixCache(max_tree_depth=spec.suffix_decoding_max_tree_depth,
+                                 max_cached_requests=spec.suffix_decoding_max_cached_requests)
+        self.acceptance = MeasuredAcceptance(max_k)
+        self._seen: dict[str, int] = {}  # request -> output tokens its tree holds
+
+    def _sync(self, req: "Request") -> None:
+        """Bring the request's tree up to its committed tokens (starting it, with its prompt, on first sight)."""
+        rid = req.request_id
+        seen = self._seen.get(rid)
+        if seen is None:
+            self.cache.start_request(rid, req.prompt_ids, req.cache_key)
+            seen = 0
+        if len(req.output_ids) > seen:
+            self.cache.add_tokens(rid, req.output_ids[seen:])
+        self._seen[rid] = max(seen, len(req.output_ids))
+
+    def score(self, reqs: Sequence["Request"]) -> list[Draft | None]:
+        out = []
+        for req in reqs:
+            self._sync(req)
+            found = self.cache.speculate(req.request_id, self.max_k, self.max_spec_factor, self.min_token_prob)
+            measured = self.acceptance.conditional(req.request_id)
+            # the tree's probability of each token, capped by how often this proposer's drafts were accepted there
+            conditional = [min(p, a) for p, a in zip(found.probs, measured)]
+            out.append(Draft(NAME, list(found.tokens[: len(conditional)]), survival(conditional)))
+        return out
+
+    def observe(self, req: "Request", draft: Draft, num_drafted: int, num_accepted: int) -> None:
+        self.acceptance.observe(req.request_id, num_drafted, num_accepted)
+
+    def add_tokens(self, req: "Request", tokens: list[int]) -> None:
+        self._sync(req)
+
+    def finish(self, req: "Request") -> None:
+        rid = req.request_id
+        if self._seen.pop(rid, None) is None:
+            return  # never decoded: its tree was never built
+        if req.finish_reason == "abort":
+            self.cache.abort_request(rid)
+        else:
+            self.cache.stop_request(rid)
+        self.acceptance.forget(rid)
+
