@@ -2,6 +2,7 @@
 determinism (docs/design.md, "Suffix drafts")."""
 import math
 import random
+import sys
 import tracemalloc
 
 import pytest
@@ -49,6 +50,7 @@ def check_invariants(trie):
         counts = {t: (c.count if type(c) is _Node else 1) for t, c in node.children.items()}
         assert node.total == sum(counts.values())
         assert node.best == (min(counts, key=lambda t: (-counts[t], t)) if counts else -1)
+        assert node.best_count == (counts[node.best] if counts else 0)
         for c in node.children.values():
             if type(c) is _Node:
                 assert 0 < c.count <= max(node.count, c.count if node is trie.root else node.count)
@@ -135,18 +137,27 @@ def test_removing_every_sequence_empties_the_trie():
     assert (trie.num_nodes, trie.num_leaves, trie.root.children) == (1, 0, {})
 
 
-def test_eviction_bounds_memory():
-    """A stream of 1,500 requests through a cache of 40 requests / 3,000 tokens: the bounds hold after every
-    request, and the memory estimate stays flat (benchmarks/suffix_lookup.py runs 10,000 at the default bounds)."""
+def exact_memory_bytes(cache):
+    return sum(s.trie.memory_bytes() for s in cache._shared.values()) + \
+        sum(sys.getsizeof(out) for _, out in cache._cached.values())
+
+
+@pytest.mark.parametrize("bounds", [dict(max_cached_requests=40, max_cached_tokens=3000),
+                                    dict(max_cached_bytes=400_000)])
+def test_eviction_bounds_memory(bounds):
+    """A stream of 1,000 requests (under 3 keys) through small bounds: each holds after every request, and the
+    memory stays flat (benchmarks/suffix_lookup.py runs 10,000 at the default bounds)."""
     rng = random.Random(3)
-    cache = SuffixCache(max_tree_depth=12, max_cached_requests=40, max_cached_tokens=3000)
+    cache = SuffixCache(max_tree_depth=12, **bounds)
     peak_early = peak_late = 0
-    for i in range(1500):
-        cache.start_request(str(i), random_text(rng, 20, 500))
+    for i in range(1000):
+        cache.start_request(str(i), random_text(rng, 20, 500), cache_key=str(i % 3))
         cache.add_tokens(str(i), random_text(rng, rng.randint(1, 150), 500))
         cache.stop_request(str(i))
-        assert cache.num_cached_requests <= 40 and cache.num_cached_tokens <= 3000
-        if i < 300:
+        assert cache.num_cached_requests <= bounds.get("max_cached_requests", 10**9)
+        assert cache.num_cached_tokens <= bounds.get("max_cached_tokens", 10**9)
+        assert cache.memory_bytes() == exact_memory_bytes(cache) <= bounds.get("max_cached_bytes", 10**9)
+        if i < 200:
             peak_early = max(peak_early, cache.memory_bytes())
         else:
             peak_late = max(peak_late, cache.memory_bytes())

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 MAX_TREE_DEPTH = 24  # Arctic's suffix_decoding_max_tree_depth default: longest match + draft, in tokens
 MAX_CACHED_REQUESTS = 10_000  # shared trees: finished outputs kept (all keys together), oldest evicted first
-MAX_CACHED_TOKENS = 200_000  # shared trees: output tokens kept (all keys together); bounds their memory
+MAX_CACHED_TOKENS = 200_000  # shared trees: output tokens kept (all keys together)
+MAX_CACHED_BYTES = 64 * 2**20  # shared trees: their memory (memory_bytes' estimate, all keys together)
 
 
 @dataclass(frozen=True)
@@ -37,14 +38,15 @@ NO_DRAFT = SuffixDraft([], [], 0.0, 0)
 class _Node:
     """The string spelled by the path from the root. `count`: its occurrences; `total`: those followed by a token
     within the depth bound (the sum of the children's counts); `best`: the child with the highest count, lowest token
-    id on ties (-1: none)."""
+    id on ties (-1: none), and `best_count` its count."""
 
-    __slots__ = ("count", "total", "best", "children")
+    __slots__ = ("count", "total", "best", "best_count", "children")
 
     def __init__(self, count: int) -> None:
         self.count = count
         self.total = 0
         self.best = -1
+        self.best_count = 0
         self.children: dict[int, _Node | tuple] = {}
 
 
@@ -59,6 +61,7 @@ def _count(child: _Node | tuple) -> int:
 def _set_best(node: _Node) -> None:
     kids = node.children
     node.best = min(kids, key=lambda t: (-_count(kids[t]), t)) if kids else -1
+    node.best_count = _count(kids[node.best]) if kids else 0
 
 
 class SuffixTrie:
@@ -71,6 +74,12 @@ class SuffixTrie:
         self.root = _Node(0)
         self.num_nodes = 1
         self.num_leaves = 0
+
+    def memory_bytes(self) -> int:
+        """An estimate of the trie's own memory (not the sequences it points into), from its node and leaf counts;
+        tests/test_suffix_tree.py checks it against tracemalloc."""
+        return self.num_nodes * _NODE_BYTES + self.num_leaves * _LEAF_BYTES + \
+            (self.num_nodes + self.num_leaves) * _SLOT_BYTES
 
     def insert(self, seq: Sequence[int]) -> _Cursor:
         """Add every suffix of `seq` (a list may keep growing: call the cursor's `advance` after appending)."""
@@ -103,26 +112,42 @@ class SuffixTrie:
 
     def draft(self, context: Sequence[int], max_spec_tokens: int, max_spec_factor: float,
               min_token_prob: float) -> SuffixDraft:
-        """The best draft over every match length, found by walking the context's last L tokens from the root."""
+        """The best draft over every match length of the context's last tokens."""
+        # A suffix present holds every shorter one, so the longest present is found by bisection.
+        lo, hi = 0, min(self.max_depth, len(context))
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._locate(context, mid) is None:
+                hi = mid - 1
+            else:
+                lo = mid
         best = NO_DRAFT
-        n = len(context)
-        for length in range(1, min(self.max_depth, n) + 1):
-            node, leaf, pos = self.root, None, 0
-            for t in context[n - length:]:
-                if leaf is None:
-                    child = node.children.get(t)
-                    if child is None:
-                        return best  # a longer suffix holds this one, so it is absent too
-                    if type(child) is _Node:
-                        node = child
-                    else:
-                        leaf, pos = child, child[2] + 1
-                elif pos < leaf[1] and pos < len(leaf[0]) and leaf[0][pos] == t:
-                    pos += 1
-                else:
-                    return best
-            best = _better(best, _walk(node, leaf, pos, length, max_spec_tokens, max_spec_factor, min_token_prob))
+        for bound, length in _by_bound(range(1, lo + 1), self.max_depth, max_spec_tokens, max_spec_factor):
+            if (bound, length) > (round(best.score, 9), best.match_len):
+                node, leaf, pos = self._locate(context, length)
+                best = _better(best, _walk(node, leaf, pos, length, max_spec_tokens, max_spec_factor,
+                                           min_token_prob))
         return best
+
+    def _locate(self, context: Sequence[int], length: int) -> tuple[_Node, tuple | None, int] | None:
+        """Where the context's last `length` tokens end: a node, or a leaf and the position after them in its
+        sequence; None when they occur nowhere."""
+        node, leaf, pos = self.root, None, 0
+        for i in range(len(context) - length, len(context)):
+            t = context[i]
+            if leaf is None:
+                child = node.children.get(t)
+                if child is None:
+                    return None
+                if type(child) is _Node:
+                    node = child
+                else:
+                    leaf, pos = child, child[2] + 1
+            elif pos < leaf[1] and pos < len(leaf[0]) and leaf[0][pos] == t:
+                pos += 1
+            else:
+                return None
+        return node, leaf, pos
 
 
 class _Cursor:
@@ -137,40 +162,40 @@ class _Cursor:
         self.active: list[tuple[_Node, int]] = []
 
     def advance(self) -> None:
-        trie, seq, depth, root = self.trie, self.seq, self.trie.max_depth, self.trie.root
+        trie, seq, depth, root, node_type = self.trie, self.seq, self.trie.max_depth, self.trie.root, _Node
         active = self.active
         for n in range(self.done, len(seq)):
             t = seq[n]
             active.append((root, n))
             moved = []
+            deepest = n + 1 - depth  # a suffix that started here has reached the depth bound
             for node, start in active:
                 node.total += 1
-                child = node.children.get(t)
+                children = node.children
+                child = children.get(t)
                 if child is None:
-                    node.children[t] = (seq, start + depth, n)
+                    children[t] = (seq, start + depth, n)
                     trie.num_leaves += 1
                     count = 1
                 else:
-                    if type(child) is _Node:
+                    if type(child) is node_type:
                         child.count += 1
                     else:  # two occurrences now share this string: the leaf's tail hangs below a new node
                         lseq, end, lpos = child
-                        child = node.children[t] = _Node(2)
+                        child = children[t] = node_type(2)
                         trie.num_nodes += 1
                         q = lpos + 1
                         if q < end and q < len(lseq):
                             child.children[lseq[q]] = (lseq, end, q)
-                            child.total, child.best = 1, lseq[q]
+                            child.total = child.best_count = 1
+                            child.best = lseq[q]
                         else:
                             trie.num_leaves -= 1
                     count = child.count
-                    if n + 1 - start < depth:
+                    if start > deepest:
                         moved.append((child, start))
-                b = node.best
-                if b != t:
-                    bc = _count(node.children[b]) if b >= 0 else 0
-                    if count > bc or (count == bc and t < b):
-                        node.best = t
+                if t == node.best or count > node.best_count or (count == node.best_count and t < node.best):
+                    node.best, node.best_count = t, count
             active = moved
         self.active = active
         self.done = len(seq)
@@ -179,10 +204,23 @@ class _Cursor:
         """The best draft over the sequence's own earlier text: the active suffixes are exactly the matches that
         occurred before (a suffix in a leaf has no earlier occurrence)."""
         best = NO_DRAFT
-        n = self.done
-        for node, start in reversed(self.active):  # shortest match first, as the trie's walk
-            best = _better(best, _walk(node, None, 0, n - start, max_spec_tokens, max_spec_factor, min_token_prob))
+        nodes = {self.done - start: node for node, start in self.active}
+        for bound, length in _by_bound(nodes, self.trie.max_depth, max_spec_tokens, max_spec_factor):
+            if (bound, length) > (round(best.score, 9), best.match_len):
+                best = _better(best, _walk(nodes[length], None, 0, length, max_spec_tokens, max_spec_factor,
+                                           min_token_prob))
         return best
+
+
+def _limit(match_len: int, max_spec_tokens: int, max_spec_factor: float) -> int:
+    return min(max_spec_tokens, math.ceil(max_spec_factor * match_len - 1e-9))
+
+
+def _by_bound(lengths, depth: int, max_spec_tokens: int, max_spec_factor: float) -> list[tuple[int, int]]:
+    """(bound, match length), highest bound first: a match's score is at most its draft's length (each token adds
+    at most 1), so a match whose bound cannot beat the best draft so far (by `_better`'s rule) is not walked."""
+    bounds = [(min(_limit(n, max_spec_tokens, max_spec_factor), depth - n), n) for n in lengths]
+    return sorted(bounds, reverse=True)
 
 
 def _better(a: SuffixDraft, b: SuffixDraft) -> SuffixDraft:
@@ -196,7 +234,7 @@ def _better(a: SuffixDraft, b: SuffixDraft) -> SuffixDraft:
 def _walk(node: _Node, leaf: tuple | None, pos: int, match_len: int, max_spec_tokens: int,
           max_spec_factor: float, min_token_prob: float) -> SuffixDraft:
     """Follow the most frequent child while the running probability stays at or above min_token_prob."""
-    limit = min(max_spec_tokens, math.ceil(max_spec_factor * match_len - 1e-9))
+    limit = _limit(match_len, max_spec_tokens, max_spec_factor)
     tokens: list[int] = []
     probs: list[float] = []
     cum, score = 1.0, 0.0
@@ -206,7 +244,7 @@ def _walk(node: _Node, leaf: tuple | None, pos: int, match_len: int, max_spec_to
                 break
             t = node.best
             child = node.children[t]
-            p = _count(child) / node.total
+            p = node.best_count / node.total
             cum *= p
             if cum < min_token_prob:
                 break
@@ -246,25 +284,29 @@ class _KeyTrie:
 @dataclass
 class SuffixCache:
     """Per-request suffix tries over prompt + output so far, and a shared trie per cache key (e.g. an API key) over
-    the outputs (not the prompts) of that key's recent finished requests, bounded by max_cached_requests and
-    max_cached_tokens over all keys together, evicted oldest first. A request drafts from its own trie and its own
-    key's shared trie only, so no key's text is drafted into another key's answers. Aborted requests' outputs are
-    dropped (a client cancelled them; they join no shared trie)."""
+    the outputs (not the prompts) of that key's recent finished requests, bounded by max_cached_requests,
+    max_cached_tokens and max_cached_bytes over all keys together (checked after each stop_request), evicted oldest
+    first. A request drafts from its own trie and its own key's shared trie only, so no key's text is drafted into
+    another key's answers. Aborted requests' outputs are dropped (a client cancelled them; they join no shared
+    trie)."""
 
     max_tree_depth: int = MAX_TREE_DEPTH
     max_cached_requests: int = MAX_CACHED_REQUESTS
     max_cached_tokens: int = MAX_CACHED_TOKENS
+    max_cached_bytes: int = MAX_CACHED_BYTES
     _requests: dict[str, _Request] = field(default_factory=dict, repr=False)
     _shared: dict[str, _KeyTrie] = field(default_factory=dict, repr=False)
     _cached: OrderedDict = field(default_factory=OrderedDict, repr=False)  # n -> (key, output array), oldest first
     _num_stopped: int = 0
+    _bytes: int = 0  # memory_bytes, kept as outputs come and go
     num_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tree_depth < 1:
             raise ValueError(f"max_tree_depth must be at least 1, got {self.max_tree_depth}")
-        if self.max_cached_requests < 0 or self.max_cached_tokens < 0:
-            raise ValueError("max_cached_requests and max_cached_tokens must be >= 0 (0 turns the shared trees off)")
+        if min(self.max_cached_requests, self.max_cached_tokens, self.max_cached_bytes) < 0:
+            raise ValueError("max_cached_requests, max_cached_tokens and max_cached_bytes must be >= 0 (0 turns the "
+                             "shared trees off)")
 
     @property
     def num_cached_requests(self) -> int:
@@ -284,24 +326,29 @@ class SuffixCache:
         req.cursor.advance()
 
     def stop_request(self, request_id: str) -> None:
-        """The request is finished: its output joins its key's shared trie (the oldest outputs make room)."""
+        """The request is finished: its output joins its key's shared trie, and the oldest outputs (this one too,
+        if it alone is over a bound) leave until every bound holds."""
         req = self._requests.pop(request_id, None)
         if req is None:
             raise KeyError(f"request {request_id!r} is not started")
         output = array("i", req.seq[req.output_start:][:self.max_cached_tokens])
-        if not output or self.max_cached_requests == 0:
+        if not output or min(self.max_cached_requests, self.max_cached_bytes) == 0:
             return
-        while self._cached and (len(self._cached) + 1 > self.max_cached_requests
-                                or self.num_cached_tokens + len(output) > self.max_cached_tokens):
-            self._evict_oldest()
         shared = self._shared.get(req.key)
         if shared is None:
             shared = self._shared[req.key] = _KeyTrie(SuffixTrie(self.max_tree_depth))
+            self._bytes += shared.trie.memory_bytes()
+        before = shared.trie.memory_bytes()
         shared.trie.insert(output)
         shared.outputs += 1
+        self._bytes += shared.trie.memory_bytes() - before + sys.getsizeof(output)
         self._num_stopped += 1
         self._cached[self._num_stopped] = (req.key, output)
         self.num_cached_tokens += len(output)
+        while self._cached and (len(self._cached) > self.max_cached_requests
+                                or self.num_cached_tokens > self.max_cached_tokens
+                                or self._bytes > self.max_cached_bytes):
+            self._evict_oldest()
 
     def abort_request(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -322,11 +369,8 @@ class SuffixCache:
         return best
 
     def memory_bytes(self) -> int:
-        """An estimate of the shared tries' memory (nodes, leaves, child slots and the cached outputs' arrays)."""
-        nodes = sum(s.trie.num_nodes for s in self._shared.values())
-        leaves = sum(s.trie.num_leaves for s in self._shared.values())
-        arrays = sum(sys.getsizeof(out) for _, out in self._cached.values())
-        return nodes * _NODE_BYTES + leaves * _LEAF_BYTES + (nodes + leaves) * _SLOT_BYTES + arrays
+        """An estimate of the shared tries' memory: their nodes and leaves, and the cached outputs' arrays."""
+        return self._bytes
 
     def _request(self, request_id: str) -> _Request:
         req = self._requests.get(request_id)
@@ -337,10 +381,13 @@ class SuffixCache:
     def _evict_oldest(self) -> None:
         _, (key, output) = self._cached.popitem(last=False)
         shared = self._shared[key]
+        before = shared.trie.memory_bytes()
         shared.trie.remove(output)
         shared.outputs -= 1
+        self._bytes -= before - shared.trie.memory_bytes() + sys.getsizeof(output)
         self.num_cached_tokens -= len(output)
         if shared.outputs == 0:
+            self._bytes -= shared.trie.memory_bytes()
             del self._shared[key]
 
 
