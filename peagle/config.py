@@ -64,6 +64,14 @@ class SpeculativeConfig(BaseModel):
     suffix_decoding_max_spec_factor: float = DEFAULT_SUFFIX_SPEC_FACTOR
     suffix_decoding_min_token_prob: float = DEFAULT_SUFFIX_MIN_TOKEN_PROB
 
+    @field_validator("num_speculative_tokens")
+    @classmethod
+    def _k_range(cls, k: int | None, info) -> int | None:
+        limit = MAX_MODEL_FREE_TOKENS if info.data.get("method") in MODEL_FREE_METHODS else MAX_SPECULATIVE_TOKENS
+        if k is not None and not 1 <= k <= limit:
+            raise ValueError(f"must be between 1 and {limit}, got {k}")
+        return k
+
     @field_validator("prompt_lookup_min", "prompt_lookup_max", "suffix_decoding_max_tree_depth")
     @classmethod
     def _at_least_one(cls, v: int | None) -> int | None:
@@ -140,10 +148,9 @@ class SpeculativeConfig(BaseModel):
             self.num_speculative_tokens = (DEFAULT_NGRAM_TOKENS if self.method == "ngram" else
                                            self.suffix_decoding_max_tree_depth if self.method == "suffix" else
                                            DEFAULT_NUM_SPECULATIVE_TOKENS)
-        limit = MAX_MODEL_FREE_TOKENS if self.method in MODEL_FREE_METHODS else MAX_SPECULATIVE_TOKENS
-        if not 1 <= self.num_speculative_tokens <= limit:
-            raise ValueError(f"num_speculative_tokens must be between 1 and {limit} for method {self.method!r}, "
-                             f"got {self.num_speculative_tokens}")
+        if self.num_speculative_tokens > MAX_MODEL_FREE_TOKENS:  # suffix's default: its tree's depth
+            raise ValueError(f"num_speculative_tokens must be at most {MAX_MODEL_FREE_TOKENS}, got "
+                             f"{self.num_speculative_tokens} (from suffix_decoding_max_tree_depth)")
         if self.method == HYBRID_METHOD and self.suffix_decoding_max_tree_depth > MAX_MODEL_FREE_TOKENS:
             raise ValueError(f"suffix_decoding_max_tree_depth must be at most {MAX_MODEL_FREE_TOKENS} in the hybrid "
                              f"(its suffix drafts run that long), got {self.suffix_decoding_max_tree_depth}")
@@ -195,6 +202,18 @@ class SpeculativeConfig(BaseModel):
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
+
+    def for_vllm(self) -> "SpeculativeConfig":
+        """The config `vllm serve` is given for this one: vLLM has no hybrid, so it runs the hybrid's head alone."""
+        if self.method != HYBRID_METHOD:
+            return self
+        return SpeculativeConfig.for_head(self.model, self.num_speculative_tokens, self.parallel_drafting)
+
+    @classmethod
+    def hybrid(cls, head: str | None, num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
+               ) -> "SpeculativeConfig":
+        """A P-EAGLE head beside suffix trees at their defaults (proposers/hybrid.py)."""
+        return cls(model=head, method=HYBRID_METHOD, num_speculative_tokens=num_speculative_tokens)
 
     @classmethod
     def for_head(cls, head: str | None, num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,

@@ -35,8 +35,8 @@ def test_embedded_preset_k_agrees_everywhere(name, capsys):
     assert served == expected
     # what `peagle models` lists for the preset, as a table and as JSON
     preset = catalog.find(name or "default")
-    assert preset.name == catalog.EMBEDDED_PRESET and preset.speculative_config == {
-        k: expected[k] for k in ("method", "model", "num_speculative_tokens", "parallel_drafting")}
+    assert preset.name == catalog.EMBEDDED_PRESET and preset.speculative_config == \
+        embedded_speculative_config().to_dict()
     assert main(["models"]) == 0
     row = next(line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("smollm2-135m "))
     assert str(DEFAULT_NUM_SPECULATIVE_TOKENS) in row and DEFAULT_HEADS["peagle"] in row

@@ -18,9 +18,10 @@ UNTRAINED_KEY = "peagle_untrained"
 
 
 def embedded_speculative_config() -> SpeculativeConfig:
-    """The bundled P-EAGLE head at the default K: the embedded preset of `peagle models`, and what `peagle serve`
-    and `peagle generate` use for the embedded target when no config is given."""
-    return SpeculativeConfig.for_head(DEFAULT_HEADS["peagle"], DEFAULT_NUM_SPECULATIVE_TOKENS)
+    """The hybrid of the bundled P-EAGLE head at the default K and suffix trees (docs/design.md, "Decoding step"):
+    the embedded preset of `peagle models`, and what `peagle serve` and `peagle generate` use for the embedded target
+    when no config is given."""
+    return SpeculativeConfig.hybrid(DEFAULT_HEADS["peagle"], DEFAULT_NUM_SPECULATIVE_TOKENS)
 
 
 def default_speculative_config(target: str | None) -> SpeculativeConfig | None:

@@ -25,6 +25,7 @@ Every non-streamed response, and the last chunk(s) of a stream, carry the reques
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
@@ -312,6 +313,12 @@ class Job:
         return sum(len(r.prompt_ids) for r in self.requests[:: self.req.n])
 
 
+def cache_key(authorization: str) -> str:
+    """Whose earlier answers a request's suffix tree may draft from (proposers/suffix.py): one key per credential
+    (a digest, so the tree never holds the credential itself); "" without one."""
+    return hashlib.sha256(authorization.encode()).hexdigest()[:16] if authorization else ""
+
+
 def _prepare(state: ServerState, raw: bytes, kind: str | None, arrival: float) -> Job:
     """Parse, validate and tokenise one HTTP request (CPU-heavy for big ones: runs in a worker thread)."""
     data = parse_json(raw)
@@ -391,6 +398,9 @@ async def _serve(state: ServerState, request: Request, kind: str | None) -> Resp
     _check_content_type(request)
     raw = await request.body()
     job = await asyncio.to_thread(_prepare, state, raw, kind, arrival)
+    key = cache_key(request.headers.get("authorization", ""))
+    for r in job.requests:
+        r.cache_key = key
     streams = state.aengine.submit(job.engine, job.requests, job.count_param)
     if job.req.stream:
         return SSEResponse(_events(state, job, streams), streams, state)

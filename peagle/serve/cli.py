@@ -349,7 +349,7 @@ def vllm_command(args, plan) -> list[str]:
         model = str(resolve_model(None))
     cmd = ["vllm", "serve", str(model)]
     if plan["spec"] is not None:
-        cmd += ["--speculative-config", _served_spec(plan).to_json()]
+        cmd += ["--speculative-config", _served_spec(plan).for_vllm().to_json()]
     cmd += ["--host", plan["host"], "--port", str(plan["port"])]
     preset_args = list(plan["preset"].vllm_args) if plan["preset"] is not None else []
     if args.max_model_len:
