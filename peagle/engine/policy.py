@@ -243,11 +243,11 @@ class NoSpeculation:
 
     def value(self, request: Candidate) -> float:
         """How much speculating this request alone is expected to pay, as expected tokens per plain step's time
-        (1.0: no better than plain): the hybrid's measure for choosing between drafts. Without a cost model, the
-        expected tokens of a window (the head's at INITIAL_ACCEPTANCE per draft)."""
+        (1.0: no better than plain): the hybrid's measure for choosing between drafts. Without a cost model a
+        model-free draft, where there is one, is preferred: it costs no drafter forward."""
         if request.draft is not None:
-            return 1.0 + sum(request.draft.survival[: self.max_k])
-        return 1.0 + sum(INITIAL_ACCEPTANCE ** i for i in range(1, self.max_k + 1))
+            return math.inf if request.draft.tokens else 0.0
+        return 1.0
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
         pass

@@ -1,0 +1,56 @@
+"""Model-free drafts (ngram, suffix) and the hybrid are lossless: greedy output equals plain decoding token for
+token, with requests joining mid-flight, under both policies; and their drafts really are accepted on text that
+repeats (so these tests can fail)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from peagle.config import SpeculativeConfig
+from peagle.engine import LLMEngine, SamplingParams
+from peagle.model.checkpoint import random_head
+from peagle.model.target import TargetModel
+from tests.conftest import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> TargetModel:
+    return TargetModel.from_pretrained(make_tiny_model(tmp_path_factory.mktemp("proposers"), "llama", seed=1),
+                                       dtype=torch.float32)
+
+
+def repeating_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(20, 512) for _ in range(rng.randrange(6, 14))] * 3 for _ in range(n)]
+
+
+def run_joining(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    """Half the prompts first; the rest join while the first ones decode."""
+    ids = [engine.add_request(p, params) for p in prompts[: len(prompts) // 2]]
+    final: dict[str, list[int]] = {}
+    for _ in range(3):
+        final.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    ids += [engine.add_request(p, params) for p in prompts[len(prompts) // 2:]]
+    while engine.has_work():
+        final.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    return [final[i] for i in ids]
+
+
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "hybrid"])
+def test_greedy_lossless_and_accepted(target, method, policy):
+    ps, params = repeating_prompts(6), SamplingParams(max_tokens=40, ignore_eos=True)
+    ref = [o.token_ids for o in LLMEngine(target, None, max_num_seqs=4, max_model_len=256).generate(ps, params)]
+    head = None
+    if method == "hybrid":
+        head = random_head(target.config, target.embed_tokens.weight, "peagle", mask_token_id=3, seed=0,
+                           dtype=target.embed_tokens.weight.dtype)
+    spec = SpeculativeConfig(method=method, model="random" if head is not None else None)
+    engine = LLMEngine(target, None, head, spec, max_num_seqs=4, max_model_len=256, speculation_policy=policy)
+    assert run_joining(engine, ps, params) == ref
+    model_free = "ngram" if method == "ngram" else "suffix"
+    assert engine.proposer_stats[model_free].num_accepted_tokens > 0, engine.proposer_stats
+    if method == "hybrid" and policy == "fixed":  # where the tree has no draft, the head drafts
+        assert engine.proposer_stats["peagle"].num_drafts > 0
