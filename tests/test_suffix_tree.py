@@ -7,7 +7,7 @@ import tracemalloc
 
 import pytest
 
-from peagle.engine.proposers.suffix_tree import NO_DRAFT, SuffixCache, SuffixTrie, _Node
+from peagle.engine.proposers.suffix_tree import NO_DRAFT, SuffixCache, SuffixTrie, _kids, _Node
 
 
 def reference_draft(texts, context, depth, max_spec, factor, min_prob):
@@ -42,22 +42,27 @@ def reference_draft(texts, context, depth, max_spec, factor, min_prob):
 
 def check_invariants(trie):
     """Every node's total is its children's counts; best is the most frequent child; counters are right."""
-    nodes = leaves = 0
+    nodes = leaves = dicts = 0
     stack = [trie.root]
     while stack:
         node = stack.pop()
         nodes += 1
-        counts = {t: (c.count if type(c) is _Node else 1) for t, c in node.children.items()}
+        if node.children is None:
+            assert node.only is None or node.best >= 0
+        else:
+            dicts += 1
+            assert node.only is None
+        counts = {t: (c.count if type(c) is _Node else 1) for t, c in _kids(node).items()}
         assert node.total == sum(counts.values())
         assert node.best == (min(counts, key=lambda t: (-counts[t], t)) if counts else -1)
         assert node.best_count == (counts[node.best] if counts else 0)
-        for c in node.children.values():
+        for c in _kids(node).values():
             if type(c) is _Node:
                 assert 0 < c.count <= max(node.count, c.count if node is trie.root else node.count)
                 stack.append(c)
             else:
                 leaves += 1
-    assert (nodes, leaves) == (trie.num_nodes, trie.num_leaves)
+    assert (nodes, leaves, dicts) == (trie.num_nodes, trie.num_leaves, trie.num_dicts)
 
 
 def random_text(rng, n, vocab):
@@ -134,7 +139,7 @@ def test_removing_every_sequence_empties_the_trie():
     for s in rng.sample(seqs, len(seqs)):
         trie.remove(s)
         check_invariants(trie)
-    assert (trie.num_nodes, trie.num_leaves, trie.root.children) == (1, 0, {})
+    assert (trie.num_nodes, trie.num_leaves, _kids(trie.root)) == (1, 0, {})
 
 
 def exact_memory_bytes(cache):
@@ -177,7 +182,7 @@ def test_memory_estimate_is_close_to_measured():
         cache.stop_request(str(i))
     measured = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
-    assert 0.6 < cache.memory_bytes() / measured < 1.5, (cache.memory_bytes(), measured)
+    assert 1.0 <= cache.memory_bytes() / measured < 1.6, (cache.memory_bytes(), measured)  # an upper estimate
 
 
 def test_one_keys_text_is_never_drafted_for_another():

@@ -38,16 +38,18 @@ NO_DRAFT = SuffixDraft([], [], 0.0, 0)
 class _Node:
     """The string spelled by the path from the root. `count`: its occurrences; `total`: those followed by a token
     within the depth bound (the sum of the children's counts); `best`: the child with the highest count, lowest token
-    id on ties (-1: none), and `best_count` its count."""
+    id on ties (-1: none), and `best_count` its count. Most nodes have one child: it is kept in `only` (its token is
+    `best`) and `children` is None until a second child comes, which saves a dict per node."""
 
-    __slots__ = ("count", "total", "best", "best_count", "children")
+    __slots__ = ("count", "total", "best", "best_count", "only", "children")
 
     def __init__(self, count: int) -> None:
         self.count = count
         self.total = 0
         self.best = -1
         self.best_count = 0
-        self.children: dict[int, _Node | tuple] = {}
+        self.only: _Node | tuple | None = None
+        self.children: dict[int, _Node | tuple] | None = None
 
 
 # A leaf is a tuple (seq, end, pos): the one occurrence below its parent continues as seq[pos:min(end, len(seq))]
@@ -58,8 +60,15 @@ def _count(child: _Node | tuple) -> int:
     return child.count if type(child) is _Node else 1
 
 
+def _kids(node: _Node) -> dict[int, _Node | tuple]:
+    """The node's children by token (a new dict when it keeps one child inline)."""
+    if node.children is not None:
+        return node.children
+    return {} if node.only is None else {node.best: node.only}
+
+
 def _set_best(node: _Node) -> None:
-    kids = node.children
+    kids = _kids(node)
     node.best = min(kids, key=lambda t: (-_count(kids[t]), t)) if kids else -1
     node.best_count = _count(kids[node.best]) if kids else 0
 
@@ -74,11 +83,12 @@ class SuffixTrie:
         self.root = _Node(0)
         self.num_nodes = 1
         self.num_leaves = 0
+        self.num_dicts = 0  # nodes with two children or more
 
     def memory_bytes(self) -> int:
-        """An estimate of the trie's own memory (not the sequences it points into), from its node and leaf counts;
-        tests/test_suffix_tree.py checks it against tracemalloc."""
-        return self.num_nodes * _NODE_BYTES + self.num_leaves * _LEAF_BYTES + \
+        """An upper estimate of the trie's own memory (not the sequences it points into), from its node and leaf
+        counts: tests/test_suffix_tree.py holds it within 1.6x above tracemalloc's count."""
+        return self.num_nodes * _NODE_BYTES + self.num_dicts * _DICT_BYTES + self.num_leaves * _LEAF_BYTES + \
             (self.num_nodes + self.num_leaves) * _SLOT_BYTES
 
     def insert(self, seq: Sequence[int]) -> _Cursor:
@@ -95,17 +105,19 @@ class SuffixTrie:
             for pos in range(start, min(start + depth, len(seq))):
                 t = seq[pos]
                 node.total -= 1
-                child = node.children[t]
+                kids = node.children
+                child = node.only if kids is None else kids[t]
                 if node.best == t:
                     dirty[id(node)] = node
                 if type(child) is not _Node:  # this occurrence's own leaf: its path ends here
-                    del node.children[t]
+                    _unlink(node, t)
                     self.num_leaves -= 1
                     break
                 child.count -= 1
                 if child.count == 0:  # walking on through the detached child keeps the node count right
-                    del node.children[t]
+                    _unlink(node, t)
                     self.num_nodes -= 1
+                    self.num_dicts -= child.children is not None
                 node = child
         for node in dirty.values():
             _set_best(node)
@@ -136,7 +148,8 @@ class SuffixTrie:
         for i in range(len(context) - length, len(context)):
             t = context[i]
             if leaf is None:
-                child = node.children.get(t)
+                kids = node.children
+                child = (node.only if t == node.best else None) if kids is None else kids.get(t)
                 if child is None:
                     return None
                 if type(child) is _Node:
@@ -171,10 +184,18 @@ class _Cursor:
             deepest = n + 1 - depth  # a suffix that started here has reached the depth bound
             for node, start in active:
                 node.total += 1
-                children = node.children
-                child = children.get(t)
+                kids = node.children
+                child = (node.only if t == node.best else None) if kids is None else kids.get(t)
                 if child is None:
-                    children[t] = (seq, start + depth, n)
+                    child = (seq, start + depth, n)
+                    if kids is not None:
+                        kids[t] = child
+                    elif node.only is None:
+                        node.only = child
+                    else:  # a second child
+                        node.children = {node.best: node.only, t: child}
+                        node.only = None
+                        trie.num_dicts += 1
                     trie.num_leaves += 1
                     count = 1
                 else:
@@ -182,11 +203,15 @@ class _Cursor:
                         child.count += 1
                     else:  # two occurrences now share this string: the leaf's tail hangs below a new node
                         lseq, end, lpos = child
-                        child = children[t] = node_type(2)
+                        child = node_type(2)
+                        if kids is None:
+                            node.only = child
+                        else:
+                            kids[t] = child
                         trie.num_nodes += 1
                         q = lpos + 1
                         if q < end and q < len(lseq):
-                            child.children[lseq[q]] = (lseq, end, q)
+                            child.only = (lseq, end, q)
                             child.total = child.best_count = 1
                             child.best = lseq[q]
                         else:
@@ -210,6 +235,13 @@ class _Cursor:
                 best = _better(best, _walk(nodes[length], None, 0, length, max_spec_tokens, max_spec_factor,
                                            min_token_prob))
         return best
+
+
+def _unlink(node: _Node, token: int) -> None:
+    if node.children is None:
+        node.only = None
+    else:
+        del node.children[token]
 
 
 def _limit(match_len: int, max_spec_tokens: int, max_spec_factor: float) -> int:
@@ -243,7 +275,7 @@ def _walk(node: _Node, leaf: tuple | None, pos: int, match_len: int, max_spec_to
             if node.total == 0:
                 break
             t = node.best
-            child = node.children[t]
+            child = node.only if node.children is None else node.children[t]
             p = node.best_count / node.total
             cum *= p
             if cum < min_token_prob:
@@ -391,8 +423,9 @@ class SuffixCache:
             del self._shared[key]
 
 
-# Sizes for memory_bytes: a node with its (small) children dict; a leaf tuple with its two position ints; a child
-# slot: a dict entry (amortised over the table's spare room) and its token id's int object.
-_NODE_BYTES = sys.getsizeof(_Node(0)) + sys.getsizeof({1: 1})
+# Sizes for memory_bytes: a node; a small children dict; a leaf tuple with its two position ints; per child, its token
+# id's int object (an array hands out a new one per read).
+_NODE_BYTES = sys.getsizeof(_Node(0))
+_DICT_BYTES = sys.getsizeof({1: 1, 2: 2})
 _LEAF_BYTES = sys.getsizeof((0, 0, 0)) + 2 * sys.getsizeof(10**6)
-_SLOT_BYTES = 3 * 8 + sys.getsizeof(10**6)
+_SLOT_BYTES = sys.getsizeof(10**6)
