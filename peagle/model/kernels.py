@@ -258,14 +258,13 @@ def describe(device: torch.device | str = "cpu") -> str:
 
 def _usable(*tensors: torch.Tensor) -> bool:
     """bf16 CPU tensors that need no gradients, on a machine where the kernels run. Called several times per layer
-    per step, so it is written for speed."""
-    if not available():
-        return False
+    per step, so it is written for speed. The tensors are looked at first: a model on a GPU (or in fp32) never
+    builds the library (a CUDA training run must not spend a minute compiling CPU kernels)."""
     grad = torch.is_grad_enabled()
     for t in tensors:
         if t.dtype is not torch.bfloat16 or not t.is_cpu or (grad and t.requires_grad):
             return False
-    return True
+    return available()
 
 
 @dataclass

@@ -47,6 +47,37 @@ class TeacherSeq:
     labels: torch.Tensor  # [n, Vd]: target logits at position t over the draft vocab (any dtype; the loss
     #                       renormalises them in fp32): the label of the element predicting token t+1
     argmax: torch.Tensor  # [n] long: the target's full-vocab argmax at position t
+    positions: torch.Tensor | None = None  # [n] long: each token's position in its row (None: 0..n-1, one row)
+
+    def token_rows(self) -> torch.Tensor | None:
+        """[n] long: which stacked row each token belongs to (None for a single row)."""
+        return None if self.positions is None else (self.positions == 0).long().cumsum(0) - 1
+
+
+def element_positions(seq: TeacherSeq, anchor: torch.Tensor, depth: torch.Tensor | int = 0) -> torch.Tensor:
+    """RoPE positions of elements (anchor, depth): the anchor's position in its own row, plus the depth."""
+    return (anchor if seq.positions is None else seq.positions[anchor]) + depth
+
+
+def stack_rows(seqs: list[TeacherSeq], els: list[Elements]) -> tuple[TeacherSeq, Elements]:
+    """Several training rows as one sequence for one forward (--micro-batch-size): tokens end to end, each row's
+    positions restarting at 0, its elements' anchors shifted to the stacked tokens and their document set to the
+    row, so no element sees another row (cod_mask) and every loss equals the row's own. Depth-major, as one row's."""
+    if len(seqs) == 1:
+        return seqs[0], els[0]
+    offsets = [0]
+    for s in seqs[:-1]:
+        offsets.append(offsets[-1] + s.input_ids.numel())
+    dev = seqs[0].input_ids.device
+    seq = TeacherSeq(*(torch.cat([getattr(s, f) for s in seqs]) for f in ("input_ids", "features", "labels", "argmax")),
+                     positions=torch.cat([torch.arange(s.input_ids.numel(), device=dev) for s in seqs]))
+    docs, base = [], 0  # a row's own documents stay apart too
+    for e in els:
+        docs.append(e.doc + base)
+        base += int(e.doc.max()) + 1 if len(e) else 1
+    el = Elements(torch.cat([e.anchor + o for e, o in zip(els, offsets)]), torch.cat([e.depth for e in els]),
+                  torch.cat([e.supervised for e in els]), torch.cat(docs))
+    return seq, el.select(torch.argsort(el.depth, stable=True))
 
 
 class FrozenEmbedding(nn.Module):
@@ -99,7 +130,7 @@ def element_inputs(drafter: Drafter, seq: TeacherSeq, el: Elements):
         tokens = torch.where(d0, seq.input_ids[nxt], torch.full_like(nxt, mask_id))
         feats = torch.where(d0[:, None], seq.features[el.anchor].float(),
                             drafter.mask_hidden.reshape(1, -1).float())
-    return tokens, feats, el.position
+    return tokens, feats, element_positions(seq, el.anchor, el.depth)
 
 
 LOSSES = ("kl", "ce", "lk_hybrid")
@@ -247,8 +278,9 @@ def cod_hidden(drafter: Drafter, seq: TeacherSeq, el: Elements, chunk: int = 204
     a0, doc0 = el.anchor[idx0], el.doc[idx0]
     one_doc = bool((el.doc == el.doc[0]).all()) if E else True
     h_in = drafter.fc(seq.features[a0].to(drafter.fc.weight.dtype))
-    mask0 = None if one_doc else cod_mask(el.select(idx0))
-    h0, kv0 = forward_rows(drafter, ids[(a0 + 1).clamp(max=ids.numel() - 1)], h_in, a0, mask0)
+    h0, kv0 = forward_docs(drafter, ids[(a0 + 1).clamp(max=ids.numel() - 1)], h_in, element_positions(seq, a0),
+                           None if one_doc else doc0)
+    sorted_docs = one_doc or bool((doc0[1:] >= doc0[:-1]).all())  # then a chunk's keys start at its first document
     idxd = torch.nonzero(~d0).flatten()
     if idxd.numel() == 0:
         out = h0
@@ -269,11 +301,12 @@ def cod_hidden(drafter: Drafter, seq: TeacherSeq, el: Elements, chunk: int = 204
             sub = el.select(rows)
             hi = int(sub.anchor.max())
             j = int(torch.searchsorted(a0, hi, right=True))
-            ext_mask = (a0[:j][None, :] <= sub.anchor[:, None]) & (doc0[:j][None, :] == sub.doc[:, None])
-            ext = [(k[:, :, :j], v[:, :, :j]) for k, v in kv0]
+            i = 0 if one_doc or not sorted_docs else int(torch.searchsorted(doc0, sub.doc.min()))
+            ext_mask = (a0[i:j][None, :] <= sub.anchor[:, None]) & (doc0[i:j][None, :] == sub.doc[:, None])
+            ext = [(k[:, :, i:j], v[:, :, i:j]) for k, v in kv0]
             tok = torch.full_like(sub.anchor, drafter.config.mask_token_id)
-            h, _ = forward_rows(drafter, tok, mask_in.expand(rows.numel(), -1), sub.position, cod_mask(sub), ext,
-                                ext_mask)
+            h, _ = forward_rows(drafter, tok, mask_in.expand(rows.numel(), -1),
+                                element_positions(seq, sub.anchor, sub.depth), cod_mask(sub), ext, ext_mask)
             outs.append(h)
             start = end
         out = torch.cat([h0] + outs)
@@ -323,17 +356,20 @@ def _attention(attn, x: torch.Tensor, rope, self_mask, ext, ext_mask, causal: bo
 
 def forward_rows(drafter: Drafter, tokens: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor,
                  self_mask: torch.Tensor | None = None, ext: list | None = None, ext_mask: torch.Tensor | None = None):
-    """`Drafter.forward` for one sequence of T rows that may also attend to given keys/values.
+    """`Drafter.forward` for one sequence of T rows that may also attend to given keys/values; or, given tokens
+    [B, T], for B sequences at once, each causal on its own.
 
     self_mask [T, T] (None: causal); ext: per layer (k, v) [1, kv_heads, L, D] after RoPE; ext_mask [T, L].
-    Returns (hidden [T, H], per-layer (k, v) of these rows)."""
+    Returns (hidden [T, H] (or [B, T, H]), per-layer (k, v) of these rows)."""
+    single = tokens.dim() == 1
+    if single:
+        tokens, feats, positions = tokens[None], feats[None], positions[None]
     h = drafter.fc(feats) if feats.shape[-1] != drafter.config.hidden_size else feats
-    h = h[None]
-    rope = drafter.rotary(positions[None], h.dtype)
+    rope = drafter.rotary(positions, h.dtype)
     causal = self_mask is None
     kvs = []
     mid = drafter.midlayer
-    x, residual = mid.inputs(drafter.embed_tokens(tokens[None]), h)
+    x, residual = mid.inputs(drafter.embed_tokens(tokens), h)
     a, kv = _attention(mid.self_attn, x, rope, self_mask, None if ext is None else ext[0], ext_mask, causal)
     kvs.append(kv)
     x = residual + a
@@ -344,7 +380,32 @@ def forward_rows(drafter: Drafter, tokens: torch.Tensor, feats: torch.Tensor, po
         kvs.append(kv)
         x = h + a
         h = x + layer.mlp(layer.post_attention_layernorm(x))
-    return h[0], kvs
+    return (h[0] if single else h), kvs
+
+
+def forward_docs(drafter: Drafter, tokens: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor,
+                 doc: torch.Tensor | None):
+    """`forward_rows` of N rows in anchor order, causal within each document (`doc` [N]; None: one document).
+    Documents run side by side as one padded batch [docs, longest], so stacked rows cost a causal pass each rather
+    than one masked pass over all of them; padding sits after each document's rows, where no real row sees it.
+    Returns (hidden [N, H], per-layer (k, v) [1, kv_heads, N, D]) in the rows' order."""
+    if doc is None:
+        return forward_rows(drafter, tokens, feats, positions)
+    order = torch.argsort(doc, stable=True)  # stable: each document's rows keep their anchor order
+    _, counts = torch.unique_consecutive(doc[order], return_counts=True)
+    B, T = counts.numel(), int(counts.max())
+    b = torch.repeat_interleave(torch.arange(B, device=doc.device), counts)
+    t = torch.arange(order.numel(), device=doc.device) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+    padded = []
+    for x in (tokens, feats, positions):
+        p = x.new_zeros((B, T) + x.shape[1:])
+        p[b, t] = x[order]
+        padded.append(p)
+    h, kvs = forward_rows(drafter, *padded)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    b, t = b[inverse], t[inverse]
+    return h[b, t], [(k[b, :, t].transpose(0, 1)[None], v[b, :, t].transpose(0, 1)[None]) for k, v in kvs]
 
 
 def ttt_forward(drafter: Drafter, seq: TeacherSeq, el: Elements, chunk: int = 2048, step_tokens=None):
@@ -353,12 +414,17 @@ def ttt_forward(drafter: Drafter, seq: TeacherSeq, el: Elements, chunk: int = 20
     Yields (step k, anchors [M], hidden [M, H]) for k = 0..K-1; step 0 covers every real row. `step_tokens(k,
     anchors)` overrides the ground-truth tokens fed at step k >= 1 (tests feed the chain's own drafts)."""
     ids = seq.input_ids
-    n = ids.numel()
     el = el.to(ids.device)
-    a0 = el.anchor[el.depth == 0]
-    if a0.numel() != n - 1 or not bool((a0 == torch.arange(n - 1, device=a0.device)).all()):
+    a0, doc0 = el.anchor[el.depth == 0], el.doc[el.depth == 0]
+    rows = seq.token_rows()
+    real = torch.arange(ids.numel() - 1, device=ids.device)  # every token but each row's last
+    real = real if rows is None else real[rows[1:] == rows[:-1]]
+    if a0.numel() != real.numel() or not bool((a0 == real).all()):
         raise ValueError("the TTT unroll needs every real row at step 0")
-    h_prev, kv0 = forward_rows(drafter, ids[a0 + 1], seq.features[a0].float(), a0)
+    one_doc = bool((doc0 == doc0[0]).all()) if a0.numel() else True
+    sorted_docs = not one_doc and bool((doc0[1:] >= doc0[:-1]).all())
+    h_prev, kv0 = forward_docs(drafter, ids[a0 + 1], seq.features[a0].float(), element_positions(seq, a0),
+                               None if one_doc else doc0)
     yield 0, a0, h_prev
     prev_anchor = a0
     chains: list[tuple[torch.Tensor, list]] = []  # (anchors of step j, per-layer kv), j = 1..k-1
@@ -369,22 +435,24 @@ def ttt_forward(drafter: Drafter, seq: TeacherSeq, el: Elements, chunk: int = 20
             break
         feat = h_prev[torch.searchsorted(prev_anchor, A)]
         tok = ids[A + 1 + k] if step_tokens is None else step_tokens(k, A)
-        pos = A + k
+        pos = element_positions(seq, A, k)
+        docA = doc0[torch.searchsorted(a0, A)]
         outs, kv_parts = [], []
         for c0 in range(0, A.numel(), chunk):
-            Ac = A[c0:c0 + chunk]
+            Ac, dc = A[c0:c0 + chunk], docA[c0:c0 + chunk]
             lo, hi = int(Ac[0]), int(Ac[-1])
-            ext, masks = [], [torch.arange(hi + 1, device=A.device)[None, :] <= Ac[:, None]]
+            # real keys: from the first row of the chunk's first document (stacked rows: docs ascend with anchors)
+            i = 0 if not sorted_docs else int(torch.searchsorted(doc0, dc[0]))
+            j = int(torch.searchsorted(a0, hi, right=True))
+            ext, masks = [], [(a0[i:j][None, :] <= Ac[:, None]) & (doc0[i:j][None, :] == dc[:, None])]
             spans = []
             for anchors_j, _ in chains:
                 s, e = int(torch.searchsorted(anchors_j, lo)), int(torch.searchsorted(anchors_j, hi, right=True))
                 spans.append((s, e))
                 masks.append(anchors_j[s:e][None, :] == Ac[:, None])
             for layer in range(len(kv0)):
-                ks = [kv0[layer][0][:, :, :hi + 1]] + [kv[layer][0][:, :, s:e] for (_, kv), (s, e) in
-                                                        zip(chains, spans)]
-                vs = [kv0[layer][1][:, :, :hi + 1]] + [kv[layer][1][:, :, s:e] for (_, kv), (s, e) in
-                                                        zip(chains, spans)]
+                ks = [kv0[layer][0][:, :, i:j]] + [kv[layer][0][:, :, s:e] for (_, kv), (s, e) in zip(chains, spans)]
+                vs = [kv0[layer][1][:, :, i:j]] + [kv[layer][1][:, :, s:e] for (_, kv), (s, e) in zip(chains, spans)]
                 ext.append((torch.cat(ks, 2), torch.cat(vs, 2)))
             eye = torch.eye(Ac.numel(), dtype=torch.bool, device=A.device)
             h_c, kv_c = forward_rows(drafter, tok[c0:c0 + chunk], feat[c0:c0 + chunk], pos[c0:c0 + chunk], eye,

@@ -185,24 +185,49 @@ class Teacher:
             raise RuntimeError("set Teacher.used (the draft vocab) before computing labels")
         if self.target is not None:
             return self._native_call(input_ids)
-        ids = input_ids.to(self.device)[None]
+        return self._hf_call(input_ids.to(self.device)[None], None)[0]
+
+    @torch.no_grad()
+    def batch(self, rows: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """`self(ids)` for several rows in one forward (--micro-batch-size): right-padded to the longest, the padding
+        masked out, so every row's outputs are its own (up to the rounding of a batched product). The engine's CPU
+        forward takes one row per call, so there the rows run in turn."""
+        if self.target is not None or len(rows) == 1:
+            return [self(ids) for ids in rows]
+        if self.used is None:
+            raise RuntimeError("set Teacher.used (the draft vocab) before computing labels")
+        lengths = [ids.numel() for ids in rows]
+        ids = torch.zeros(len(rows), max(lengths), dtype=torch.long, device=self.device)
+        attention = torch.zeros_like(ids)
+        for r, row in enumerate(rows):
+            ids[r, :lengths[r]] = row.to(self.device)
+            attention[r, :lengths[r]] = 1
+        return self._hf_call(ids, attention, lengths)
+
+    def _hf_call(self, ids: torch.Tensor, attention: torch.Tensor | None, lengths: list[int] | None = None):
+        """transformers' forward of rows ids [B, T] -> per row (features, labels, argmax), each cut to its length."""
         plain = self._head_is_plain()
         kw = {"logits_to_keep": 1} if plain else {}
+        if attention is not None:
+            kw["attention_mask"] = attention
         out = self.model(input_ids=ids, output_hidden_states=True, use_cache=False, **kw)
         hs = out.hidden_states
-        features = torch.cat([hs[i][0] for i in self.feature_layer_ids], dim=-1)
         head = self.model.get_output_embeddings()
-        last = hs[-1][0]
-        n = ids.shape[1]
-        used = self.used.to(last.device)
-        labels = torch.empty(n, used.numel(), dtype=last.dtype, device=last.device)
-        argmax = torch.empty(n, dtype=torch.long, device=last.device)
-        for a in range(0, n, self.logits_chunk):
-            chunk = head(last[a:a + self.logits_chunk]) if plain else out.logits[0, a:a + self.logits_chunk]
-            argmax[a:a + self.logits_chunk] = chunk.argmax(-1)
-            labels[a:a + self.logits_chunk] = chunk.index_select(-1, used).to(labels.dtype)
+        used = self.used.to(hs[-1].device)
+        results = []
+        for r, n in enumerate(lengths or [ids.shape[1]]):
+            features = torch.cat([hs[i][r, :n] for i in self.feature_layer_ids], dim=-1)
+            last = hs[-1][r, :n]
+            labels = torch.empty(n, used.numel(), dtype=last.dtype, device=last.device)
+            argmax = torch.empty(n, dtype=torch.long, device=last.device)
+            for a in range(0, n, self.logits_chunk):
+                b = min(n, a + self.logits_chunk)
+                chunk = head(last[a:b]) if plain else out.logits[r, a:b]
+                argmax[a:b] = chunk.argmax(-1)
+                labels[a:b] = chunk.index_select(-1, used).to(labels.dtype)
+            results.append((features, labels, argmax))
         del out, hs
-        return features, labels, argmax
+        return results
 
     def _native_call(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = input_ids.numel()

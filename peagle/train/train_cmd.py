@@ -13,7 +13,7 @@ import sys
 
 from peagle import cli_args
 from peagle.train.objective import LOSSES
-from peagle.train.trainer import DEFAULT_DEPTHS, DEFAULT_LAYERS, TrainConfig
+from peagle.train.trainer import DEFAULT_DEPTHS, DEFAULT_LAYERS, LR_SCALING, TrainConfig
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
@@ -58,7 +58,16 @@ def _add_optimizer_args(p) -> None:
     _option(p, "max_steps", type=cli_args.positive_int, help="stop after this many optimizer steps")
     _option(p, "batch_size", type=cli_args.positive_int,
             help="sequences per optimizer step, all ranks together [%(default)s]")
-    _option(p, "lr", type=cli_args.positive_float, help="peak learning rate [%(default)s]")
+    _option(p, "micro_batch_size", type=cli_args.positive_int,
+            help="rows per forward of the target and the head; a step accumulates gradients over "
+                 "batch-size / micro-batch-size forwards (several rows per forward keep a GPU busy) [%(default)s]")
+    _option(p, "lr", type=cli_args.positive_float,
+            help="peak learning rate at --lr-reference-batch rows per step [%(default)s]")
+    _option(p, "lr_scaling", choices=LR_SCALING,
+            help="how the peak learning rate follows --batch-size: none, sqrt (x sqrt(batch / reference), for "
+                 "Adam) or linear (x batch / reference); the log prints the rate used [%(default)s]")
+    _option(p, "lr_reference_batch", type=cli_args.positive_int,
+            help="the batch --lr was tuned at (the bundled recipe's) [%(default)s]")
     _option(p, "warmup_ratio", type=cli_args.fraction, help="share of the steps spent warming up [%(default)s]")
     _option(p, "min_lr_ratio", type=cli_args.fraction, help="cosine floor as a fraction of --lr [%(default)s]")
     _option(p, "weight_decay", type=cli_args.nonnegative_float)
@@ -128,6 +137,10 @@ def _add_checkpoint_args(p) -> None:
 def _add_runtime_args(p) -> None:
     _option(p, "seed", type=cli_args.seed)
     _option(p, "device", help="auto, cpu or cuda")
+    _option(p, "time_budget", type=cli_args.positive_float,
+            help="seconds for this run's training and its final evaluation: the run (and its learning-rate "
+                 "schedule) ends at the step that leaves the evaluation and the save in time, so a time slot always "
+                 "ends with a usable head")
     _option(p, "limit", type=cli_args.positive_int, help="use at most this many conversations")
     _option(p, "progress", "--no-progress", action="store_false", help="no progress bar")
     _option(p, "loss_chunk", type=cli_args.positive_int, help="rows per fused LM-head/loss chunk [%(default)s]")

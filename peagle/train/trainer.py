@@ -29,16 +29,28 @@ import torch.distributed as dist
 from peagle.config import SpeculativeConfig
 from peagle.model.checkpoint import save_head
 from peagle.model.loading import EMBEDDED_HUB_ID, torch_dtype
-from peagle.train.cod import Elements, eval_elements, partition, sample_cod
+from peagle.train.cod import Elements, Segment, eval_elements, partition, sample_cod
 from peagle.train.head import build_head
 from peagle.train.objective import (LK_ETA, LOSS_CHUNK, LOSSES, TeacherSeq, TrainHead, cod_hidden, export_drafter,
-                                    ttt_forward)
+                                    stack_rows, ttt_forward)
 from peagle.train.teacher import Teacher
 from peagle.train.vocab import used_ids
 
 # Per-method defaults: the bundled heads' shapes (docs/heads.md).
 DEFAULT_LAYERS = {"peagle": 2, "eagle3": 1}
 DEFAULT_DEPTHS = {"peagle": 12, "eagle3": 7}
+
+
+# How the peak learning rate follows the batch (rows per optimizer step): none keeps --lr; sqrt multiplies it by
+# sqrt(batch / reference), the rule for Adam-type optimizers (the gradient's noise falls as 1/sqrt(batch)); linear
+# by batch / reference (SGD's rule, too hot for Adam at large ratios). The reference is the batch --lr was tuned at.
+LR_SCALING = ("none", "sqrt", "linear")
+
+
+def scaled_lr(lr: float, batch: int, reference: int, rule: str) -> float:
+    """The peak learning rate for `batch` rows per step under `rule` (LR_SCALING), --lr being right at `reference`."""
+    ratio = batch / reference
+    return lr * {"none": 1.0, "sqrt": math.sqrt(ratio), "linear": ratio}[rule]
 
 
 @dataclass
@@ -55,7 +67,10 @@ class TrainConfig:
     epochs: float = 1.0
     max_steps: int | None = None
     batch_size: int = 4  # sequences per optimizer step, all ranks together
+    micro_batch_size: int = 1  # rows per forward, teacher and drafter (a step accumulates its micro-batches)
     lr: float = 1e-3
+    lr_scaling: str = "none"  # LR_SCALING: how --lr follows --batch-size away from lr_reference_batch
+    lr_reference_batch: int = 4  # the batch --lr was tuned at (the bundled recipe's)
     warmup_ratio: float = 0.05
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
@@ -88,6 +103,7 @@ class TrainConfig:
     share_teacher_cache: bool = False  # the cache serves exactly two one-pass runs: the second to read a row deletes it
     teacher_ahead: bool = False  # the next step's target outputs are computed in a second thread while this step trains
     seed: int = 0
+    time_budget: float | None = None  # seconds: training stops in time to evaluate and save a usable head
     device: str = "auto"
     limit: int | None = None  # use at most this many conversations
     log_every: int = 1
@@ -126,6 +142,14 @@ class TrainConfig:
             raise ValueError(f"--optimizer must be adamw or muon, not {self.optimizer!r}")
         if self.batch_size < 1 or self.max_seq_len < 3:
             raise ValueError("--batch-size must be >= 1 and --max-seq-len >= 3")
+        if self.micro_batch_size < 1:
+            raise ValueError("--micro-batch-size must be >= 1")
+        if self.micro_batch_size > 1 and self.partitions > 1:
+            raise ValueError("--micro-batch-size stacks whole rows and --partitions splits them: use one of the two")
+        if self.lr_scaling not in LR_SCALING:
+            raise ValueError(f"--lr-scaling must be one of {', '.join(LR_SCALING)}, not {self.lr_scaling!r}")
+        if self.time_budget is not None and self.time_budget <= 0:
+            raise ValueError("--time-budget must be a positive number of seconds")
         if self.share_teacher_cache and not self.teacher_cache:
             raise ValueError("--share-teacher-cache needs --teacher-cache FOLDER: the cache the two runs share")
         if self.eval_depths is None:
@@ -158,18 +182,19 @@ def limit_heap_fragmentation(threshold: int = 1 << 17) -> None:
         pass
 
 
-def make_optimizer(drafter: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+def make_optimizer(drafter: torch.nn.Module, cfg: TrainConfig, lr: float | None = None) -> torch.optim.Optimizer:
     """AdamW over every trainable tensor; or, with `muon`, torch.optim.Muon over the decoder layers' and fc's
     matrices (scaled to AdamW's update size, so one --lr serves both) and AdamW over the rest (embeddings, LM head,
     norms, mask_hidden), as Muon's authors use it."""
+    lr = cfg.lr if lr is None else lr
     named = [(n, p) for n, p in drafter.named_parameters() if p.requires_grad]
-    adamw = dict(lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    adamw = dict(lr=lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW([p for _, p in named], **adamw)
     hidden = [p for n, p in named if p.ndim == 2 and (n.startswith(("midlayer.", "layers.")) or n == "fc.weight")]
     ids = {id(p) for p in hidden}
     rest = [p for _, p in named if id(p) not in ids]
-    return _MuonWithAdamW(torch.optim.Muon(hidden, lr=cfg.lr, weight_decay=cfg.weight_decay,
+    return _MuonWithAdamW(torch.optim.Muon(hidden, lr=lr, weight_decay=cfg.weight_decay,
                                            adjust_lr_fn="match_rms_adamw"),
                           torch.optim.AdamW(rest, **adamw))
 
@@ -357,12 +382,17 @@ class Trainer:
 
     def _build_optimizer(self):
         cfg = self.cfg
-        self.optimizer = make_optimizer(self.drafter, cfg)
+        self.peak_lr = scaled_lr(cfg.lr, cfg.batch_size, cfg.lr_reference_batch, cfg.lr_scaling)
+        if self.peak_lr != cfg.lr:
+            self.log(f"peak learning rate {self.peak_lr:.3g}: --lr {cfg.lr:g} at batch {cfg.lr_reference_batch}, "
+                     f"scaled ({cfg.lr_scaling}) to batch {cfg.batch_size}")
+        self.optimizer = make_optimizer(self.drafter, cfg, self.peak_lr)
         self.steps_per_epoch = math.ceil(len(self.train_ids) / cfg.batch_size)
         self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * self.steps_per_epoch))
-        warmup = int(cfg.warmup_ratio * self.total_steps)
+        self.planned_steps = self.total_steps  # --time-budget may end the run (and its schedule) sooner
 
-        def schedule(step: int) -> float:
+        def schedule(step: int) -> float:  # reads total_steps at every step: --time-budget moves the end
+            warmup = int(cfg.warmup_ratio * self.total_steps)
             if step < warmup:
                 return (step + 1) / (warmup + 1)
             progress = (step - warmup) / max(1, self.total_steps - warmup)
@@ -379,7 +409,8 @@ class Trainer:
         ck.mkdir(parents=True, exist_ok=True)
         torch.save({"step": self.step, "model": self.head.state_dict(), "optimizer": self.optimizer.state_dict(),
                     "scheduler": self.scheduler.state_dict(), "config": asdict(self.cfg),
-                    "rng": torch.get_rng_state(), "history": self.history}, ck / "trainer_state.pt.tmp")
+                    "rng": torch.get_rng_state(), "history": self.history, "record": self.training_record()},
+                   ck / "trainer_state.pt.tmp")
         os.replace(ck / "trainer_state.pt.tmp", ck / "trainer_state.pt")
         self.save_head(ck / "head")
         cks = sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
@@ -427,12 +458,16 @@ class Trainer:
 
     def _teacher_seq(self, ids: torch.Tensor, row: int | None = None) -> TeacherSeq:
         """The target's outputs for a sequence; training rows (`row` given) go through the cache when there is one."""
-        if row is not None and self.teacher_cache is not None:
-            feats, labels, argmax = self.teacher_cache(ids, row)
+        return self._teacher_seqs([ids], [row])[0]
+
+    def _teacher_seqs(self, rows: list[torch.Tensor], indices: list[int | None]) -> list[TeacherSeq]:
+        """`_teacher_seq` of several rows: through the cache row by row, or else in one forward of the target."""
+        if self.teacher_cache is not None and all(i is not None for i in indices):
+            outs = [self.teacher_cache(ids, i) for ids, i in zip(rows, indices)]
         else:
-            feats, labels, argmax = self.teacher(ids)
+            outs = self.teacher.batch(rows)
         d = self.device
-        return TeacherSeq(ids.to(d), feats.to(d), labels.to(d), argmax.to(d))
+        return [TeacherSeq(ids.to(d), f.to(d), lab.to(d), am.to(d)) for ids, (f, lab, am) in zip(rows, outs)]
 
     def _noisy(self, seq: TeacherSeq, epoch: int, index: int) -> TeacherSeq:
         """`seq` with --feature-noise on its features: uniform, +-s x the RMS of each feature layer's slice of the
@@ -467,14 +502,11 @@ class Trainer:
         bs = self.cfg.batch_size
         return epoch, [self.train_ids[i] for i in perm[k * bs:(k + 1) * bs].tolist()]
 
-    def train_step(self) -> dict:
+    def _plan(self, epoch: int, indices: list[int]) -> tuple[list[tuple], int, int]:
+        """This rank's rows of a step as (ids, elements, segments, index), with their supervised count and tokens."""
         cfg = self.cfg
-        t0 = time.time()
-        self.model.train()
-        epoch, batch = self.batch_indices(self.step)
-        mine = batch[self.rank::self.world]
         work, count, tokens = [], 0, 0
-        for index in mine:
+        for index in indices:
             ids, mask = self._row(self.train_rows, index)
             el = self._elements(mask, epoch, index)
             segs = partition(el, ids.numel(), cfg.partitions) if cfg.method == "peagle" else (
@@ -482,47 +514,80 @@ class Trainer:
             count += self._count(el)
             tokens += ids.numel()
             work.append((ids, el, segs, index))
+        return work, count, tokens
+
+    def micro_batches(self, work: list[tuple]) -> list[list[tuple]]:
+        """The step's forwards: its units of work (a row's COD segment, or a row's TTT unroll) as (row, segment),
+        --micro-batch-size of them per forward; one empty forward when this rank has nothing to supervise."""
+        units = [(w, seg) for w in work for seg in w[2]]
+        m = self.cfg.micro_batch_size
+        return [units[i:i + m] for i in range(0, len(units), m)] or [[]]
+
+    def _forward(self, units: list[tuple], epoch: int, tally: dict):
+        """Loss and stats of one forward over `units` (stack_rows puts several rows side by side)."""
+        if not units:  # nothing to do on this rank: still join the gradient all-reduce
+            with self._autocast():
+                return self.model()
+        seqs = self._unit_teacher(units, epoch, tally)
+        if len(units) == 1:
+            seq, el, seg = seqs[0], units[0][0][1], units[0][1]
+        else:
+            seq, el = stack_rows(seqs, [w[1] for w, _ in units])
+            seg = Segment(torch.arange(len(el)), torch.ones(len(el), dtype=torch.bool)) \
+                if self.cfg.method == "peagle" else None
+        with self._autocast():
+            return self.model(seq, el, seg)
+
+    def _unit_teacher(self, units: list[tuple], epoch: int, tally: dict) -> list[TeacherSeq]:
+        """The target's outputs for the rows of `units`: from the --teacher-ahead worker where it computed them, the
+        rest in one forward; kept for the next forward when that is the same row's next segment (--partitions)."""
+        key = tuple(w[3] for w, _ in units)
+        if tally.get("key") == key:
+            return tally["seqs"]
+        tally["seqs"] = None  # the previous row's outputs go before this row's are made
+        t1, c1 = time.time(), time.process_time()
+        got, cpu = {}, 0.0
+        for index in key:
+            ahead = self._ahead.pop(index, None)
+            if ahead is not None:
+                got[index], c = ahead.result()
+                cpu += c
+                self.teacher_ahead_hits += 1
+        todo = [w for w, _ in units if w[3] not in got]
+        c2 = time.process_time()
+        got.update(zip([w[3] for w in todo], self._teacher_seqs([w[0] for w in todo], [w[3] for w in todo])))
+        seqs = [self._noisy(got[index], epoch, index) for index in key]
+        tally["teacher_s"] += time.time() - t1  # with --teacher-ahead: the wait for the worker thread
+        tally["teacher_cpu_s"] += cpu + (time.process_time() - c2 if todo else 0.0)
+        tally["key"], tally["seqs"] = key, seqs
+        return seqs
+
+    def train_step(self) -> dict:
+        cfg = self.cfg
+        t0 = time.time()
+        self.model.train()
+        epoch, batch = self.batch_indices(self.step)
+        work, count, tokens = self._plan(epoch, batch[self.rank::self.world])
         self._compute_ahead([index for _, _, segs, index in work if segs])
         if self.step + 1 < self.total_steps:
             self._compute_ahead(self.batch_indices(self.step + 1)[1][self.rank::self.world])
         totals = self._all_reduce(torch.tensor([count, tokens], dtype=torch.float64))
         global_count = float(totals[0])
         scale = self.world / max(global_count, 1.0)  # DDP averages gradients over ranks
-        units = [(w, seg) for w, (_, _, segs, _) in enumerate(work) for seg in segs]
+        forwards = self.micro_batches(work)
         D = cfg.num_depths
         loss_sum, correct, total = 0.0, torch.zeros(D, dtype=torch.long), torch.zeros(D, dtype=torch.long)
-        seq, seq_of = None, -1
-        teacher_s = teacher_cpu_s = 0.0  # wall and CPU: on a shared machine only the CPU figure compares runs
-        if not units:
-            units = [(None, None)]
-        for u, (w, seg) in enumerate(units):
-            sync = u == len(units) - 1
-            ctx = self.model.no_sync() if (self.world > 1 and not sync) else contextlib.nullcontext()
-            with ctx:
-                if w is None:
-                    with self._autocast():
-                        loss, stats = self.model()
-                else:
-                    if seq_of != w:
-                        seq, seq_of = None, w
-                        t1, c1 = time.time(), time.process_time()
-                        ahead = self._ahead.pop(work[w][3], None)
-                        if ahead is not None:
-                            seq, cpu = ahead.result()
-                            self.teacher_ahead_hits += 1
-                        else:
-                            seq = self._teacher_seq(work[w][0], work[w][3])
-                            cpu = time.process_time() - c1
-                        seq = self._noisy(seq, epoch, work[w][3])
-                        teacher_s += time.time() - t1  # with --teacher-ahead: the wait for the worker thread
-                        teacher_cpu_s += cpu
-                    with self._autocast():
-                        loss, stats = self.model(seq, work[w][1], seg)
+        # teacher wall and CPU seconds: on a shared machine only the CPU figure compares runs
+        tally = {"teacher_s": 0.0, "teacher_cpu_s": 0.0}
+        for f, units in enumerate(forwards):
+            last = f == len(forwards) - 1  # only the last backward of a rank's step all-reduces
+            with self.model.no_sync() if (self.world > 1 and not last) else contextlib.nullcontext():
+                loss, stats = self._forward(units, epoch, tally)
                 (loss * scale).backward()
             loss_sum += float(stats.loss_sum)
             correct += stats.correct
             total += stats.total
-        del seq
+        tally.pop("seqs", None)
         for _, _, _, index in work:  # a row with nothing to supervise was queued for this step but not used
             self._ahead.pop(index, None)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.head.parameters(), cfg.max_grad_norm) \
@@ -535,12 +600,12 @@ class Trainer:
         red = self._all_reduce(torch.cat([torch.tensor([loss_sum], dtype=torch.float64), correct.double(),
                                           total.double()]))
         dt = time.time() - t0
-        acc = (red[1:1 + D] / red[1 + D:].clamp(min=1)).tolist()
-        return {"step": self.step, "loss": float(red[0]) / max(global_count, 1.0), "acc": acc,
-                "lr": lr, "grad_norm": float(grad_norm), "tokens": int(totals[1]),
-                "seconds": dt, "teacher_seconds": teacher_s,
-                "teacher_cpu_seconds": teacher_cpu_s, "units": len(units),
-                "tokens_per_s": float(totals[1]) / dt, "peak_mem_gib": peak_memory_gib(self.device)}
+        return {"step": self.step, "loss": float(red[0]) / max(global_count, 1.0),
+                "acc": (red[1:1 + D] / red[1 + D:].clamp(min=1)).tolist(), "lr": lr, "grad_norm": float(grad_norm),
+                "tokens": int(totals[1]), "seconds": dt, "teacher_seconds": tally["teacher_s"],
+                "teacher_cpu_seconds": tally["teacher_cpu_s"], "units": max(1, sum(map(len, forwards))),
+                "forwards": len(forwards), "tokens_per_s": float(totals[1]) / dt,
+                "peak_mem_gib": peak_memory_gib(self.device)}
 
     def _compute_ahead(self, indices: list[int]) -> None:
         """With --teacher-ahead, queue the target's forward for these training rows on the worker thread."""
@@ -622,8 +687,10 @@ class Trainer:
         log_path = Path(cfg.out) / "train_log.jsonl"
         if self.main:
             log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.clock = {"start": time.time(), "steps": 0, "first": 0.0, "tokens": 0, "eval": 0.0}
         while self.step < self.total_steps:
             m = self.train_step()
+            self._fit_budget(m)
             self.history.append({k: m[k] for k in ("step", "loss", "acc", "lr", "tokens_per_s")})
             if self.main:
                 with open(log_path, "a") as f:
@@ -634,7 +701,9 @@ class Trainer:
                     bar.set_postfix_str(f"loss={m['loss']:.3f} acc=" + "/".join(f"{a:.2f}" for a in m["acc"])
                                         + f" lr={m['lr']:.1e} {m['tokens_per_s']:.0f} tok/s")
             if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < self.total_steps and self.eval_ids:
+                t = time.time()
                 last_eval = self.evaluate()
+                self.clock["eval"] = time.time() - t
                 self._report_eval(last_eval)
             if cfg.save_every and self.step % cfg.save_every == 0 and self.step < self.total_steps:
                 self.save_checkpoint()
@@ -643,20 +712,65 @@ class Trainer:
             bar.close()
         if self._ahead_pool is not None:
             self._ahead_pool.shutdown()
+        self.clock["end"] = time.time()
+        record = self.training_record()
         if self.eval_ids and (last_eval is None or last_eval["step"] != self.step):
             last_eval = self.evaluate()
             self._report_eval(last_eval)
+        self.log(f"trained {record['steps']} steps ({record['stopped_by']}): {record['tokens']} tokens in "
+                 f"{record['train_seconds']:.1f} s, {record['tokens_per_s']:.0f} tokens/s on {record['device']}")
         self.save_checkpoint()
         if self.main:
             out = Path(cfg.out)
             self.save_head(out)
             (out / "training_args.json").write_text(json.dumps(asdict(cfg), indent=2, default=str) + "\n")
+            (out / "training_record.json").write_text(json.dumps(record, indent=2) + "\n")
             if last_eval is not None:
                 (out / "eval.json").write_text(json.dumps(last_eval, indent=2) + "\n")
             spec = SpeculativeConfig.for_head(str(out), parallel_drafting=cfg.method == "peagle")
             self.log(f"head written to {out}; serve it with --speculative-config '{spec.to_json()}'")
         self._barrier()
         return {"steps": self.step, "eval": last_eval, "history": self.history}
+
+    def _fit_budget(self, m: dict) -> None:
+        """Count a step's time and tokens; with --time-budget, end training (the loop's last step, the schedule's
+        end: the cosine reaches its floor in time) at the step count that leaves the final evaluation and save
+        inside the budget, at this run's mean step time (the first step, which warms up caches and kernels, left
+        out once there are others). The final evaluation is reckoned at the last one's duration, or before any at a
+        third of a training step per held-out row (a forward without the backward)."""
+        c = self.clock
+        c["steps"] += 1
+        c["tokens"] += m["tokens"]
+        c["first"] = c["first"] or m["seconds"]
+        budget = self.cfg.time_budget
+        if budget is None:
+            return
+        elapsed = time.time() - c["start"]
+        per_step = (elapsed - c["first"]) / (c["steps"] - 1) if c["steps"] > 1 else elapsed
+        rows_per_step = self.cfg.batch_size / self.world
+        final_eval = c["eval"] or per_step / rows_per_step / 3 * len(self.eval_ids[self.rank::self.world])
+        fit = self.step + max(0, math.floor((budget - elapsed - final_eval) / max(per_step, 1e-9)))
+        if self.world > 1:  # every rank stops at the same step
+            fit = self._min_over_ranks(fit)
+        self.total_steps = max(self.step, min(self.planned_steps, fit))
+
+    def _min_over_ranks(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+    def training_record(self) -> dict:
+        """What this run did, for the head's training_record.json and its checkpoints: steps, tokens and seconds of
+        training (evaluations and saves excluded), tokens per second of this head, and why it stopped."""
+        c = getattr(self, "clock", None) or {"start": time.time(), "steps": 0, "tokens": 0, "eval": 0.0}
+        seconds = c.get("end", time.time()) - c["start"]
+        budget_hit = self.cfg.time_budget is not None and self.step < self.planned_steps
+        return {"method": self.cfg.method, "device": str(self.device), "world_size": self.world,
+                "steps": self.step, "steps_this_run": c["steps"], "tokens": c["tokens"], "train_seconds": seconds,
+                "tokens_per_s": c["tokens"] / seconds if seconds > 0 else 0.0,
+                "batch_size": self.cfg.batch_size, "micro_batch_size": self.cfg.micro_batch_size,
+                "peak_lr": self.peak_lr, "time_budget": self.cfg.time_budget,
+                "stopped_by": "time budget" if budget_hit else "steps"}
 
     def _report_eval(self, ev: dict):
         if not self.main:
