@@ -355,7 +355,8 @@ class LLMEngine:
         forward (its rows cost max chunk x prompts, kept within max_num_batched_tokens), then let the drafter catch
         up on the prompts' rows; while streams decode the work is sized in time (step_budget.py), the oldest prompt
         getting at least one block. Returns the requests whose prompt is now complete (and first token sampled)."""
-        budget, clock = self.step_budget, self._step_clock
+        budget = self.step_budget
+        clock = budget.clock
         admitting = [r for r in self.running if not r.finished and self._admitting(r)]
         budget.start_step(decoding=len(admitting) < sum(not r.finished for r in self.running))
         tokens_budget, batch, widest = self.max_num_batched_tokens, [], 0
@@ -415,7 +416,8 @@ class LLMEngine:
         """The drafter runs the prompt rows waiting in admitting requests, oldest request first, as far as the
         step's budget goes (the oldest at least one block), at most max_num_batched_tokens rows each. Rows that
         fit a later joint drafting pass (JOINT_PENDING_ROWS) wait for it. Returns the rows run."""
-        budget, clock, total = self.step_budget, self._step_clock, 0
+        budget, total = self.step_budget, 0
+        clock = budget.clock
         for req in admitting:
             if req.finished or not self._drafts_later(req) or len(req.backlog) <= JOINT_PENDING_ROWS:
                 continue
