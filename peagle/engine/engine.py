@@ -48,6 +48,7 @@ from peagle.engine.proposers.heads import HeadProposer
 from peagle.engine.prefix_cache import BLOCK_SIZE, PrefixCache
 from peagle.engine.sampling import SamplingParams, target_logprobs, target_probs
 from peagle.engine.stats import SpecDecodeStats
+from peagle.engine.step_budget import StepBudget
 from peagle.engine.verify import verify_greedy, verify_sampled
 from peagle.model import kernels
 from peagle.model.drafter import Drafter
@@ -79,7 +80,7 @@ class LLMEngine:
                  max_model_len: int | None = None, model_name: str = "model",
                  speculation_policy: str = DEFAULT_POLICY, enable_prefix_caching: bool = True,
                  prefix_cache_gb: float = prefix_cache.DEFAULT_MEMORY_GB, enable_chunked_prefill: bool = True,
-                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS):
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, max_step_time_ms: float | None = None):
         """`speculation_policy`: "adaptive" (the default, as in `peagle serve` and `generate`) treats
         num_speculative_tokens as a maximum and picks K (0 included) every step for the most tokens per second;
         "fixed" verifies num_speculative_tokens drafts every step, as vLLM does. Without a drafter nothing is
@@ -87,7 +88,9 @@ class LLMEngine:
         `enable_prefix_caching` keeps computed blocks of every request (up to `prefix_cache_gb` GiB) for later
         requests that start with the same tokens; `enable_chunked_prefill` splits a prompt longer than
         `max_num_batched_tokens` over several steps (off: whole prompts, that many tokens of them per step, at least
-        one). Neither changes any output."""
+        one). While streams decode, a step's prefill work is sized in time to at most `max_step_time_ms`
+        (None: step_budget.DEFAULT_STEP_TIME_MULTIPLE plain decode steps, as measured here). None changes any
+        output."""
         spec = speculative_config
         if spec is not None and spec.uses_head and drafter is None:
             spec = None  # a head's method without its head: nothing drafts
@@ -145,6 +148,10 @@ class LLMEngine:
         self.proposer_stats = {name: SpecDecodeStats(self.k) for name in (self.proposer.names if spec else ())}
         self._step_clock = step_clock(self.device)
         self.policy.calibrate(self._time_target, self._time_draft)
+        self.step_budget = StepBudget(self._step_clock, max_step_time_ms)
+        self.step_budget.calibrate(self._time_prefill, lambda: self._time_target(1),
+                                   self._time_drafter_rows if self.drafter is not None else None,
+                                   self.max_model_len)
         self.max_forced_run = MAX_FORCED_RUN  # 0: verify no forced tokens past the drafts (token-by-token reference)
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()  # request threads build the compiler on first use
@@ -310,9 +317,10 @@ class LLMEngine:
             touched = self._prefill_step()
             if touched and on_first_tokens is not None:
                 on_first_tokens([self._report(r) for r in touched if not r.finished])
-            decoding = [r for r in self.running if not r.finished and not r.prefilling]
+            decoding = [r for r in self.running if not r.finished and not self._admitting(r)]
             if decoding:
                 self._decode(decoding)
+            self.step_budget.end_step(decoded=bool(decoding))
             for req in dict.fromkeys(touched + decoding):
                 reports[req.request_id] = self._report(req)
                 self._retire_if_finished(req)
@@ -358,26 +366,88 @@ class LLMEngine:
                 self.prefix_cache.queries += len(req.prompt_ids)  # looked up once its prefill begins
 
     def _prefill_step(self) -> list[Request]:
-        """Prefill one chunk for as many prompts as this step's token budget holds, in the order they came, in one
-        padded forward (its rows cost max chunk x prompts, kept within the budget); returns the requests whose
-        prompt is now complete (and first token sampled)."""
-        budget, batch, widest = self.max_num_batched_tokens, [], 0
-        for req in [r for r in self.running if r.prefilling and not r.finished]:
+        """Prefill one chunk for as many prompts as this step's budget holds, in the order they came, in one padded
+        forward (its rows cost max chunk x prompts, kept within max_num_batched_tokens), then let the drafter catch
+        up on the prompts' rows; while streams decode the work is sized in time (step_budget.py), the oldest prompt
+        getting at least one block. Returns the requests whose prompt is now complete (and first token sampled)."""
+        budget = self.step_budget
+        clock = budget.clock
+        admitting = [r for r in self.running if not r.finished and self._admitting(r)]
+        budget.start_step(decoding=len(admitting) < sum(not r.finished for r in self.running))
+        tokens_budget, batch, widest = self.max_num_batched_tokens, [], 0
+        for req in [r for r in admitting if r.prefilling]:
+            started = clock()
             self._continue_from_prefix_cache(req)
+            budget.spend(clock() - started)
             if any(self._will_compute_its_next_block(other, n, req) for other, n in batch):
                 continue  # the next step finds that block in the cache instead of computing it twice
             left = len(req.prompt_ids) - req.num_computed
-            if left <= budget or not self.enable_chunked_prefill:
-                n = left
+            if left <= tokens_budget or not self.enable_chunked_prefill:
+                cap = left
             else:  # whole blocks, so that the next chunk starts where a cached block would
-                n = budget // BLOCK_SIZE * BLOCK_SIZE
-            if batch and max(widest, n) * (len(batch) + 1) > budget:
+                cap = tokens_budget // BLOCK_SIZE * BLOCK_SIZE
+            if self.enable_chunked_prefill:
+                n = budget.largest(lambda n: self._chunk_cost(batch + [(req, n)]), cap, floor=not batch)
+            else:
+                n = cap if not batch or budget.fits(self._chunk_cost(batch + [(req, cap)])) else 0
+            if not n or batch and max(widest, n) * (len(batch) + 1) > tokens_budget:
                 break
             batch.append((req, n))
             widest = max(widest, n)
         if batch:
+            predicted, started = self._chunk_cost(batch, drafter=False), clock()
             self._prefill_chunks(batch)
+            seconds = clock() - started
+            budget.target.observe(predicted, seconds)
+            budget.spend(seconds)
+        drafted = self._catch_up_drafters(admitting)
+        budget.end_prefill(sum(n for _, n in batch), drafted)
         return [req for req, _ in batch if not req.prefilling]
+
+    def _admitting(self, req: Request) -> bool:
+        """Still in admission: prefilling, or prefilled with the drafter still behind on the prompt's rows (it
+        catches up under the step budget first, never in one pass over the whole prompt)."""
+        return req.prefilling or (self._drafts_later(req) and len(req.backlog) > JOINT_PENDING_ROWS
+                                  and req.backlog.start < len(req.prompt_ids) - 1)
+
+    def _drafts_later(self, req: Request) -> bool:
+        """Whether the drafter may ever draft for this request (not when its only token is the prompt's first)."""
+        return self.drafter is not None and req.params.max_tokens > 1
+
+    def _chunk_cost(self, batch: list[tuple[Request, int]], drafter: bool = True) -> float:
+        """Predicted seconds of a padded prefill forward over batch's chunks (and, with `drafter`, of the drafter's
+        pass over their rows later in the step)."""
+        width = max(n for _, n in batch)
+        every_row = any(req.params.prompt_logprobs is not None for req, _ in batch)
+        logit_rows = len(batch) * width if every_row else \
+            sum(req.num_computed + n == len(req.prompt_ids) for req, n in batch)
+        cost = self.step_budget.target.predict([(width, req.num_computed) for req, _ in batch], logit_rows)
+        if drafter:
+            cost += sum(self.step_budget.drafter.predict([(n, req.num_computed)]) for req, n in batch
+                        if self._drafts_later(req))
+        return cost
+
+    def _catch_up_drafters(self, admitting: list[Request]) -> int:
+        """The drafter runs the prompt rows waiting in admitting requests, oldest request first, as far as the
+        step's budget goes (the oldest at least one block), at most max_num_batched_tokens rows each. Rows that
+        fit a later joint drafting pass (JOINT_PENDING_ROWS) wait for it. Returns the rows run."""
+        budget, total = self.step_budget, 0
+        clock = budget.clock
+        for req in admitting:
+            if req.finished or not self._drafts_later(req) or len(req.backlog) <= JOINT_PENDING_ROWS:
+                continue
+            start = req.backlog.start
+            cap = min(len(req.backlog) - 1, self.max_num_batched_tokens)
+            rows = budget.largest(lambda n: budget.drafter.predict([(n, start)]), cap, floor=not total)
+            if not rows:
+                break
+            predicted, started = budget.drafter.predict([(rows, start)]), clock()
+            self._run_backlog(req, rows)
+            seconds = clock() - started
+            budget.drafter.observe(predicted, seconds)
+            budget.spend(seconds)
+            total += rows
+        return total
 
     @staticmethod
     def _will_compute_its_next_block(other: Request, n: int, req: Request) -> bool:
@@ -662,14 +732,20 @@ class LLMEngine:
         real rows on the way."""
         return self.head.draft(reqs, slots, k)
 
-    def _run_backlog(self, req: Request) -> None:
+    def _run_backlog(self, req: Request, rows: int | None = None) -> None:
         """Bring one request's drafter cache up to date without drafting (real rows only: no mask slots, no LM
-        head), alone, so no pad rows. Its newest row stays pending: the next draft starts from that row's output."""
-        backlog, n, dev = req.backlog, len(req.backlog) - 1, self.device
-        tokens = torch.tensor([backlog.tokens[:n]], device=dev)
-        positions = backlog.start + torch.arange(n, device=dev)[None, :]
-        layout = BatchLayout.build(torch.tensor([req.slot], device=dev), positions)
-        self.drafter(tokens, backlog.features()[None, :n], layout, self.drafter_cache)
+        head), alone, so no pad rows: its first `rows` waiting rows, by default all but the newest (which stays
+        pending: the next draft starts from that row's output). In slices of at most max_num_batched_tokens rows,
+        in order: the drafter computes each row as one pass would (docs/design.md), so slices change nothing."""
+        backlog, dev = req.backlog, self.device
+        n = len(backlog) - 1 if rows is None else rows
+        feats = backlog.features()
+        for lo in range(0, n, self.max_num_batched_tokens):
+            hi = min(n, lo + self.max_num_batched_tokens)
+            tokens = torch.tensor([backlog.tokens[lo:hi]], device=dev)
+            positions = backlog.start + torch.arange(lo, hi, device=dev)[None, :]
+            layout = BatchLayout.build(torch.tensor([req.slot], device=dev), positions)
+            self.drafter(tokens, feats[None, lo:hi], layout, self.drafter_cache)
         backlog.consume(n)
 
     # -- start-up cost calibration of the adaptive policy: forwards on scratch rows in slots no request holds yet --
@@ -695,6 +771,39 @@ class LLMEngine:
     def _time_draft(self, batch: int, k: int) -> float:
         """Seconds of the head drafting k tokens for `batch` requests (no head: nothing to time)."""
         return self.head.time_draft(batch, k, self._calibration_context, self._step_clock) if self.head else 0.0
+
+    # -- start-up calibration of the step budget: a prompt chunk's forwards on scratch rows of slot 0 -------------
+    def _chunk_layout(self, rows: int, position: int) -> tuple[torch.Tensor, BatchLayout]:
+        dev = self.device
+        positions = position + torch.arange(rows, device=dev)[None, :]
+        return torch.ones(1, rows, dtype=torch.long, device=dev), BatchLayout.build(torch.zeros(1, dtype=torch.long,
+                                                                                                device=dev), positions)
+
+    def _time_prefill(self, rows: int, position: int, every_row_logits: bool) -> float:
+        """Seconds of the target's forward over one chunk of `rows` prompt rows from `position` (without logits, as
+        a chunk that does not end its prompt; or with every row's log-probabilities, as for prompt_logprobs)."""
+        tokens, layout = self._chunk_layout(rows, position)
+
+        def forward():
+            with torch.inference_mode():
+                if every_row_logits:
+                    torch.log_softmax(self.target(tokens, layout, self.target_cache, num_logits=None).logits, -1)
+                else:
+                    self.target.trunk(tokens, layout, self.target_cache)
+
+        return timed(forward, self._step_clock, repeats=1)
+
+    def _time_drafter_rows(self, rows: int, position: int) -> float:
+        """Seconds of the drafter's catch-up pass over `rows` real rows from `position`."""
+        tokens, layout = self._chunk_layout(rows, position)
+        w = self.drafter.fc.weight
+        feats = torch.zeros(1, rows, w.shape[1], dtype=w.dtype, device=self.device)
+
+        def forward():
+            with torch.inference_mode():
+                self.drafter(tokens, feats, layout, self.drafter_cache)
+
+        return timed(forward, self._step_clock, repeats=1)
 
     def _sample_one(self, req: Request, logits: torch.Tensor) -> int:
         if req.params.greedy:
