@@ -5,9 +5,10 @@
 
 With `--regenerate` every assistant turn is replaced by the target's own answer (self-distillation, as EAGLE-3,
 SpecForge and speculators recommend), turn by turn so later turns see the regenerated earlier ones, in batches
-through peagle's engine (with speculative decoding when --speculative-config names a head) or, for targets outside
-the engine's model families, through transformers' `generate()`. Finished conversations are appended to
-OUT/regenerated.jsonl as they complete, so an interrupted run resumes where it stopped.
+through peagle's engine on a CPU (with speculative decoding when --speculative-config names a head) or, on a GPU
+and for targets outside the engine's model families, through transformers' `generate()`, --batch-size
+conversations at a time (REGEN_BATCH: a GPU answers hundreds at once for about the time of one). Finished
+conversations are appended to OUT/regenerated.jsonl as they complete, so an interrupted run resumes where it stopped.
 """
 from __future__ import annotations
 
@@ -22,6 +23,11 @@ from peagle.train.data import (DATA_META, HeldOutDataError, HeldOutGuard, build_
 
 # answers a batch of chat prompts: (text, finished) per prompt; finished is False when max_new_tokens cut the answer
 Generator = Callable[[list[list[dict]]], list[tuple[str, bool]]]
+
+# Conversations regenerated together, by device: the engine's continuous batching on a CPU gains little past 16
+# (docs/training.md, "Training on a GPU machine" has the answers a minute); a GPU's generate() step costs about the
+# same for 256 rows as for one on a small target.
+REGEN_BATCH = {"cpu": 16, "cuda": 256}
 
 
 def register(name: str, parser) -> None:
@@ -44,11 +50,14 @@ def register(name: str, parser) -> None:
     p.add_argument("--regenerate", action="store_true", help="replace every assistant turn with the target's answer")
     p.add_argument("--temperature", type=cli_args.temperature, default=0.0, help="regeneration temperature (0: greedy)")
     p.add_argument("--max-new-tokens", type=cli_args.positive_int, default=512, help="longest regenerated answer")
-    p.add_argument("--batch-size", type=cli_args.positive_int, default=16, help="conversations regenerated together")
+    p.add_argument("--batch-size", type=cli_args.positive_int, default=None,
+                   help="conversations regenerated together [%s]" % ", ".join(f"{d}: {n}"
+                                                                          for d, n in REGEN_BATCH.items()))
     p.add_argument("--speculative-config", default=None,
                    help="regenerate with speculative decoding: vLLM-style JSON naming a head (engine families only)")
     p.add_argument("--backend", choices=("auto", "engine", "transformers"), default="auto",
-                   help="regeneration backend (auto: peagle's engine when it supports the target)")
+                   help="regeneration backend (auto: peagle's engine on a CPU when it supports the target, "
+                        "transformers' batched generate() otherwise)")
     p.add_argument("--max-model-len", type=cli_args.positive_int, default=4096, help="regeneration context limit")
     p.add_argument("--max-num-seqs", type=cli_args.positive_int, default=16,
                    help="sequences the engine decodes at once")
@@ -71,10 +80,12 @@ def run(args) -> int:
         report: dict = {"refused": 0, "refused_examples": [], "empty": 0}
         kept = _guarded(convs, guard, report, args.limit)
         if args.regenerate:
+            device = regen_device(args.device)
             gen = make_generator(target_dir, tokenizer, args.temperature, args.max_new_tokens,
-                                 args.speculative_config, args.backend, args.max_model_len, args.seed, args.device,
+                                 args.speculative_config, args.backend, args.max_model_len, args.seed, device,
                                  args.max_num_seqs)
-            kept = regenerate(kept, gen, tokenizer, out / "regenerated.jsonl", args.batch_size,
+            kept = regenerate(kept, gen, tokenizer, out / "regenerated.jsonl",
+                              args.batch_size or REGEN_BATCH.get(torch_device_type(device), REGEN_BATCH["cpu"]),
                               args.max_model_len - args.max_new_tokens)
         rows = build_rows(kept, tokenizer, args.max_seq_len, None, report)  # fills `report`
         rows = list(pack_rows(rows, args.pack_to) if args.pack_to else rows)
@@ -129,12 +140,28 @@ def engine_supports(target_dir: Path) -> bool:
         return False
 
 
+def regen_device(device: str | None) -> str:
+    """--device, defaulting to cuda where a GPU is visible."""
+    if device:
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def torch_device_type(device: str) -> str:
+    return device.split(":")[0]
+
+
 def make_generator(target_dir: Path, tokenizer, temperature: float = 0.0, max_new_tokens: int = 512,
                    speculative_config: str | None = None, backend: str = "auto", max_model_len: int = 4096,
                    seed: int = 0, device: str | None = None, max_num_seqs: int = 16) -> Generator:
     """A function answering a batch of chat prompts with the target: peagle's engine for its model families (with
-    speculation when a speculative config is given), transformers' generate() otherwise."""
-    use_engine = backend == "engine" or (backend == "auto" and engine_supports(target_dir))
+    speculation when a speculative config is given) on a CPU, transformers' batched generate() on a GPU and for
+    other families (peagle's engine is built for CPUs: a GPU answers many conversations at a time faster through
+    generate())."""
+    on_cpu = torch_device_type(regen_device(device)) == "cpu"
+    use_engine = backend == "engine" or (backend == "auto" and on_cpu and engine_supports(target_dir))
     if use_engine:
         try:
             from peagle.engine import LLMEngine, SamplingParams
@@ -167,8 +194,11 @@ def _hf_generator(target_dir, tokenizer, temperature, max_new_tokens, seed, devi
     import torch
     from transformers import AutoModelForCausalLM
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).to(device).eval()
+    from peagle.model.loading import transformers_source
+
+    device = regen_device(device)
+    model = AutoModelForCausalLM.from_pretrained(**transformers_source(Path(target_dir)),
+                                                 dtype=torch.bfloat16).to(device).eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     torch.manual_seed(seed)
 
