@@ -145,3 +145,32 @@ def test_a_long_prompt_beside_a_stream_goes_in_oldest_first_and_never_stalls_it(
         assert older.num_computed - before == BLOCK_SIZE and younger.num_computed == 0
         assert len(older.backlog) <= BLOCK_SIZE + 1  # one block of drafter rows a step keeps up with it
     assert eng.step_budget.last.prefill_tokens == BLOCK_SIZE and eng.step_budget.last.seconds > 0
+
+
+def test_serve_passes_the_target_and_metrics_show_the_budget_at_work(target):
+    import argparse
+
+    from prometheus_client import generate_latest
+
+    from peagle.serve import cli
+    from peagle.serve.metrics import Metrics
+
+    p = argparse.ArgumentParser()
+    cli.add_serve_args(p)
+    cli.apply_env_defaults(p, {"SM_VLLM_MAX_STEP_TIME_MS": "80"})
+    assert cli.engine_options(p.parse_args([]))["max_step_time_ms"] == 80
+    assert cli.engine_options(p.parse_args(["--max-step-time-ms", "40"]))["max_step_time_ms"] == 40
+    with pytest.raises(SystemExit):
+        p.parse_args(["--max-step-time-ms", "0"])
+    eng = engine(target, None, max_step_time_ms=80)
+    metrics = Metrics("tiny")
+    eng.add_request([5, 6, 7, 8] * 10, SamplingParams(max_tokens=2, ignore_eos=True))
+    steps = 0
+    while eng.has_work():
+        eng.step()
+        metrics.record_step(eng.step_budget)
+        steps += 1
+    text = generate_latest(metrics.registry).decode()
+    assert 'peagle:prefill_tokens_per_step_sum{model_name="tiny"} 40.0' in text
+    assert f'peagle:engine_step_time_seconds_count{{model_name="tiny"}} {steps:.1f}' in text
+    assert 'peagle:step_time_target_seconds{model_name="tiny"} 0.08' in text

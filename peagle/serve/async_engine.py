@@ -240,6 +240,8 @@ class AsyncEngine:
                     self._post(self._fail_engine, engine, e)
                     continue
                 self._hand_over(outputs)
+                if self.metrics is not None:
+                    self.metrics.record_step(engine.step_budget, main=engine is self.engine)
                 if self.metrics is not None and engine.spec is not None:
                     self.metrics.record_spec(engine.stats, engine.proposer_stats)
                 if self.metrics is not None and engine.prefix_cache is not None:

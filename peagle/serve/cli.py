@@ -102,6 +102,7 @@ def add_prefill_args(parser: argparse.ArgumentParser) -> None:
     """The engine's prefix cache and chunked prefill, as vLLM names them (engine_options turns them into kwargs)."""
     from peagle.engine.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
     from peagle.engine.prefix_cache import DEFAULT_MEMORY_GB
+    from peagle.engine.step_budget import DEFAULT_STEP_TIME_MULTIPLE
 
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the computed blocks of earlier requests (prompts and answers) for prompts that "
@@ -113,7 +114,10 @@ def add_prefill_args(parser: argparse.ArgumentParser) -> None:
                              "(default: on)")
     parser.add_argument("--max-num-batched-tokens", type=cli_args.positive_int,
                         default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                        help=f"prompt tokens prefilled per engine step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
+                        help=f"prompt tokens prefilled per engine step, at most (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
+    parser.add_argument("--max-step-time-ms", type=cli_args.positive_float, default=None,
+                        help="while streams decode, size each step's prefill work so the step costs at most this "
+                             f"(default: {DEFAULT_STEP_TIME_MULTIPLE} plain decode steps, measured at start-up)")
 
 
 def _env_name(action: argparse.Action) -> str | None:
@@ -259,7 +263,7 @@ def engine_options(args) -> dict:
     """The engine's prefill options from serve's flags."""
     return {"enable_prefix_caching": args.enable_prefix_caching, "prefix_cache_gb": args.prefix_cache_gb,
             "enable_chunked_prefill": args.enable_chunked_prefill,
-            "max_num_batched_tokens": args.max_num_batched_tokens}
+            "max_num_batched_tokens": args.max_num_batched_tokens, "max_step_time_ms": args.max_step_time_ms}
 
 
 def build_server(args, plan):

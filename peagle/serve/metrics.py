@@ -19,6 +19,10 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
                0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# An engine step's time and its prefill tokens (the step budget at work: docs/engine.md, "Step time budget").
+STEP_TIME_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                     10.0)
+PREFILL_TOKEN_BUCKETS = (0, 16, 32, 48, 64, 96, 128, 192, 256, 512, 1024, 2048, 4096, 8192)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
 
@@ -76,6 +80,16 @@ class Metrics:
                                             registry=r)
         self.prefix_cache_hits = Counter("vllm:prefix_cache_hits",
                                          "Prefix cache hits, in terms of number of cached tokens.", labels, registry=r)
+        # One observation per engine step: its seconds (of the engine's step clock: CPU time of the engine thread on
+        # a CPU) and the prompt tokens it prefilled; the gauge is the time a step with decoding streams may cost.
+        self.step_time = Histogram("peagle:engine_step_time_seconds", "Histogram of engine step time in seconds.",
+                                   labels, buckets=STEP_TIME_BUCKETS, registry=r)
+        self.prefill_tokens = Histogram("peagle:prefill_tokens_per_step",
+                                        "Histogram of prompt tokens prefilled per engine step.", labels,
+                                        buckets=PREFILL_TOKEN_BUCKETS, registry=r)
+        self.step_time_target = Gauge("peagle:step_time_target_seconds",
+                                      "Time an engine step in which streams decode may cost (the step budget).",
+                                      labels, registry=r)
         self.rejected = Counter("peagle:requests_rejected", "Requests refused before reaching the engine.",
                                 labels + ["reason"], registry=r)
         m = model_name
@@ -123,6 +137,15 @@ class Metrics:
         self.prefix_cache_queries.labels(model_name=m).inc(cache.queries - q0)
         self.prefix_cache_hits.labels(model_name=m).inc(cache.hits - h0)
         self._seen_prefix[id(cache)] = (cache.queries, cache.hits)
+
+    def record_step(self, budget, main: bool = True) -> None:
+        """One engine step, from its step budget (engine.step_budget: the step's record and the current target, the
+        gauge the main engine's only, not the baseline's)."""
+        m = self.model_name
+        self.step_time.labels(model_name=m).observe(budget.last.seconds)
+        self.prefill_tokens.labels(model_name=m).observe(budget.last.prefill_tokens)
+        if main:
+            self.step_time_target.labels(model_name=m).set(budget.target_s)
 
     def record_output(self, out) -> None:
         """One engine report (a RequestOutput) for one request."""
