@@ -100,6 +100,32 @@ def test_every_path_gives_the_same_bits(fmt, one_thread):
         assert torch.equal(kernels.packed_linear(x[:rows], vnni), kernels.packed_linear(x[:rows], avx2)), rows
 
 
+@pytest.mark.parametrize("path", QUANT_PATHS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_register_block_remainders_keep_every_rows_bits(fmt, path):
+    """Every row count from 1 to 33 (each register block size and every remainder of the row tiles) and an odd
+    number of 8-column groups whose last one is partial (the 16-column blocks' lone last group): each row's
+    outputs are its one-row bits, on one thread and two, and the same on every path."""
+    torch.manual_seed(5)
+    N, K = 197, 96  # 25 groups, the last holding 5 columns
+    blocks = quant.quantize_blocks(torch.randn(N, K) * torch.rand(N, 1), fmt)
+    qw = quant.QuantWeight.from_blocks(blocks, fmt, N, K, path=path)
+    other = quant.QuantWeight.from_blocks(blocks, fmt, N, K, path="avx2")
+    x = torch.randn(33, K).bfloat16()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([kernels.packed_linear(x[i:i + 1], qw) for i in range(33)])
+        assert torch.equal(alone, kernels.packed_linear(x, other))
+        for rows in range(2, 34):
+            assert torch.equal(kernels.packed_linear(x[33 - rows:], qw), alone[33 - rows:]), rows
+        torch.set_num_threads(2)
+        for rows in (5, 13, 33):
+            assert torch.equal(kernels.packed_linear(x[:rows], qw), alone[:rows]), rows
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_fastest_quantized_path_is_chosen():
     want = next(p for p in kernels.QUANT_PATHS if kernels.cpu_has(p))
     assert kernels.quant_path() == want

@@ -939,9 +939,13 @@ int peagle_amx_gemm(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y
      acc = fma(m, dx * sx, acc)                   [Q4_1 only, after the line above with isum = q.qx]
    in one fp32 lane per column. Nothing in that chain depends on the other rows, the thread count or the
    instruction set (isum is exact however it is summed), so a verify window computes each row exactly as a one-row
-   decode step does (batch invariance), and the AVX2 and VNNI paths give the same bits. What VNNI changes is the
-   cost of each further row: one vpdpbusd per 32 multiply-adds instead of vpmaddubsw, vpmaddwd and an add, and 32
-   registers for register blocks of 8 rows (a K = 7 verify window in one pass over the weights). */
+   decode step does (batch invariance), and the AVX2 and VNNI paths give the same bits. What the paths change is
+   the cost of each further row, which is the arithmetic alone: the weights are loaded and unpacked once per
+   register block, the activations quantized once per call into tiles of the register block's rows (block-major,
+   so a row's codes sit at a fixed offset from one pointer), and a row adds only its broadcasts and dot products.
+   VNNI does 32 multiply-adds in one vpdpbusd instead of vpmaddubsw, vpmaddwd and an add, on 512-bit registers of
+   16 columns, and its 32 registers hold register blocks of 8 rows (a K = 7 verify window in one pass over the
+   weights). */
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -980,8 +984,12 @@ void peagle_qpack(int format, const uint8_t *src, int N, int K, uint8_t *out) {
         }
 }
 
-/* Quantize M rows of x (bf16, row stride ldx, K a multiple of 32) per block: codes qx [M, K], dx and sx [M, K/32]. */
-static void quantize_rows_q8(const uint16_t *x, long ldx, int M, int K, int8_t *qx, float *dx, int32_t *sx) {
+/* Quantize M rows of x (bf16, row stride ldx, K a multiple of 32) per block: codes qx (M x K), dx and sx
+   (M x K/32), kept in tiles of `tile` rows (the register blocks' rows; the last tile may hold fewer), each tile
+   block-major: block b of the tile's row r at [b][r], so that a register block finds its rows' codes of one block
+   side by side, 32 bytes apart (fixed offsets: no register per row). tile = 1 is plain row-major. */
+static void quantize_rows_q8(const uint16_t *x, long ldx, int M, int K, int tile, int8_t *qx, float *dx,
+                             int32_t *sx) {
     int Kb = K / QBLOCK;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int m = 0; m < M; m++)
@@ -1010,9 +1018,11 @@ static void quantize_rows_q8(const uint16_t *x, long ldx, int M, int K, int8_t *
             __m256i p16 = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
             __m256i p8 = _mm256_packs_epi16(p16, p16b);
             p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-            _mm256_storeu_si256((__m256i *)(qx + (size_t)m * K + b * QBLOCK), p8);
-            dx[(size_t)m * Kb + b] = d;
-            sx[(size_t)m * Kb + b] = _mm_cvtsi128_si32(s4);
+            int t0 = m - m % tile, R = M - t0 < tile ? M - t0 : tile;
+            size_t at = (size_t)t0 * Kb + (size_t)b * R + (m - t0); /* in blocks */
+            _mm256_storeu_si256((__m256i *)(qx + at * QBLOCK), p8);
+            dx[at] = d;
+            sx[at] = _mm_cvtsi128_si32(s4);
         }
 }
 
@@ -1036,7 +1046,7 @@ static inline __m256i broadcast4(const int8_t *p) {
     for (int b = 0; b < Kb; b++) {                                                                               \
         const uint8_t *rec = w + (size_t)b * rb;                                                                 \
         for (int l = 0; l < rb; l += 64) _mm_prefetch((const char *)(rec + 8 * rb + l), _MM_HINT_T0);          \
-        const int8_t *xb = qx + b * QBLOCK;                                                                      \
+        const int8_t *xb = qx + (size_t)b * R * QBLOCK;                                                                      \
         /* two sums per row, so that a block of few rows is not one long chain of dependent products */        \
         __m256i isum[R], isum2[R];                                                                               \
         for (int r = 0; r < R; r++) isum[r] = isum2[r] = _mm256_setzero_si256();                                 \
@@ -1046,7 +1056,7 @@ static inline __m256i broadcast4(const int8_t *p) {
                 __m256i wv2 = _mm256_loadu_si256((const __m256i *)(rec + 32 * j + 32));                          \
                 __m256i aw2 = _mm256_abs_epi8(wv2);                                                              \
                 for (int r = 0; r < R; r++) {                                                                    \
-                    const int8_t *xr = xb + (size_t)r * K + 4 * j;                                               \
+                    const int8_t *xr = xb + r * QBLOCK + 4 * j;                                               \
                     isum[r] = DOT(isum[r], aw, _mm256_sign_epi8(broadcast4(xr), wv));                            \
                     isum2[r] = DOT(isum2[r], aw2, _mm256_sign_epi8(broadcast4(xr + 4), wv2));                    \
                 }                                                                                                \
@@ -1056,7 +1066,7 @@ static inline __m256i broadcast4(const int8_t *p) {
                 __m256i raw = _mm256_loadu_si256((const __m256i *)(rec + 32 * t));                               \
                 __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);\
                 for (int r = 0; r < R; r++) {                                                                    \
-                    const int8_t *xr = xb + (size_t)r * K + 4 * t;                                               \
+                    const int8_t *xr = xb + r * QBLOCK + 4 * t;                                               \
                     DOT2(isum[r], isum2[r], lo, broadcast4(xr), hi, broadcast4(xr + 16));                        \
                 }                                                                                                \
             }                                                                                                    \
@@ -1065,12 +1075,12 @@ static inline __m256i broadcast4(const int8_t *p) {
             ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + QCOLS * qbytes + 2 * QCOLS)))              \
             : _mm256_setzero_ps();                                                                               \
         for (int r = 0; r < R; r++) {                                                                            \
-            float dxr = dx[(size_t)r * Kb + b];                                                                  \
+            float dxr = dx[b * R + r];                                                                  \
             __m256i is = _mm256_add_epi32(isum[r], isum2[r]);                                                    \
-            if (format == Q4_0) is = _mm256_sub_epi32(is, _mm256_set1_epi32(8 * sx[(size_t)r * Kb + b]));        \
+            if (format == Q4_0) is = _mm256_sub_epi32(is, _mm256_set1_epi32(8 * sx[b * R + r]));        \
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(d, _mm256_set1_ps(dxr)), acc[r]);     \
             if (format == Q4_1)                                                                                  \
-                acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(dxr * (float)sx[(size_t)r * Kb + b]), acc[r]);       \
+                acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(dxr * (float)sx[b * R + r]), acc[r]);       \
         }                                                                                                        \
     }                                                                                                            \
     for (int r = 0; r < R; r++) store_bf16x8(y + r * ldy, acc[r], ncols < QCOLS ? ncols : QCOLS);
@@ -1090,11 +1100,13 @@ static inline __attribute__((always_inline)) void qblock(const int format, const
     QBLOCK_BODY(dot_avx2, DOT2_AVX2)
 }
 
-typedef void (*qblock_fn)(const int8_t *, const float *, const int32_t *, int, const uint8_t *, uint16_t *, size_t,
-                          int);
+/* A register block of R rows over `span` neighbouring groups (w: the first one's records; gstride bytes apart). */
+typedef void (*qblock_fn)(const int8_t *qx, const float *dx, const int32_t *sx, int K, const uint8_t *w,
+                          size_t gstride, uint16_t *y, size_t ldy, int ncols);
 #define QBLOCK_FN(F, R)                                                                                          \
     static void qblock_##F##_##R(const int8_t *qx, const float *dx, const int32_t *sx, int K, const uint8_t *w,  \
-                                 uint16_t *y, size_t ldy, int ncols) {                                           \
+                                 size_t gstride, uint16_t *y, size_t ldy, int ncols) {                           \
+        (void)gstride;                                                                                           \
         qblock(F, R, qx, dx, sx, K, w, y, ldy, ncols);                                                           \
     }
 QBLOCK_FN(Q4_0, 1) QBLOCK_FN(Q4_0, 2) QBLOCK_FN(Q4_0, 3) QBLOCK_FN(Q4_0, 4)
@@ -1107,37 +1119,40 @@ static const qblock_fn qblocks[3][QMAX_ROWS + 1] = {
 };
 
 /* y[M, N] (row stride ldy) = x[M, K] (bf16, row stride ldx) @ W^T, W in qpanels of `format`; K a multiple of 32;
-   register blocks of up to max_rows rows from `blocks`. Threads split the column groups; each group's weights (a
-   few KB) stay in cache while every row block passes. Returns 0, or -1 when memory for the quantized activations
-   could not be allocated (y untouched). */
+   register blocks of up to max_rows rows and `span` groups from `blocks` (a lone last group of an odd count from
+   `tail`). Threads split the spans; each span's weights (a few KB) stay in cache while every row block passes.
+   Returns 0, or -1 when memory for the quantized activations could not be allocated (y untouched). */
 static int qgemm(int format, const uint16_t *x, long ldx, const uint8_t *wp, uint16_t *y, long ldy, int M, int N,
-                 int K, int nthreads, int max_rows, const qblock_fn *blocks) {
-    int Kb = K / QBLOCK, G = (N + QCOLS - 1) / QCOLS;
+                 int K, int nthreads, int max_rows, int span, const qblock_fn *blocks, const qblock_fn *tail) {
+    int Kb = K / QBLOCK, G = (N + QCOLS - 1) / QCOLS, S = (G + span - 1) / span;
     size_t gstride = (size_t)Kb * q_record_bytes[format];
     int8_t *qx = malloc((size_t)M * K + (size_t)M * Kb * (sizeof(float) + sizeof(int32_t)));
     if (!qx) return -1;
     float *dx = (float *)(qx + (size_t)M * K);
     int32_t *sx = (int32_t *)(dx + (size_t)M * Kb);
-    quantize_rows_q8(x, ldx, M, K, qx, dx, sx);
+    quantize_rows_q8(x, ldx, M, K, max_rows, qx, dx, sx);
     #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int g = 0; g < G; g++)
+    for (int s = 0; s < S; s++) {
+        int g = s * span;
+        const qblock_fn *fns = g + span > G ? tail : blocks;
         for (int m = 0; m < M; m += max_rows) {
             int R = M - m < max_rows ? M - m : max_rows;
-            blocks[R](qx + (size_t)m * K, dx + (size_t)m * Kb, sx + (size_t)m * Kb, K, wp + g * gstride,
-                      y + (size_t)m * ldy + g * QCOLS, (size_t)ldy, N - g * QCOLS);
+            fns[R](qx + (size_t)m * K, dx + (size_t)m * Kb, sx + (size_t)m * Kb, K, wp + g * gstride, gstride,
+                   y + (size_t)m * ldy + g * QCOLS, (size_t)ldy, N - g * QCOLS);
         }
+    }
     free(qx);
     return 0;
 }
 
-#define QGEMM_EXPORT(NAME, F, MAXR, TABLE)                                                                       \
+#define QGEMM_EXPORT(NAME, F, MAXR, SPAN, BLOCKS, TAIL)                                                          \
     int NAME(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy, int M, int N, int K,        \
              int nthreads) {                                                                                     \
-        return qgemm(F, x, ldx, (const uint8_t *)wp, y, ldy, M, N, K, nthreads, MAXR, TABLE[F]);                 \
+        return qgemm(F, x, ldx, (const uint8_t *)wp, y, ldy, M, N, K, nthreads, MAXR, SPAN, BLOCKS, TAIL);      \
     }
-QGEMM_EXPORT(peagle_qgemm_q4_0, Q4_0, QMAX_ROWS, qblocks)
-QGEMM_EXPORT(peagle_qgemm_q4_1, Q4_1, QMAX_ROWS, qblocks)
-QGEMM_EXPORT(peagle_qgemm_q8_0, Q8_0, QMAX_ROWS, qblocks)
+QGEMM_EXPORT(peagle_qgemm_q4_0, Q4_0, QMAX_ROWS, 1, qblocks[Q4_0], qblocks[Q4_0])
+QGEMM_EXPORT(peagle_qgemm_q4_1, Q4_1, QMAX_ROWS, 1, qblocks[Q4_1], qblocks[Q4_1])
+QGEMM_EXPORT(peagle_qgemm_q8_0, Q8_0, QMAX_ROWS, 1, qblocks[Q8_0], qblocks[Q8_0])
 
 /* Rows ids[0..n-1] of W [N, K] in qpanels, dequantized to bf16 (w = d q (+ m) in fp32, rounded once, as gguf's
    own dequantizer computes it): the embedding lookup of a block-quantized table. Returns -2 for an id outside
@@ -1175,43 +1190,127 @@ int peagle_qrows_bf16(int format, const uint8_t *wp, int N, int K, const int64_t
 
 /* The quantized activations of M rows as the kernels compute them (for the tests' float64 reference). */
 void peagle_quantize_rows_q8(const uint16_t *x, long ldx, int M, int K, int8_t *qx, float *dx, int32_t *sx) {
-    quantize_rows_q8(x, ldx, M, K, qx, dx, sx);
+    quantize_rows_q8(x, ldx, M, K, 1, qx, dx, sx);
 }
 
 #pragma GCC pop_options
 
-/* The same register blocks with AVX-512 VNNI on 256-bit registers: vpdpbusd adds the four u8 x s8 products of each
-   lane to its int32 in one instruction, and AVX-512's 32 registers hold 8 rows' sums. */
+/* AVX-512 VNNI on 512-bit registers: two neighbouring qpanel groups (16 output columns) per vector, one column
+   per int32 lane as on AVX2, so that each activation broadcast, each vpdpbusd and each step of the fp32 chain
+   serves 16 columns instead of 8; 32 registers hold register blocks of QMAX_ROWS_VNNI rows. Per lane the chain is
+   the section's, so the bits are AVX2's. Two changes of integer arithmetic only, exact either way: Q8_0 codes are
+   made unsigned by flipping their sign bit (q + 128; vpdpbusd sums into int32, so no int16 saturation to avoid)
+   and the sum is corrected by -128 sx, in place of AVX2's |q| and sign moved onto the activations; and Q4_0's
+   -8 sx starts the sum instead of ending it. */
 #ifndef PEAGLE_NO_AVX512
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
 
-static inline __m256i dot_vnni(__m256i isum, __m256i w, __m256i x) { return _mm256_dpbusd_epi32(isum, w, x); }
-#define DOT2_VNNI(a, b, w, x, w2, x2)                                                                            \
-    ((a) = _mm256_dpbusd_epi32((a), (w), (x)), (b) = _mm256_dpbusd_epi32((b), (w2), (x2)))
-static inline __attribute__((always_inline)) void qblock_vnni(const int format, const int R, const int8_t *qx,
-                                                              const float *dx, const int32_t *sx, int K,
-                                                              const uint8_t *w, uint16_t *y, size_t ldy, int ncols) {
-    QBLOCK_BODY(dot_vnni, DOT2_VNNI)
+/* 32 bytes of group g's record (and of group g + 1's, at gstride further, in the upper half when two). */
+static inline __m512i load_groups(const uint8_t *p, size_t gstride, const int two) {
+    __m512i v = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)p));
+    return two ? _mm512_inserti64x4(v, _mm256_loadu_si256((const __m256i *)(p + gstride)), 1) : v;
 }
-#define QBLOCK_VNNI_FN(F, R)                                                                                     \
-    static void qblock_vnni_##F##_##R(const int8_t *qx, const float *dx, const int32_t *sx, int K,               \
-                                      const uint8_t *w, uint16_t *y, size_t ldy, int ncols) {                    \
-        qblock_vnni(F, R, qx, dx, sx, K, w, y, ldy, ncols);                                                      \
-    }
-#define QBLOCK_VNNI_ROWS(F)                                                                                      \
-    QBLOCK_VNNI_FN(F, 1) QBLOCK_VNNI_FN(F, 2) QBLOCK_VNNI_FN(F, 3) QBLOCK_VNNI_FN(F, 4)                          \
-    QBLOCK_VNNI_FN(F, 5) QBLOCK_VNNI_FN(F, 6) QBLOCK_VNNI_FN(F, 7) QBLOCK_VNNI_FN(F, 8)
-QBLOCK_VNNI_ROWS(Q4_0) QBLOCK_VNNI_ROWS(Q4_1) QBLOCK_VNNI_ROWS(Q8_0)
-#define QBLOCK_VNNI_TABLE(F)                                                                                     \
-    {0, qblock_vnni_##F##_1, qblock_vnni_##F##_2, qblock_vnni_##F##_3, qblock_vnni_##F##_4,                      \
-     qblock_vnni_##F##_5, qblock_vnni_##F##_6, qblock_vnni_##F##_7, qblock_vnni_##F##_8}
-static const qblock_fn qblocks_vnni[3][QMAX_ROWS_VNNI + 1] = {
-    QBLOCK_VNNI_TABLE(Q4_0), QBLOCK_VNNI_TABLE(Q4_1), QBLOCK_VNNI_TABLE(Q8_0)};
 
-QGEMM_EXPORT(peagle_qgemm_vnni_q4_0, Q4_0, QMAX_ROWS_VNNI, qblocks_vnni)
-QGEMM_EXPORT(peagle_qgemm_vnni_q4_1, Q4_1, QMAX_ROWS_VNNI, qblocks_vnni)
-QGEMM_EXPORT(peagle_qgemm_vnni_q8_0, Q8_0, QMAX_ROWS_VNNI, qblocks_vnni)
+/* The 16 fp16 scales at offset `at` of both groups' records, as floats. */
+static inline __m512 load_scales(const uint8_t *p, size_t gstride, const int two) {
+    __m128i lo = _mm_loadu_si128((const __m128i *)p);
+    __m128i hi = two ? _mm_loadu_si128((const __m128i *)(p + gstride)) : _mm_setzero_si128();
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
+}
+
+static inline __m512i broadcast4_512(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* R rows x the 16 columns of groups g and g + 1 (only g's 8 when !two: the last group of an odd count). */
+static inline __attribute__((always_inline)) void qblock_vnni(const int format, const int R, const int two,
+                                                              const int8_t *qx, const float *dx, const int32_t *sx,
+                                                              int K, const uint8_t *w, size_t gstride, uint16_t *y,
+                                                              size_t ldy, int ncols) {
+    int Kb = K / QBLOCK, rb = q_record_bytes[format], qbytes = format == Q8_0 ? 32 : 16;
+    const int two_sums = R <= 2; /* few rows: two sums per row, so a row is not one chain of dependent adds */
+    const __m512i low4 = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc[QMAX_ROWS_VNNI];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int b = 0; b < Kb; b++) {
+        const uint8_t *rec = w + (size_t)b * rb;
+        for (int l = 0; l < rb; l += 64) {
+            _mm_prefetch((const char *)(rec + 8 * rb + l), _MM_HINT_T0);
+            if (two) _mm_prefetch((const char *)(rec + gstride + 8 * rb + l), _MM_HINT_T0);
+        }
+        const int8_t *xb = qx + (size_t)b * R * QBLOCK;
+        __m512i isum[QMAX_ROWS_VNNI], isum2[QMAX_ROWS_VNNI];
+        for (int r = 0; r < R; r++) {
+            int32_t s = sx[b * R + r];
+            isum[r] = _mm512_set1_epi32(format == Q4_0 ? -8 * s : format == Q8_0 ? -128 * s : 0);
+            isum2[r] = _mm512_setzero_si512();
+        }
+        if (format == Q8_0)
+            for (int j = 0; j < 8; j += 2) {
+                __m512i wv = _mm512_xor_si512(load_groups(rec + 32 * j, gstride, two), flip);
+                __m512i wv2 = _mm512_xor_si512(load_groups(rec + 32 * j + 32, gstride, two), flip);
+                for (int r = 0; r < R; r++) {
+                    const int8_t *xr = xb + r * QBLOCK + 4 * j;
+                    isum[r] = _mm512_dpbusd_epi32(isum[r], wv, broadcast4_512(xr));
+                    if (two_sums) isum2[r] = _mm512_dpbusd_epi32(isum2[r], wv2, broadcast4_512(xr + 4));
+                    else isum[r] = _mm512_dpbusd_epi32(isum[r], wv2, broadcast4_512(xr + 4));
+                }
+            }
+        else
+            for (int t = 0; t < 4; t++) {
+                __m512i raw = load_groups(rec + 32 * t, gstride, two);
+                __m512i lo = _mm512_and_si512(raw, low4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+                for (int r = 0; r < R; r++) {
+                    const int8_t *xr = xb + r * QBLOCK + 4 * t;
+                    isum[r] = _mm512_dpbusd_epi32(isum[r], lo, broadcast4_512(xr));
+                    if (two_sums) isum2[r] = _mm512_dpbusd_epi32(isum2[r], hi, broadcast4_512(xr + 16));
+                    else isum[r] = _mm512_dpbusd_epi32(isum[r], hi, broadcast4_512(xr + 16));
+                }
+            }
+        __m512 d = load_scales(rec + QCOLS * qbytes, gstride, two);
+        __m512 mn = format == Q4_1 ? load_scales(rec + QCOLS * qbytes + 2 * QCOLS, gstride, two)
+                                   : _mm512_setzero_ps();
+        for (int r = 0; r < R; r++) {
+            float dxr = dx[b * R + r];
+            __m512i is = two_sums ? _mm512_add_epi32(isum[r], isum2[r]) : isum[r];
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(d, _mm512_set1_ps(dxr)), acc[r]);
+            if (format == Q4_1)
+                acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(dxr * (float)sx[b * R + r]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        store_bf16x8(y + r * ldy, _mm512_castps512_ps256(acc[r]), ncols < QCOLS ? ncols : QCOLS);
+        if (two && ncols > QCOLS)
+            store_bf16x8(y + r * ldy + QCOLS, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)),
+                         ncols < 2 * QCOLS ? ncols - QCOLS : QCOLS);
+    }
+}
+#define QBLOCK_VNNI_FN(F, R, TWO)                                                                                \
+    static void qblock_vnni_##F##_##R##_##TWO(const int8_t *qx, const float *dx, const int32_t *sx, int K,       \
+                                              const uint8_t *w, size_t gstride, uint16_t *y, size_t ldy,         \
+                                              int ncols) {                                                       \
+        qblock_vnni(F, R, TWO, qx, dx, sx, K, w, gstride, y, ldy, ncols);                                        \
+    }
+#define QBLOCK_VNNI_ROWS(F, TWO)                                                                                 \
+    QBLOCK_VNNI_FN(F, 1, TWO) QBLOCK_VNNI_FN(F, 2, TWO) QBLOCK_VNNI_FN(F, 3, TWO) QBLOCK_VNNI_FN(F, 4, TWO)      \
+    QBLOCK_VNNI_FN(F, 5, TWO) QBLOCK_VNNI_FN(F, 6, TWO) QBLOCK_VNNI_FN(F, 7, TWO) QBLOCK_VNNI_FN(F, 8, TWO)
+QBLOCK_VNNI_ROWS(Q4_0, 1) QBLOCK_VNNI_ROWS(Q4_1, 1) QBLOCK_VNNI_ROWS(Q8_0, 1)
+QBLOCK_VNNI_ROWS(Q4_0, 0) QBLOCK_VNNI_ROWS(Q4_1, 0) QBLOCK_VNNI_ROWS(Q8_0, 0)
+#define QBLOCK_VNNI_TABLE(F, TWO)                                                                                \
+    {0, qblock_vnni_##F##_1_##TWO, qblock_vnni_##F##_2_##TWO, qblock_vnni_##F##_3_##TWO,                         \
+     qblock_vnni_##F##_4_##TWO, qblock_vnni_##F##_5_##TWO, qblock_vnni_##F##_6_##TWO,                            \
+     qblock_vnni_##F##_7_##TWO, qblock_vnni_##F##_8_##TWO}
+static const qblock_fn qblocks_vnni[3][2][QMAX_ROWS_VNNI + 1] = {
+    {QBLOCK_VNNI_TABLE(Q4_0, 1), QBLOCK_VNNI_TABLE(Q4_0, 0)},
+    {QBLOCK_VNNI_TABLE(Q4_1, 1), QBLOCK_VNNI_TABLE(Q4_1, 0)},
+    {QBLOCK_VNNI_TABLE(Q8_0, 1), QBLOCK_VNNI_TABLE(Q8_0, 0)}};
+
+QGEMM_EXPORT(peagle_qgemm_vnni_q4_0, Q4_0, QMAX_ROWS_VNNI, 2, qblocks_vnni[Q4_0][0], qblocks_vnni[Q4_0][1])
+QGEMM_EXPORT(peagle_qgemm_vnni_q4_1, Q4_1, QMAX_ROWS_VNNI, 2, qblocks_vnni[Q4_1][0], qblocks_vnni[Q4_1][1])
+QGEMM_EXPORT(peagle_qgemm_vnni_q8_0, Q8_0, QMAX_ROWS_VNNI, 2, qblocks_vnni[Q8_0][0], qblocks_vnni[Q8_0][1])
 
 #pragma GCC pop_options
 #endif /* PEAGLE_NO_AVX512 */
