@@ -72,8 +72,8 @@ def normalize_messages(record: dict) -> list[dict] | None:
 
 
 def iter_json_records(path: Path) -> Iterator[dict]:
-    """Records of a JSONL file, or of a (possibly truncated) JSON array, one at a time."""
-    with open(path, encoding="utf-8") as f:
+    """Records of a JSONL file (plain or gzip, by its `.gz` suffix), or of a (possibly truncated) JSON array."""
+    with (gzip.open(path, "rt", encoding="utf-8") if str(path).endswith(".gz") else open(path, encoding="utf-8")) as f:
         if opens_json_array(f):
             yield from iter_json_array(f)
             return
