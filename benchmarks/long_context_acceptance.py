@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-HELDOUT_SOURCE = ROOT / "data" / "heads" / "smollm2-regenerated.jsonl"
+HELDOUT_SOURCE = ROOT / "data" / "heads" / "smollm2-regenerated.jsonl.gz"
 CODE_MODULES = ("argparse", "typing", "dataclasses", "pathlib")  # long, plain, stable standard-library sources
 HEADS = {"peagle": "smollm2-135m-peagle", "eagle3": "smollm2-135m-eagle3"}
 MAX_MODEL_LEN = 8192  # SmolLM2's context
@@ -39,13 +39,14 @@ def chat_history(tokenizer, length: int) -> list[dict]:
     """The longest run of whole held-out turn pairs whose rendered template stays within `length` tokens."""
     import importlib.util
 
+    from peagle.train.data import iter_json_records
+
     spec = importlib.util.spec_from_file_location("split", ROOT / "scripts" / "split_head_data.py")
     split = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(split)
     heldout = split.bundled_heldout_ids(str(HELDOUT_SOURCE))
     turns: list[dict] = []
-    for line in open(HELDOUT_SOURCE, encoding="utf-8"):
-        rec = json.loads(line)
+    for rec in iter_json_records(HELDOUT_SOURCE):
         if rec["id"] in heldout:
             msgs = [m for m in rec["messages"] if m["role"] in ("user", "assistant")]
             turns += msgs[:len(msgs) // 2 * 2]  # whole user/assistant pairs

@@ -7,7 +7,9 @@ The first pass over `--steps` optimizer steps (4 conversations each) fills a tea
 forward on its own; each repeat then runs the same steps again (the same batches, from the cache) and reports
 tokens per CPU-second of the process (time.process_time, so other jobs on a shared machine inflate it less than
 they inflate wall time) and per wall-second. Runs against any checkout: `PYTHONPATH=/path/to/other/checkout python
-benchmarks/train_throughput.py` measures that version with the same command.
+benchmarks/train_throughput.py` measures that version with the same command (one that predates reading
+gzip-compressed conversations needs an unpacked copy of the default data: `gzip -dc
+data/heads/smollm2-regenerated.jsonl.gz > /tmp/regenerated.jsonl` and `--data /tmp/regenerated.jsonl`).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import time
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default="data/heads/smollm2-regenerated.jsonl")
+    p.add_argument("--data", default="data/heads/smollm2-regenerated.jsonl.gz")
     p.add_argument("--method", choices=("peagle", "eagle3"), default="peagle")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--repeats", type=int, default=2)

@@ -14,31 +14,31 @@
 # runs the target for its next step in a second thread (--teacher-ahead), so it uses both cores, and the data lane
 # runs at nice 10 in what the trainer leaves (while the pool holds rounds the trainer has not reached, training is
 # what is short: docs/heads.md, "Two cores for the trainer"):
-#   1. regen  SmolLM2's answers to data/heads/prompts-3.jsonl (new ShareGPT prompts; made once, resumable; the
+#   1. regen  SmolLM2's answers to data/heads/prompts-3.jsonl.gz (new ShareGPT prompts; made once, resumable; the
 #             answers so far are committed as data/heads/smollm2-regenerated-3.jsonl.gz with
 #             `gzip -c runs/campaign/regen3/regenerated.jsonl > data/heads/smollm2-regenerated-3.jsonl.gz`)
 #   then, side by side:
 #   data lane
-#     1b.       the same for data/heads/prompts-code.jsonl (Python functions' signatures and docstrings from the
+#     1b.       the same for data/heads/prompts-code.jsonl.gz (Python functions' signatures and docstrings from the
 #               standard library and installed packages, scripts/make_code_prompts.py), committed as
 #               data/heads/smollm2-regenerated-code.jsonl.gz
-#     1c.       the same for data/heads/prompts-multi.jsonl (ShareGPT conversations of 2-4 user turns, each later
+#     1c.       the same for data/heads/prompts-multi.jsonl.gz (ShareGPT conversations of 2-4 user turns, each later
 #               question after SmolLM2's own earlier answers: histories of thousands of tokens), committed as
 #               data/heads/smollm2-regenerated-multi.jsonl.gz
-#     1d.       the same for data/heads/prompts-4.jsonl (the last usable ShareGPT first turns, up to 4,000
+#     1d.       the same for data/heads/prompts-4.jsonl.gz (the last usable ShareGPT first turns, up to 4,000
 #               characters, and 6,000 more documented functions from a wider set of installed packages, shuffled
 #               together: scripts/mix_prompts.py; answers of up to 512 tokens), committed as
 #               data/heads/smollm2-regenerated-4.jsonl.gz
 #     1e.       questions SmolLM2 writes itself (scripts/make_self_prompts.py: ShareGPT is used up; made once,
-#               resumable, committed as data/heads/prompts-self.jsonl as it grows), shuffled with 5,000 more
-#               functions (data/heads/prompts-code-3.jsonl) into data/heads/prompts-5.jsonl and answered like 1d,
-#               committed as data/heads/smollm2-regenerated-5.jsonl.gz
+#               resumable, committed as data/heads/prompts-self.jsonl.gz as it grows), shuffled with 5,000 more
+#               functions (data/heads/prompts-code-3.jsonl.gz) into data/heads/prompts-5.jsonl.gz and answered like
+#               1d, committed as data/heads/smollm2-regenerated-5.jsonl.gz
 #     4. eagle3 rounds, once 1e is done: like stage 3, on the teacher outputs the two heads share when their cursors
 #               meet (--share-teacher-cache: whichever reaches a row first runs the target, the other reads the row
 #               and deletes it)
 #   training lane
 #     2. data   the pool: every conversation the second bundle had not trained on, in a fixed order that only grows
-#               at its end (data/heads/smollm2-regenerated-2.jsonl from line FIRST_UNSEEN on, stage 1's answers
+#               at its end (data/heads/smollm2-regenerated-2.jsonl.gz from line FIRST_UNSEEN on, stage 1's answers
 #               and the first CODE_FIRST of stage 1b's; then the rest of 1b's and 1c's, shuffled together so that
 #               no round is all code; then 1d's, then 1e's as they come), without the
 #               bundled heads' 32 held-out conversations, which are kept apart for evaluation
@@ -67,7 +67,7 @@ trap 'trap "" TERM; kill -- -$$' EXIT
 trap 'exit 143' INT TERM
 cd "$(dirname "$0")/.."
 WORK="${WORK:-runs/campaign}"
-FIRST_UNSEEN="${FIRST_UNSEEN:-1217}"   # the second bundle trained on lines 1-1,216 of smollm2-regenerated-2.jsonl
+FIRST_UNSEEN="${FIRST_UNSEEN:-1217}"   # the second bundle trained on lines 1-1,216 of smollm2-regenerated-2.jsonl.gz
 CODE_FIRST="${CODE_FIRST:-1280}"       # code answers in round 1's training data: those committed when it was fixed
 # ROWS: conversations per round, sized to finish within a session: P-EAGLE's step (4 conversations) took about 5.5 s
 # on a Zen 4 core, whose AVX-512 BF16 the trainer's bf16 compute uses, and 20-28 s on a Zen 3 core, which has no bf16
@@ -89,9 +89,9 @@ exec 9> "$WORK/.lock"   # one campaign per WORK: a second would train into the s
 flock -n 9 || { echo "campaign: another one is running in $WORK (see $WORK/logs)"; exit 0; }
 log() { echo "campaign $(date -u +%FT%TZ): $*"; }
 
-if [ ! -f data/heads/prompts-3.jsonl ]; then
-  python3 scripts/make_head_prompts.py --num 8000 --seed 2 --first-id 4000 --exclude data/heads/prompts.jsonl \
-    --exclude data/heads/prompts-2.jsonl --out data/heads/prompts-3.jsonl
+if [ ! -f data/heads/prompts-3.jsonl.gz ]; then
+  python3 scripts/make_head_prompts.py --num 8000 --seed 2 --first-id 4000 --exclude data/heads/prompts.jsonl.gz \
+    --exclude data/heads/prompts-2.jsonl.gz --out data/heads/prompts-3.jsonl.gz
 fi
 # restore NAME COMMITTED: the answers made so far travel in the repository (COMMITTED, gzip); a fresh machine
 # resumes after them.
@@ -114,7 +114,7 @@ restore regen-code data/heads/smollm2-regenerated-code.jsonl.gz
 restore regen-multi data/heads/smollm2-regenerated-multi.jsonl.gz
 restore regen4 data/heads/smollm2-regenerated-4.jsonl.gz
 restore regen5 data/heads/smollm2-regenerated-5.jsonl.gz
-regenerate data/heads/prompts-3.jsonl regen3 >> "$WORK/logs/data.log" 2>&1 & wait $!   # stage 1
+regenerate data/heads/prompts-3.jsonl.gz regen3 >> "$WORK/logs/data.log" 2>&1 & wait $!   # stage 1
 
 # common ROUND: the training flags every stage shares, on ROUND's data and teacher cache (held out: the same 32)
 # (--attn-chunk 512: the deeper COD rows attend in chunks whose own block is computed densely though a chain is at
@@ -193,19 +193,20 @@ rounds() {
 
 data_lane() {
   renice -n 10 -p "$BASHPID" > /dev/null   # what it starts inherits it
-  regenerate data/heads/prompts-code.jsonl regen-code         # stage 1b
-  regenerate data/heads/prompts-multi.jsonl regen-multi 4096  # stage 1c
+  regenerate data/heads/prompts-code.jsonl.gz regen-code         # stage 1b
+  regenerate data/heads/prompts-multi.jsonl.gz regen-multi 4096  # stage 1c
   # stage 1d: prompts of up to 4,000 characters; answers of up to 512 tokens, since two thirds of SmolLM2's are cut
   # at 256 and its prompts are nearly all used, more of each answer is where more training tokens come from
-  regenerate data/heads/prompts-4.jsonl regen4 2048 512
+  regenerate data/heads/prompts-4.jsonl.gz regen4 2048 512
   # stage 1e: ShareGPT is used up, so chat questions SmolLM2 writes itself, mixed with 5,000 more functions
-  log "stage 1e: questions the target writes (data/heads/prompts-self.jsonl)"
-  python3 scripts/make_self_prompts.py --num 5000 --first-id 30000 --exclude data/heads/prompts.jsonl \
-    --exclude data/heads/prompts-2.jsonl --exclude data/heads/prompts-3.jsonl \
-    --exclude data/heads/prompts-multi.jsonl --exclude data/heads/prompts-4.jsonl --out data/heads/prompts-self.jsonl
-  [ -f data/heads/prompts-5.jsonl ] || python3 scripts/mix_prompts.py --inputs data/heads/prompts-self.jsonl \
-    data/heads/prompts-code-3.jsonl --seed 0 --out data/heads/prompts-5.jsonl
-  regenerate data/heads/prompts-5.jsonl regen5 2048 512
+  log "stage 1e: questions the target writes (data/heads/prompts-self.jsonl.gz)"
+  python3 scripts/make_self_prompts.py --num 5000 --first-id 30000 --exclude data/heads/prompts.jsonl.gz \
+    --exclude data/heads/prompts-2.jsonl.gz --exclude data/heads/prompts-3.jsonl.gz \
+    --exclude data/heads/prompts-multi.jsonl.gz --exclude data/heads/prompts-4.jsonl.gz \
+    --out data/heads/prompts-self.jsonl.gz
+  [ -f data/heads/prompts-5.jsonl.gz ] || python3 scripts/mix_prompts.py --inputs data/heads/prompts-self.jsonl.gz \
+    data/heads/prompts-code-3.jsonl.gz --seed 0 --out data/heads/prompts-5.jsonl.gz
+  regenerate data/heads/prompts-5.jsonl.gz regen5 2048 512
   until [ -f "$WORK/heldout-data/peagle_data.json" ]; do sleep 60; done   # (a failed stage 2 stops the campaign)
   rounds eagle3                                               # stage 4
 }
@@ -218,10 +219,10 @@ training_lane() {
       echo "campaign: $code has fewer than CODE_FIRST=$CODE_FIRST answers; commit them or lower CODE_FIRST" >&2
       return 1
     fi
-    tail -n "+$FIRST_UNSEEN" data/heads/smollm2-regenerated-2.jsonl > "$WORK/unseen.jsonl"
+    gzip -dc data/heads/smollm2-regenerated-2.jsonl.gz | tail -n "+$FIRST_UNSEEN" > "$WORK/unseen.jsonl"
     head -n "$CODE_FIRST" "$code" > "$WORK/code-first.jsonl"
     local new=("$WORK/unseen.jsonl" "$WORK/regen3/regenerated.jsonl" "$WORK/code-first.jsonl")
-    python3 scripts/split_head_data.py --inputs data/heads/smollm2-regenerated.jsonl "${new[@]}" \
+    python3 scripts/split_head_data.py --inputs data/heads/smollm2-regenerated.jsonl.gz "${new[@]}" \
       --train "$WORK/all.jsonl" --heldout "$WORK/heldout.jsonl"
     # Only conversations the bundled heads have not seen train; the held-out ones come from the first file.
     python3 - "$WORK" "${new[@]}" <<'PY'

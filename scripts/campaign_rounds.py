@@ -43,6 +43,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bundle_head import MIN_GAIN, bundle, deepest_mal, deepest_rows, gain_lower_bound, not_better  # noqa: E402
 from campaign_slices import records, tokens_seen  # noqa: E402
 
+from peagle.train.data import open_text  # noqa: E402
+
 STATE = ROOT / "data" / "heads" / "campaign.json"
 BUNDLES = {"peagle": "smollm2-135m-peagle", "eagle3": "smollm2-135m-eagle3"}
 # What the cursors count (scripts/campaign.sh composes it; changing its order would make them meaningless)
@@ -82,7 +84,9 @@ def source_lines(source: str, heldout: set[str], group: bool = False) -> list[st
         if group:
             raise SystemExit(f"campaign_rounds: {path} is missing, but a group's files must be finished")
         return []
-    return [line for n, line in enumerate(Path(path).read_text().splitlines(), 1)
+    with open_text(path) as f:
+        text = f.read()
+    return [line for n, line in enumerate(text.splitlines(), 1)
             if n >= int(first or 1) and line.strip() and json.loads(line)["id"] not in heldout]
 
 

@@ -17,7 +17,6 @@ tokens is printed for the head's vocabulary and the new one.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import shutil
 from pathlib import Path
@@ -27,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from peagle.model.loading import load_tokenizer, resolve_model
 from peagle.model.target import TargetModel
+from peagle.train.data import open_text
 from peagle.train.vocab import mapping, select_draft_vocab, used_ids
 
 
@@ -34,7 +34,7 @@ def answer_token_counts(files: list[str], tokenizer, vocab_size: int) -> tuple[t
     """(counts over the kept conversations, counts over every 20th one) of assistant-message tokens."""
     kept, left_out = torch.zeros(vocab_size, dtype=torch.long), torch.zeros(vocab_size, dtype=torch.long)
     for f in files:
-        with (gzip.open(f, "rt") if f.endswith(".gz") else open(f)) as fh:
+        with open_text(f) as fh:
             for k, line in enumerate(fh):
                 for m in json.loads(line)["messages"]:
                     if m["role"] == "assistant" and m["content"]:

@@ -2,9 +2,9 @@
 library and of installed packages, each given as its signature and docstring (the shape of a HumanEval prompt),
 for `peagle data prepare --regenerate` to complete with the target's own answer.
 
-    python3 scripts/make_code_prompts.py --num 4000 --first-id 0 --out data/heads/prompts-code.jsonl
+    python3 scripts/make_code_prompts.py --num 4000 --first-id 0 --out data/heads/prompts-code.jsonl.gz
     python3 scripts/make_code_prompts.py --num 6000 --first-id 4000 --packages "$(python3 scripts/make_code_prompts.py \
-        --list-wide)" --exclude data/heads/prompts-code.jsonl --out data/heads/prompts-code-2.jsonl
+        --list-wide)" --exclude data/heads/prompts-code.jsonl.gz --out data/heads/prompts-code-2.jsonl.gz
 
 Functions are read with `ast` (nothing is imported), deduplicated by their prompt, and drawn with a fixed seed from
 the sorted list, so one machine's packages give one file; it is committed, since another machine's packages differ.
@@ -20,7 +20,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from peagle.train.data import PLACEHOLDER_ANSWER
+from peagle.train.data import PLACEHOLDER_ANSWER, iter_json_records, open_text
 
 PACKAGES = ("numpy", "transformers", "tokenizers", "safetensors", "fastapi", "pydantic", "starlette", "tqdm",
             "matplotlib", "scipy", "requests", "urllib3", "click", "jinja2", "yaml", "packaging", "httpx")
@@ -86,7 +86,8 @@ def main() -> None:
                     f"(default: {','.join(PACKAGES)})")
     ap.add_argument("--list-wide", action="store_true", help="print the second code file's package list and exit")
     ap.add_argument("--exclude", action="append", default=[],
-                    help="a JSONL of code prompts (an earlier file) whose functions must not be picked again")
+                    help="a JSONL (or .jsonl.gz) of code prompts (an earlier file) whose functions must not be "
+                    "picked again")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.list_wide:
@@ -96,8 +97,8 @@ def main() -> None:
         ap.error("--out is required")
     files = source_files(tuple(args.packages.split(",")) if args.packages else PACKAGES)
     # An earlier file's functions count as seen, so a second file never repeats one of its prompts.
-    seen: set[str] = {_function(json.loads(line)["messages"][0]["content"]) for path in args.exclude
-                      for line in open(path, encoding="utf-8") if line.strip()}
+    seen: set[str] = {_function(rec["messages"][0]["content"]) for path in args.exclude
+                      for rec in iter_json_records(path)}
     prompts: list[str] = []
     for i, path in enumerate(files, 1):
         for p in function_prompts(path):
@@ -108,7 +109,7 @@ def main() -> None:
             print(f"\r{i}/{len(files)} files, {len(prompts)} functions", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
     random.Random(args.seed).shuffle(prompts)
-    with open(args.out, "w", encoding="utf-8") as f:
+    with open_text(args.out, "w") as f:  # (a .gz name writes it compressed)
         for n, p in enumerate(prompts[:args.num]):
             text = PROMPT.format(function=p)
             f.write(json.dumps({"id": f"code-{args.first_id + n}",

@@ -3,14 +3,14 @@ code, none from HumanEval or MT-Bench (`peagle data prepare` refuses those anywa
 an empty assistant turn for `peagle data prepare --regenerate` to fill with the target's own answers.
 
     python scripts/make_head_prompts.py --num 1200 --out data/head-prompts.jsonl
-    python scripts/make_head_prompts.py --num 2400 --first-id 1600 --exclude data/heads/prompts.jsonl \
-        --out more-prompts.jsonl
+    python scripts/make_head_prompts.py --num 2400 --first-id 1600 --exclude data/heads/prompts.jsonl.gz \
+        --out more-prompts.jsonl.gz
 
 With --multi-turn it keeps the first --max-turns user turns of conversations that have at least two, each followed
 by an empty assistant turn: regenerated turn by turn, every later question sees SmolLM2's own earlier answers, so
 the histories the heads learn from reach thousands of tokens, as a chat's do.
 
-ShareGPT repeats some conversations; each first turn is picked once (since 2026-12-02: prompts.jsonl, -2 and -3 in
+ShareGPT repeats some conversations; each first turn is picked once (since 2026-12-02: prompts.jsonl.gz, -2 and -3 in
 data/heads were made before and repeat 27, 37 and 104 first turns; `git show 9997126:scripts/make_head_prompts.py`
 is the script that made them).
 """
@@ -21,7 +21,7 @@ import json
 import random
 import re
 
-from peagle.train.data import PLACEHOLDER_ANSWER, iter_conversations
+from peagle.train.data import PLACEHOLDER_ANSWER, iter_conversations, iter_json_records, open_text
 
 CODE = re.compile(r"\b(python|javascript|typescript|java|c\+\+|sql|function|code|script|class|regex|bash|html|css|"
                   r"algorithm|api|json|def |import |bug|compile|error)\b", re.I)
@@ -36,13 +36,13 @@ def main() -> None:
     ap.add_argument("--first-id", type=int, default=0, help="number the prompts sharegpt-N from here (ids must "
                     "stay unique across the files a head is trained on)")
     ap.add_argument("--exclude", action="append", default=[],
-                    help="a JSONL of conversations whose first user turns must not be picked again (repeatable)")
+                    help="a JSONL (or .jsonl.gz) of conversations whose first user turns must not be picked again "
+                    "(repeatable)")
     ap.add_argument("--multi-turn", action="store_true", help="conversations of 2 or more user turns, all of them kept")
     ap.add_argument("--max-turns", type=int, default=4, help="--multi-turn: user turns kept per conversation")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    taken = {_first_user(json.loads(line)["messages"]) for path in args.exclude
-             for line in open(path, encoding="utf-8") if line.strip()}
+    taken = {_first_user(rec["messages"]) for path in args.exclude for rec in iter_json_records(path)}
     code, other = [], []
     want_code = int(args.num * args.code_fraction)
     for _, msgs in iter_conversations("sharegpt"):
@@ -58,7 +58,7 @@ def main() -> None:
     rng = random.Random(args.seed)
     picked = rng.sample(code, min(want_code, len(code))) + rng.sample(other, min(args.num - want_code, len(other)))
     rng.shuffle(picked)
-    with open(args.out, "w", encoding="utf-8") as f:
+    with open_text(args.out, "w") as f:  # (a .gz name writes it compressed)
         for i, users in enumerate(picked):
             messages = [m for u in users for m in ({"role": "user", "content": u},
                                                    {"role": "assistant", "content": PLACEHOLDER_ANSWER})]

@@ -8,8 +8,8 @@
 #   BUNDLE=1 bash scripts/train_heads.sh                          # after measuring: copy the heads into the package
 #
 # 1. data: ShareGPT prompts answered greedily by SmolLM2 itself, so the heads learn what the target really says: the
-#    1,600 of data/heads/smollm2-regenerated.jsonl and the 2,400 more of data/heads/smollm2-regenerated-2.jsonl
-#    (answers to data/heads/prompts-2.jsonl; any prompt still unanswered is regenerated first: about 35 per minute
+#    1,600 of data/heads/smollm2-regenerated.jsonl.gz and the 2,400 more of data/heads/smollm2-regenerated-2.jsonl.gz
+#    (answers to data/heads/prompts-2.jsonl.gz; any prompt still unanswered is regenerated first: about 35 per minute
 #    on one core, resumable)
 # 2. the bundled heads' 32 held-out conversations kept apart (scripts/split_head_data.py), evaluated every 100 steps
 # 3. both heads trained on the same data, in parallel, one core each, checkpointing every 20 steps (--resume latest)
@@ -29,11 +29,14 @@ if [ -n "${BUNDLE:-}" ]; then
   exit 0
 fi
 
-[ -f "$WORK/regen/regenerated.jsonl" ] || cp data/heads/smollm2-regenerated-2.jsonl "$WORK/regen/regenerated.jsonl"
-peagle data prepare --input data/heads/prompts-2.jsonl --out "$WORK/regen" --regenerate --max-new-tokens 256 \
+if [ ! -f "$WORK/regen/regenerated.jsonl" ]; then  # the committed answers, unpacked: regeneration appends to them
+  gzip -dc data/heads/smollm2-regenerated-2.jsonl.gz > "$WORK/regen/regenerated.jsonl.tmp"
+  mv "$WORK/regen/regenerated.jsonl.tmp" "$WORK/regen/regenerated.jsonl"
+fi
+peagle data prepare --input data/heads/prompts-2.jsonl.gz --out "$WORK/regen" --regenerate --max-new-tokens 256 \
   --max-model-len 1024 --batch-size 32 --max-num-seqs 16  # skips the answers already there
 if [ ! -f "$WORK/heldout-data/peagle_data.json" ]; then
-  python3 scripts/split_head_data.py --inputs data/heads/smollm2-regenerated.jsonl "$WORK/regen/regenerated.jsonl" \
+  python3 scripts/split_head_data.py --inputs data/heads/smollm2-regenerated.jsonl.gz "$WORK/regen/regenerated.jsonl" \
     --train "$WORK/train.jsonl" --heldout "$WORK/heldout.jsonl"
   peagle data prepare --input "$WORK/train.jsonl" --out "$WORK/train-data"
   peagle data prepare --input "$WORK/heldout.jsonl" --out "$WORK/heldout-data"

@@ -103,19 +103,19 @@ def test_heldout_split_is_stable_as_data_grows(tmp_path):
 def test_benchmark_prompts_never_enter_the_regenerated_data(prompt_set):
     """The committed prompts and answers come from ShareGPT, installed packages' functions and the target's own
     questions: no HumanEval or MT-Bench prompt among them."""
-    import gzip
-
     from peagle.bench.datasets import load_dataset
+    from peagle.train.data import iter_json_records
 
     prompts = {p.text.strip()[:200] for p in load_dataset(prompt_set)}
     heads = ROOT / "data" / "heads"
-    files = [heads / "smollm2-regenerated-3.jsonl.gz", heads / "prompts-code.jsonl", heads / "prompts-multi.jsonl",
-             heads / "prompts-4.jsonl", heads / "prompts-code-3.jsonl", *heads.glob("prompts-self.jsonl"),
-             *heads.glob("prompts-5.jsonl"), *heads.glob("smollm2-regenerated-code.jsonl.gz"),
-             *heads.glob("smollm2-regenerated-multi.jsonl.gz"), *heads.glob("smollm2-regenerated-[45].jsonl.gz")]
+    files = [heads / "smollm2-regenerated-3.jsonl.gz", heads / "prompts-code.jsonl.gz",
+             heads / "prompts-multi.jsonl.gz", heads / "prompts-4.jsonl.gz", heads / "prompts-code-3.jsonl.gz",
+             *heads.glob("prompts-self.jsonl.gz"), *heads.glob("prompts-5.jsonl.gz"),
+             *heads.glob("smollm2-regenerated-code.jsonl.gz"), *heads.glob("smollm2-regenerated-multi.jsonl.gz"),
+             *heads.glob("smollm2-regenerated-[45].jsonl.gz")]
     for path in files:
-        for line in (gzip.open if path.suffix == ".gz" else open)(path, "rt", encoding="utf-8"):
-            users = [m["content"] for m in json.loads(line)["messages"] if m["role"] == "user"]
+        for rec in iter_json_records(path):
+            users = [m["content"] for m in rec["messages"] if m["role"] == "user"]
             assert not any(u.strip()[:200] in prompts for u in users)  # (a skipped prompt is recorded with none)
 
 
@@ -184,12 +184,14 @@ def test_benchmark_slices_measure_each_checkpoint_once_and_resume(tmp_path, monk
 
 
 def test_multi_turn_prompts_are_new_conversations_of_several_turns():
-    """data/heads/prompts-multi.jsonl (make_head_prompts.py --multi-turn): 2-4 user turns, each followed by a turn
-    for the target to answer, first turns that no earlier prompt file asked, and ids no other file uses."""
+    """data/heads/prompts-multi.jsonl.gz (make_head_prompts.py --multi-turn): 2-4 user turns, each followed by a
+    turn for the target to answer, first turns that no earlier prompt file asked, and ids no other file uses."""
+    from peagle.train.data import iter_json_records
+
     heads = ROOT / "data" / "heads"
-    earlier = [json.loads(line) for name in ("prompts.jsonl", "prompts-2.jsonl", "prompts-3.jsonl")
-               for line in (heads / name).read_text().splitlines() if line]
-    multi = [json.loads(line) for line in (heads / "prompts-multi.jsonl").read_text().splitlines() if line]
+    earlier = [rec for name in ("prompts.jsonl.gz", "prompts-2.jsonl.gz", "prompts-3.jsonl.gz")
+               for rec in iter_json_records(heads / name)]
+    multi = list(iter_json_records(heads / "prompts-multi.jsonl.gz"))
     asked = {c["messages"][0]["content"] for c in earlier}
     assert len(multi) > 1000 and not {c["id"] for c in multi} & {c["id"] for c in earlier}
     assert len({c["messages"][0]["content"] for c in multi}) == len(multi)  # ShareGPT's repeats picked once
@@ -425,6 +427,55 @@ def test_self_prompts_are_new_clean_questions_and_resume(tmp_path, one_thread):
     assert len({mod.normalized(q) for q in questions}) == 5 and "an earlier question" not in map(mod.normalized,
                                                                                                    questions)
     assert all(r["messages"][1] == {"role": "assistant", "content": mod.PLACEHOLDER_ANSWER} for r in recs)
+
+
+def test_self_prompts_resume_a_gzip_file_a_kill_cut_off(tmp_path):
+    """A .gz --out (as committed) is appended to batch by batch; a kill inside a batch leaves a gzip member without
+    its end, whose text up to the last flush reads back: resuming keeps those whole questions and rewrites the file
+    whole."""
+    import gzip
+
+    mod = script("make_self_prompts")
+    from peagle.train.data import iter_json_records, open_text
+
+    out = tmp_path / "self.jsonl.gz"
+    recs = [{"id": f"self-{i}", "attempt": i, "messages": [{"role": "user", "content": f"Question {i}?"}]}
+            for i in range(4)]
+    with open_text(out, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in recs[:2])
+    with open_text(out, "a") as f:
+        f.write(json.dumps(recs[2]) + "\n")
+        f.flush()
+        f.write(json.dumps(recs[3])[:20])
+        f.flush()
+        killed = out.read_bytes()  # what a kill here leaves
+    out.write_bytes(killed)
+    text = mod.read_kept(out)
+    assert [json.loads(line) for line in text.splitlines()] == recs[:3]
+    assert list(iter_json_records(out)) == recs[:3]
+    with gzip.open(out, "rt", encoding="utf-8") as f:  # a whole gzip file again
+        assert f.read() == text
+    assert mod.read_kept(out) == text and mod.read_kept(tmp_path / "none.jsonl.gz") == ""
+
+
+def test_mixed_prompt_files_read_and_write_gzip(tmp_path):
+    """mix_prompts.py on .gz files (as committed) gives the lines it gives on plain ones."""
+    from peagle.train.data import open_text
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    conversations(a, [f"a{i}" for i in range(10)])
+    conversations(b, [f"b{i}" for i in range(10)])
+    for p in (a, b):
+        with open_text(f"{p}.gz", "w") as f:
+            f.write(p.read_text())
+    outs = []
+    for suffix in ("", ".gz"):
+        out = tmp_path / f"out.jsonl{suffix}"
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "mix_prompts.py"), "--inputs", f"{a}{suffix}",
+                        f"{b}{suffix}", "--out", str(out)], check=True, capture_output=True)
+        with open_text(out) as f:
+            outs.append(f.read())
+    assert outs[0] == outs[1] and len(outs[0].splitlines()) == 20
 
 
 def test_draft_vocab_variant_keeps_trained_rows_and_loads(tmp_path):

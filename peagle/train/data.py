@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
+import io
 import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import IO, Iterable, Iterator
 
 from peagle.jsonarray import iter_json_array, opens_json_array
 
@@ -71,9 +72,37 @@ def normalize_messages(record: dict) -> list[dict] | None:
     return out
 
 
+class _OwnedGzipFile(gzip.GzipFile):
+    """A GzipFile over a file object it closes with itself."""
+
+    def close(self) -> None:
+        raw = self.fileobj
+        try:
+            super().close()
+        finally:
+            if raw is not None:
+                raw.close()
+
+
+def open_text(path: str | Path, mode: str = "r") -> IO[str]:
+    """A UTF-8 text file to read ("r"), write ("w") or append to ("a"): gzip-compressed when its name ends in `.gz`
+    (the committed data in data/heads is). Written gzip carries no file name and no time (as `gzip -n`), so the same
+    text gives the same bytes; appending adds a gzip member, and gzip readers (this one, `gzip -dc`) read the members
+    as one text."""
+    if mode not in ("r", "w", "a"):
+        raise ValueError(f"open_text: mode {mode!r}, not r, w or a")
+    if not str(path).endswith(".gz"):
+        return open(path, mode, encoding="utf-8")
+    if mode == "r":
+        return gzip.open(path, "rt", encoding="utf-8")
+    raw = open(path, mode + "b")
+    return io.TextIOWrapper(_OwnedGzipFile(filename="", mode=mode + "b", compresslevel=9, fileobj=raw, mtime=0),
+                            encoding="utf-8")
+
+
 def iter_json_records(path: Path) -> Iterator[dict]:
     """Records of a JSONL file (plain or gzip, by its `.gz` suffix), or of a (possibly truncated) JSON array."""
-    with (gzip.open(path, "rt", encoding="utf-8") if str(path).endswith(".gz") else open(path, encoding="utf-8")) as f:
+    with open_text(path) as f:
         if opens_json_array(f):
             yield from iter_json_array(f)
             return
@@ -109,8 +138,8 @@ def iter_conversations(source: str | Path) -> Iterator[tuple[str, list[dict]]]:
     else:
         path = Path(name).expanduser()
         if not path.is_file():
-            raise FileNotFoundError(f"{name}: no such file; give a .jsonl/.json file of conversations or one of the "
-                                    f"built-in sources: {', '.join(BUILTIN_SOURCES)}")
+            raise FileNotFoundError(f"{name}: no such file; give a .jsonl/.json (or .jsonl.gz) file of conversations "
+                                    f"or one of the built-in sources: {', '.join(BUILTIN_SOURCES)}")
         records = iter_json_records(path)
     for i, rec in enumerate(records):
         msgs = normalize_messages(rec) if isinstance(rec, dict) else None
@@ -137,7 +166,7 @@ def heldout_prompts() -> list[tuple[str, str]]:
     if spec and spec.submodule_search_locations:
         path = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
         if path.exists():
-            with gzip.open(path, "rt", encoding="utf-8") as f:
+            with open_text(path) as f:
                 for line in f:
                     if line.strip():
                         rec = json.loads(line)

@@ -36,8 +36,8 @@ def register(name: str, parser) -> None:
     p = sub.add_parser("prepare", help="render conversations into a training dataset (optionally regenerated)",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--input", required=True,
-                   help="a .jsonl/.json file of conversations (OpenAI `messages` or ShareGPT `conversations`), or "
-                        "the built-in source `sharegpt`")
+                   help="a .jsonl/.json file of conversations (OpenAI `messages` or ShareGPT `conversations`; a "
+                        ".jsonl.gz is read gzip-compressed), or the built-in source `sharegpt`")
     p.add_argument("--out", required=True, help="output folder (a Hugging Face datasets folder + peagle_data.json)")
     p.add_argument("--target", default=None, help="target model whose chat template renders the data "
                                                  "(default: the embedded SmolLM2-135M-Instruct)")
