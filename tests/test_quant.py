@@ -59,6 +59,27 @@ def test_kernel_matches_a_float64_reference(fmt, path, one_thread):
     assert rel < {"q8_0": 0.01, "q4_1": 0.12, "q4_0": 0.15}[fmt]
 
 
+@pytest.mark.parametrize("path", QUANT_PATHS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_largest_codes_never_saturate_the_integer_sums(fmt, path, one_thread):
+    """AVX2 sums a 4-bit block's eight byte products in int16 (at most 8 x 2 x 15 x 127 = 30,480) and a Q8_0
+    chunk's in int16 pairs (2 x 128 x 127 = 32,512): blocks of the largest codes times activations of the largest
+    magnitude, of both signs, in every row of a register block, must come out exact."""
+    fid, block_bytes, _, _ = quant.FORMATS[fmt]
+    N, K = 16, 96
+    one = np.array([1.0], dtype=np.float16).view(np.uint8)
+    blocks = np.zeros((N * K // 32, block_bytes), dtype=np.uint8)
+    blocks[:, :2] = one  # d = 1 (Q4_1's minimum m = 0)
+    blocks[:, block_bytes - (32 if fmt == "q8_0" else 16):] = 0x80 if fmt == "q8_0" else 0xFF  # q8 -128, q4 15
+    qw = quant.QuantWeight.from_blocks(torch.from_numpy(blocks), fmt, N, K, path=path)
+    x = torch.ones(9, K).bfloat16()
+    x[1::2] = -1  # every code +127 in even rows, -127 in odd ones
+    y = kernels.packed_linear(x, qw).double()
+    ref = kernel_activations(x) @ qw.dequantize().double().T
+    assert ref.abs().min() > 600  # the sums are at their largest (Q4_0: 7 x 96 = 672)
+    assert torch.allclose(y, ref, rtol=2 ** -8, atol=0)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantize_blocks_follow_the_reference_rules(fmt):
     w = torch.tensor([[0.5, -1.0, 0.25, 0.0] * 8, [3.0] * 32])

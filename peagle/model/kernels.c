@@ -1033,71 +1033,73 @@ static inline __m256i broadcast4(const int8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
-/* A register block: R rows x one group of 8 columns, over all K/32 blocks (see the chain above), with the
-   instruction set's own integer dot products: DOT(isum, w, x) adds to each int32 lane of isum the four products
-   of w's unsigned bytes and x's signed ones in that lane; DOT2(a, b, w, x, w2, x2) adds w.x and w2.x2 (the two
-   halves of a 4-bit block) to the sums a and b, or both to a. Written once as a macro, compiled once per section so
-   that each path uses only its own instructions. */
-#define QBLOCK_BODY(DOT, DOT2)                                                                                       \
-    int Kb = K / QBLOCK, rb = q_record_bytes[format], qbytes = format == Q8_0 ? 32 : 16;                         \
-    const __m256i low4 = _mm256_set1_epi8(0x0f);                                                                 \
-    __m256 acc[R];                                                                                               \
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                                                    \
-    for (int b = 0; b < Kb; b++) {                                                                               \
-        const uint8_t *rec = w + (size_t)b * rb;                                                                 \
-        for (int l = 0; l < rb; l += 64) _mm_prefetch((const char *)(rec + 8 * rb + l), _MM_HINT_T0);          \
-        const int8_t *xb = qx + (size_t)b * R * QBLOCK;                                                                      \
-        /* two sums per row, so that a block of few rows is not one long chain of dependent products */        \
-        __m256i isum[R], isum2[R];                                                                               \
-        for (int r = 0; r < R; r++) isum[r] = isum2[r] = _mm256_setzero_si256();                                 \
-        if (format == Q8_0) /* |w| times x carrying w's sign */                                                  \
-            for (int j = 0; j < 8; j += 2) {                                                                     \
-                __m256i wv = _mm256_loadu_si256((const __m256i *)(rec + 32 * j)), aw = _mm256_abs_epi8(wv);      \
-                __m256i wv2 = _mm256_loadu_si256((const __m256i *)(rec + 32 * j + 32));                          \
-                __m256i aw2 = _mm256_abs_epi8(wv2);                                                              \
-                for (int r = 0; r < R; r++) {                                                                    \
-                    const int8_t *xr = xb + r * QBLOCK + 4 * j;                                               \
-                    isum[r] = DOT(isum[r], aw, _mm256_sign_epi8(broadcast4(xr), wv));                            \
-                    isum2[r] = DOT(isum2[r], aw2, _mm256_sign_epi8(broadcast4(xr + 4), wv2));                    \
-                }                                                                                                \
-            }                                                                                                    \
-        else                                                                                                     \
-            for (int t = 0; t < 4; t++) {                                                                        \
-                __m256i raw = _mm256_loadu_si256((const __m256i *)(rec + 32 * t));                               \
-                __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);\
-                for (int r = 0; r < R; r++) {                                                                    \
-                    const int8_t *xr = xb + r * QBLOCK + 4 * t;                                               \
-                    DOT2(isum[r], isum2[r], lo, broadcast4(xr), hi, broadcast4(xr + 16));                        \
-                }                                                                                                \
-            }                                                                                                    \
-        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + QCOLS * qbytes)));                    \
-        __m256 mn = format == Q4_1                                                                               \
-            ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + QCOLS * qbytes + 2 * QCOLS)))              \
-            : _mm256_setzero_ps();                                                                               \
-        for (int r = 0; r < R; r++) {                                                                            \
-            float dxr = dx[b * R + r];                                                                  \
-            __m256i is = _mm256_add_epi32(isum[r], isum2[r]);                                                    \
-            if (format == Q4_0) is = _mm256_sub_epi32(is, _mm256_set1_epi32(8 * sx[b * R + r]));        \
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(d, _mm256_set1_ps(dxr)), acc[r]);     \
-            if (format == Q4_1)                                                                                  \
-                acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(dxr * (float)sx[b * R + r]), acc[r]);       \
-        }                                                                                                        \
-    }                                                                                                            \
-    for (int r = 0; r < R; r++) store_bf16x8(y + r * ldy, acc[r], ncols < QCOLS ? ncols : QCOLS);
+/* AVX2's register block: R rows x one group of 8 columns, over all K/32 blocks (the chain above). vpmaddubsw
+   multiplies a lane's unsigned weight bytes by the row's signed activation bytes and adds neighbouring pairs into
+   int16; vpmaddwd by ones then adds pairs of those into the lane's int32. Both issue on only two of Zen 3's four
+   vector pipes, so a row's cost is their count:
+     4-bit: a pair of products is at most 2 x 15 x 127 = 3,810, so all eight vpmaddubsw of a block (4 chunks, low
+            and high nibbles) sum in int16 (at most 30,480) before one vpmaddwd: 9 multiplies per row and block
+            instead of 12;
+     Q8_0:  |q| times x with q's sign moved onto x (vpsignb); a pair is at most 2 x 128 x 127 = 32,512, so each
+            vpmaddubsw needs its own vpmaddwd.
+   The weights are loaded and unpacked once per register block; a row adds only its own broadcasts, products and
+   the fp32 chain, and its sums (R int16 or int32 vectors and R fp32 accumulators) stay in the 16 registers. */
+/* An empty asm that the compiler must assume reads and rewrites v: a row's running sum is then added to chunk by
+   chunk, as written, instead of reassociated into a tree whose many live terms (8 per row) spill the registers. */
+#define KEEP_IN_REGISTER(v) __asm__("" : "+x"(v))
+static inline __m256i madd_ones(__m256i v) { return _mm256_madd_epi16(v, _mm256_set1_epi16(1)); }
 
-/* AVX2: vpmaddubsw (pairs into int16: at most 2 x 128 x 127, no saturation) then vpmaddwd by ones; the two
-   halves of a 4-bit block share one vpmaddwd (four products of at most 15 x 127 per int16 lane). */
-static inline __m256i dot_avx2(__m256i isum, __m256i w, __m256i x) {
-    return _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
-}
-#define DOT2_AVX2(a, b, w, x, w2, x2)                                                                            \
-    (a) = _mm256_add_epi32((a), _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16((w), (x)),             \
-                                                                   _mm256_maddubs_epi16((w2), (x2))),          \
-                                                  _mm256_set1_epi16(1)))
 static inline __attribute__((always_inline)) void qblock(const int format, const int R, const int8_t *qx,
                                                          const float *dx, const int32_t *sx, int K,
                                                          const uint8_t *w, uint16_t *y, size_t ldy, int ncols) {
-    QBLOCK_BODY(dot_avx2, DOT2_AVX2)
+    int Kb = K / QBLOCK, rb = q_record_bytes[format], qbytes = format == Q8_0 ? 32 : 16;
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    __m256 acc[QMAX_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < Kb; b++) {
+        const uint8_t *rec = w + (size_t)b * rb;
+        for (int l = 0; l < rb; l += 64) _mm_prefetch((const char *)(rec + 8 * rb + l), _MM_HINT_T0);
+        const int8_t *xb = qx + (size_t)b * R * QBLOCK;
+        __m256i isum[QMAX_ROWS];
+        if (format == Q8_0) {
+            for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++) {
+                __m256i wv = _mm256_loadu_si256((const __m256i *)(rec + 32 * j)), aw = _mm256_abs_epi8(wv);
+                for (int r = 0; r < R; r++) {
+                    __m256i xs = _mm256_sign_epi8(broadcast4(xb + r * QBLOCK + 4 * j), wv);
+                    isum[r] = _mm256_add_epi32(isum[r], madd_ones(_mm256_maddubs_epi16(aw, xs)));
+                    KEEP_IN_REGISTER(isum[r]);
+                }
+            }
+        } else {
+            __m256i s16[QMAX_ROWS];
+            for (int t = 0; t < 4; t++) {
+                __m256i raw = _mm256_loadu_si256((const __m256i *)(rec + 32 * t));
+                __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                for (int r = 0; r < R; r++) {
+                    const int8_t *xr = xb + r * QBLOCK + 4 * t;
+                    __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(xr)),
+                                                 _mm256_maddubs_epi16(hi, broadcast4(xr + 16)));
+                    s16[r] = t ? _mm256_add_epi16(s16[r], p) : p;
+                    KEEP_IN_REGISTER(s16[r]);
+                }
+            }
+            for (int r = 0; r < R; r++) isum[r] = madd_ones(s16[r]);
+        }
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + QCOLS * qbytes)));
+        __m256 mn = format == Q4_1
+            ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + QCOLS * qbytes + 2 * QCOLS)))
+            : _mm256_setzero_ps();
+        for (int r = 0; r < R; r++) {
+            float dxr = dx[b * R + r];
+            __m256i is = isum[r];
+            if (format == Q4_0) is = _mm256_sub_epi32(is, _mm256_set1_epi32(8 * sx[b * R + r]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(d, _mm256_set1_ps(dxr)), acc[r]);
+            if (format == Q4_1)
+                acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(dxr * (float)sx[b * R + r]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) store_bf16x8(y + r * ldy, acc[r], ncols < QCOLS ? ncols : QCOLS);
 }
 
 /* A register block of R rows over `span` neighbouring groups (w: the first one's records; gstride bytes apart). */
