@@ -186,6 +186,25 @@ def test_a_probe_drafts_for_one_request_only():
     assert len(probes) >= 2 and all(sorted(ks) == [0] * 5 + [1] for ks in probes[-2:]), probes
 
 
+def test_a_model_free_draft_written_off_by_early_rejections_is_probed_back():
+    """A suffix or n-gram draft's acceptance is capped by what its verified drafts measured; where verify rows are
+    dear (4-bit weights on AVX2), early rejections put it below paying, and only a probe can show that the
+    text now repeats."""
+    from peagle.engine.proposers.base import Draft, MeasuredAcceptance, survival
+
+    policy = policy_with_cost(lambda rows: 1.0 + 0.3 * (rows - 1), max_k=8)
+    measured, rid, chosen = MeasuredAcceptance(8), "r", []
+    for step in range(300):
+        conditional = [min(0.95, a) for a in measured.conditional(rid)]  # the tree is sure of its draft
+        draft = Draft("suffix", list(range(8)), survival(conditional))
+        [k] = policy.choose([Candidate(rid, 1000, draft)])
+        accepted = 0 if len([c for c in chosen if c]) < 3 else k  # the first three drafts fail, then all pass
+        measured.observe(rid, k, accepted)
+        chosen.append(k)
+    assert chosen[0] > 0 and chosen[1:16].count(0) >= 10  # written off at first
+    assert sum(k >= 4 for k in chosen[-100:]) >= 90  # then long windows again
+
+
 def test_unknown_policy_names_the_choices():
     with pytest.raises(ValueError, match="adaptive, fixed"):
         make_policy("greedy", 3, 1)

@@ -345,11 +345,14 @@ class AdaptiveK(NoSpeculation):
             return best
         ks = [0] * batch
         self.plain_steps_in_a_row += 1
-        promising = max(range(batch), key=lambda b: margins[b][0] if margins[b] and heads[b] else -1.0)
-        if self.head_k and heads[promising] and margins[promising]:
-            # One draft for the most promising request re-measures acceptance: one more verify row and the
-            # drafter for one request, not a window for the whole batch.
-            probe_rate = (batch + margins[promising][0]) / (target[1] + self.cost.predict_draft(1, 1))
+        promising = max(range(batch), key=lambda b: margins[b][0] if margins[b] else -1.0)
+        if margins[promising]:
+            # One draft for the most promising request re-measures acceptance: one more verify row (and the
+            # drafter for one request where the head drafts it), not a window for the whole batch. Model-free
+            # drafts need this as much as the head: their measured acceptance caps their drafts, and only
+            # verified drafts correct it, so a few early rejections would otherwise switch them off for good.
+            drafter = self.cost.predict_draft(1, 1) if heads[promising] else 0.0
+            probe_rate = (batch + margins[promising][0]) / (target[1] + drafter)
             near = probe_rate >= PROBE_NEAR * plain
             if self.plain_steps_in_a_row > (PROBE_AFTER_NEAR if near else self.probe_after):
                 self.plain_steps_in_a_row = 0
