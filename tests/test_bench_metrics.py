@@ -25,7 +25,8 @@ def test_distribution_in_ms():
     d = distribution_ms([0.010, 0.020, 0.030])
     assert d["mean"] == pytest.approx(20.0) and d["median"] == pytest.approx(20.0)
     assert d["p99"] == pytest.approx(29.8)
-    assert distribution_ms([])["mean"] is None
+    assert d["max"] == pytest.approx(30.0)
+    assert distribution_ms([])["mean"] is None and distribution_ms([])["max"] is None
 
 
 def test_tpot_of_one_request():

@@ -51,12 +51,13 @@ def percentile(values: list[float], p: float) -> float:
 
 
 def distribution_ms(values: list[float]) -> dict:
-    """mean, median and percentiles of seconds, in milliseconds (NaN-free: None where there is no data)."""
+    """mean, median, percentiles and maximum of seconds, in milliseconds (NaN-free: None where there is no data)."""
     if not values:
-        return {"mean": None, "median": None, **{f"p{p}": None for p in PERCENTILES}}
+        return {"mean": None, "median": None, **{f"p{p}": None for p in PERCENTILES}, "max": None}
     ms = [v * 1000.0 for v in values]
     out = {"mean": sum(ms) / len(ms), "median": percentile(ms, 50)}
     out.update({f"p{p}": percentile(ms, p) for p in PERCENTILES})
+    out["max"] = max(ms)
     return {k: round(v, 3) for k, v in out.items()}
 
 

@@ -294,7 +294,7 @@ def acceptance_tables(report: dict) -> str:
 
 def latency_table(report: dict) -> str:
     head = ["Method", "c", "reqs", "failed", "out tok", "wall s", "OTPS", "TTFT mean", "TTFT p50", "TTFT p99",
-            "TPOT mean", "TPOT p50", "TPOT p99", "ITL p50", "ITL p99", "accept len"]
+            "TPOT mean", "TPOT p50", "TPOT p99", "ITL p50", "ITL p99", "ITL max", "accept len"]
     lines = ["Latencies in ms (TPOT per request, ITL between token-carrying chunks):", "",
              "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for d in report["runs"]:
@@ -303,7 +303,8 @@ def latency_table(report: dict) -> str:
         cells = [r.label, str(r.concurrency), str(r.num_requests), str(r.num_failed), str(r.total_output_tokens),
                  _fmt(r.duration), _fmt(r.otps, 2), _fmt(r.ttft_ms["mean"], 0), _fmt(r.ttft_ms["median"], 0),
                  _fmt(r.ttft_ms["p99"], 0), _fmt(r.tpot_ms["mean"], 0), _fmt(r.tpot_ms["median"], 0),
-                 _fmt(r.tpot_ms["p99"], 0), _fmt(r.itl_ms["median"], 0), _fmt(r.itl_ms["p99"], 0), acc]
+                 _fmt(r.tpot_ms["p99"], 0), _fmt(r.itl_ms["median"], 0), _fmt(r.itl_ms["p99"], 0),
+                 _fmt(r.itl_ms.get("max"), 0), acc]  # (reports written before the maximum have none)
         lines.append("| " + " | ".join(cells) + " |")
     errors = [(RunMetrics.from_dict(d).label, d["concurrency"], e) for d in report["runs"] for e in d["errors"]]
     if errors:
