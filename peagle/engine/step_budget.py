@@ -30,8 +30,9 @@ from peagle.engine.prefix_cache import BLOCK_SIZE
 # The default target of a step in which streams decode, in plain decode steps of one request: enough prefill per
 # step that a prompt admitted beside a stream reaches its first token within about 1.2x of its time alone (each
 # step's decode and forward overhead is then a small share), and little enough that the stream's longest wait stays
-# near a quarter of a second on a CPU core (docs/engine.md, "Step time budget", measures both).
-DEFAULT_STEP_TIME_MULTIPLE = 12
+# under a quarter of a second on a CPU core, overshoots included (at 12 the longest step reached 0.25-0.27 s on a
+# Zen 3 core; docs/engine.md, "Step time budget", measures both).
+DEFAULT_STEP_TIME_MULTIPLE = 10
 CALIBRATION_ROWS = 2 * BLOCK_SIZE  # rows of the wider calibration forwards
 CORRECTION_RATE = 0.2  # how fast a cost model's correction follows the measured/predicted ratio
 DECODE_RATE = 0.3  # how fast the predicted decode part follows the measured ones
