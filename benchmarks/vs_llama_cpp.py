@@ -47,8 +47,10 @@ def main() -> None:
 
     gguf = resolve_model(args.gguf)
     float_file = "bf16" in gguf.name.lower() or "f16" in gguf.name.lower()
+    # Every round sends the same prompts: with the prefix cache on, pp512 would time a cache hit, not a prefill.
     engine = LLMEngine.from_pretrained(None if float_file else str(gguf), None, max_num_seqs=1,
-                                       max_model_len=max(args.depths) + 128, device="cpu")
+                                       max_model_len=max(args.depths) + 128, device="cpu",
+                                       enable_prefix_caching=False)
     g = torch.Generator().manual_seed(0)
     prompts = {d: torch.randint(100, 40000, (d,), generator=g).tolist() for d in args.depths}
 
