@@ -173,3 +173,30 @@ def test_a_time_budget_stops_evaluates_and_saves_in_time(tmp_path, method):
     assert head.config.num_layers == 1
     state = torch.load(out / f"checkpoint-{result['steps']}" / "trainer_state.pt", weights_only=False)
     assert state["record"]["tokens"] == record["tokens"]
+
+
+def test_a_slow_first_step_neither_ends_the_run_nor_spikes_the_learning_rate(monkeypatch):
+    """--time-budget fits the run's end only once BUDGET_TIMED_STEPS steps are timed: a first step that warms up
+    kernels for 30 s of a 480 s budget (then 1 s a step) leaves about 440 steps, with a warm-up fitted to them once,
+    and the end only ever moves earlier."""
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(time_budget=480.0, batch_size=1, warmup_ratio=0.05)
+    tr = SimpleNamespace(cfg=cfg, world=1, rank=0, eval_ids=[], step=0, planned_steps=5000, total_steps=5000,
+                         warmup_steps=250, clock={"start": 0.0, "steps": 0, "tokens": 0, "first": None, "eval": 1.0})
+    now = [0.0]
+    monkeypatch.setattr(time, "time", lambda: now[0])
+    for seconds in [30.0] + [1.0] * 5:
+        now[0] += seconds
+        tr.step += 1
+        Trainer._fit_budget(tr, {"tokens": 10, "seconds": seconds})
+        if tr.step < 3:
+            assert tr.total_steps == 5000 and tr.warmup_steps == 250  # not cut on one slow step
+    assert 430 <= tr.total_steps <= 450 and tr.warmup_steps == int(0.05 * tr.total_steps)
+    ends = [tr.total_steps]
+    for seconds in [0.5] * 10:  # faster steps never push the end back out
+        now[0] += seconds
+        tr.step += 1
+        Trainer._fit_budget(tr, {"tokens": 10, "seconds": seconds})
+        ends.append(tr.total_steps)
+    assert ends == sorted(ends, reverse=True)

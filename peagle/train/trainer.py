@@ -45,6 +45,7 @@ DEFAULT_DEPTHS = {"peagle": 12, "eagle3": 7}
 # sqrt(batch / reference), the rule for Adam-type optimizers (the gradient's noise falls as 1/sqrt(batch)); linear
 # by batch / reference (SGD's rule, too hot for Adam at large ratios). The reference is the batch --lr was tuned at.
 LR_SCALING = ("none", "sqrt", "linear")
+BUDGET_TIMED_STEPS = 3  # --time-budget fits the run's end once this many steps are timed (or time runs out)
 
 
 def scaled_lr(lr: float, batch: int, reference: int, rule: str) -> float:
@@ -390,9 +391,10 @@ class Trainer:
         self.steps_per_epoch = math.ceil(len(self.train_ids) / cfg.batch_size)
         self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * self.steps_per_epoch))
         self.planned_steps = self.total_steps  # --time-budget may end the run (and its schedule) sooner
+        self.warmup_steps = int(cfg.warmup_ratio * self.total_steps)  # --time-budget may shorten it, once
 
         def schedule(step: int) -> float:  # reads total_steps at every step: --time-budget moves the end
-            warmup = int(cfg.warmup_ratio * self.total_steps)
+            warmup = self.warmup_steps
             if step < warmup:
                 return (step + 1) / (warmup + 1)
             progress = (step - warmup) / max(1, self.total_steps - warmup)
@@ -752,7 +754,13 @@ class Trainer:
         fit = self.step + max(0, math.floor((budget - elapsed - final_eval) / max(per_step, 1e-9)))
         if self.world > 1:  # every rank stops at the same step
             fit = self._min_over_ranks(fit)
-        self.total_steps = max(self.step, min(self.planned_steps, fit))
+        if c["steps"] < BUDGET_TIMED_STEPS and fit > self.step:
+            return  # one slow first step (kernels, caches) must not cut the run short while there is time
+        settled = self.total_steps == self.planned_steps
+        # The end only moves earlier, so the cosine never jumps back up; the warm-up is fitted to it once.
+        self.total_steps = max(self.step, min(self.total_steps, fit))
+        if settled and self.total_steps < self.planned_steps:
+            self.warmup_steps = min(self.warmup_steps, int(self.cfg.warmup_ratio * self.total_steps))
 
     def _min_over_ranks(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
