@@ -14,6 +14,7 @@ MAX_SPECULATIVE_TOKENS = 16
 MAX_MODEL_FREE_TOKENS = 32
 # vLLM's defaults for its model-free methods (vllm.config.speculative): prompt lookup of 5-grams, suffix trees 24 deep.
 DEFAULT_PROMPT_LOOKUP = 5
+MAX_PROMPT_LOOKUP = 64  # n-gram match lengths: each length tried is one comparison over the context, every step
 DEFAULT_NGRAM_TOKENS = 8
 DEFAULT_SUFFIX_TREE_DEPTH = 24
 DEFAULT_SUFFIX_CACHED_REQUESTS = 10_000
@@ -72,11 +73,18 @@ class SpeculativeConfig(BaseModel):
             raise ValueError(f"must be between 1 and {limit}, got {k}")
         return k
 
-    @field_validator("prompt_lookup_min", "prompt_lookup_max", "suffix_decoding_max_tree_depth")
+    @field_validator("suffix_decoding_max_tree_depth")
     @classmethod
     def _at_least_one(cls, v: int | None) -> int | None:
         if v is not None and v < 1:
             raise ValueError(f"must be at least 1, got {v}")
+        return v
+
+    @field_validator("prompt_lookup_min", "prompt_lookup_max")
+    @classmethod
+    def _lookup_length(cls, v: int | None) -> int | None:
+        if v is not None and not 1 <= v <= MAX_PROMPT_LOOKUP:
+            raise ValueError(f"must be between 1 and {MAX_PROMPT_LOOKUP} tokens, got {v}")
         return v
 
     @field_validator("suffix_decoding_max_cached_requests")

@@ -54,3 +54,18 @@ def test_greedy_lossless_and_accepted(target, method, policy):
     assert engine.proposer_stats[model_free].num_accepted_tokens > 0, engine.proposer_stats
     if method == "hybrid" and policy == "fixed":  # where the tree has no draft, the head drafts
         assert engine.proposer_stats["peagle"].num_drafts > 0
+
+
+def test_the_hybrid_without_a_head_keeps_its_suffix_drafts(target):
+    """A model with no head (any model but the embedded one) still gets the hybrid's suffix drafts, losslessly."""
+    ps, params = repeating_prompts(3, seed=2), SamplingParams(max_tokens=30, ignore_eos=True)
+    ref = [o.token_ids for o in LLMEngine(target, None, max_num_seqs=4, max_model_len=256).generate(ps, params)]
+    engine = LLMEngine(target, None, None, SpeculativeConfig(method="hybrid"), max_num_seqs=4, max_model_len=256)
+    assert engine.spec.method == "suffix" and engine.drafter is None
+    assert [o.token_ids for o in engine.generate(ps, params)] == ref
+    assert engine.proposer_stats["suffix"].num_accepted_tokens > 0
+
+
+def test_prompt_lookup_lengths_are_bounded():
+    with pytest.raises(ValueError, match="between 1 and 64"):
+        SpeculativeConfig(method="ngram", prompt_lookup_max=1000)

@@ -18,8 +18,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-MAX_TREE_DEPTH = 24  # Arctic's suffix_decoding_max_tree_depth default: longest match + draft, in tokens
-MAX_CACHED_REQUESTS = 10_000  # shared trees: finished outputs kept (all keys together), oldest evicted first
+from peagle.config import (DEFAULT_SUFFIX_CACHED_REQUESTS, DEFAULT_SUFFIX_MIN_TOKEN_PROB, DEFAULT_SUFFIX_SPEC_FACTOR,
+                           DEFAULT_SUFFIX_TREE_DEPTH)
+
 MAX_CACHED_TOKENS = 200_000  # shared trees: output tokens kept (all keys together)
 MAX_CACHED_BYTES = 64 * 2**20  # shared trees: their memory (memory_bytes' estimate, all keys together)
 
@@ -76,7 +77,7 @@ def _set_best(node: _Node) -> None:
 class SuffixTrie:
     """The depth-bounded suffix trie over some sequences; `insert` opens a sequence, `remove` takes one out."""
 
-    def __init__(self, max_depth: int = MAX_TREE_DEPTH) -> None:
+    def __init__(self, max_depth: int = DEFAULT_SUFFIX_TREE_DEPTH) -> None:
         if max_depth < 1:
             raise ValueError(f"max_tree_depth must be at least 1, got {max_depth}")
         self.max_depth = max_depth
@@ -322,8 +323,8 @@ class SuffixCache:
     another key's answers. Aborted requests' outputs are dropped (a client cancelled them; they join no shared
     trie)."""
 
-    max_tree_depth: int = MAX_TREE_DEPTH
-    max_cached_requests: int = MAX_CACHED_REQUESTS
+    max_tree_depth: int = DEFAULT_SUFFIX_TREE_DEPTH  # longest match + draft, in tokens
+    max_cached_requests: int = DEFAULT_SUFFIX_CACHED_REQUESTS  # shared trees: finished outputs kept, oldest out first
     max_cached_tokens: int = MAX_CACHED_TOKENS
     max_cached_bytes: int = MAX_CACHED_BYTES
     _requests: dict[str, _Request] = field(default_factory=dict, repr=False)
@@ -385,8 +386,8 @@ class SuffixCache:
     def abort_request(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
-    def speculate(self, request_id: str, max_spec_tokens: int, max_spec_factor: float = 1.0,
-                  min_token_prob: float = 0.1, use_shared: bool = True) -> SuffixDraft:
+    def speculate(self, request_id: str, max_spec_tokens: int, max_spec_factor: float = DEFAULT_SUFFIX_SPEC_FACTOR,
+                  min_token_prob: float = DEFAULT_SUFFIX_MIN_TOKEN_PROB, use_shared: bool = True) -> SuffixDraft:
         """The better (higher score; the request's own on a tie) of the drafts from the request's own trie and its
         key's shared trie. A match of L tokens drafts at most min(max_spec_tokens, ceil(max_spec_factor * L))."""
         req = self._request(request_id)
