@@ -85,6 +85,20 @@ def test_parts_and_trips_are_checked_before_anything_runs(tmp_path):
     assert run.returncode != 0 and "did not arrive" in run.stderr
 
 
+def test_a_pack_replaces_only_an_earlier_pack(tmp_path):
+    f = tmp_path / "recipe.args"
+    f.write_text("--max-steps 1\n")
+    mine = tmp_path / "runs"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="holds no earlier pack"):
+        pack(mine, [f])
+    assert (mine / "notes.txt").read_text() == "keep me"
+    pack(tmp_path / "in", [f])
+    pack(tmp_path / "in", [f])  # an earlier pack is replaced
+    assert (tmp_path / "in" / "sizes.json").exists()
+
+
 def test_a_tensor_larger_than_a_shard_is_named(tmp_path):
     from safetensors.torch import save_file
 

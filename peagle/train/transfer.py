@@ -106,8 +106,11 @@ def gather(work: Path, data: Path, eval_data: Path | None, target: Path | None, 
 
 
 def pack(out: Path, files: list[Path], part_bytes: int = PART_BYTES, trip_bytes: int = TRIP_BYTES) -> dict:
-    """Cut `files` into parts and group them into out/trip-1, trip-2, ...; returns the MANIFEST written to each."""
+    """Cut `files` into parts and group them into out/trip-1, trip-2, ...; returns the MANIFEST written to each.
+    `out` may hold an earlier pack (it is replaced), nothing else."""
     if out.exists():
+        if any(out.iterdir()) and not (out / "sizes.json").exists():
+            raise ValueError(f"{out} is not empty and holds no earlier pack (no sizes.json): give a new folder")
         shutil.rmtree(out)
     manifest = {"part_bytes": part_bytes, "files": []}
     trips: list[list[Path]] = [[]]
@@ -223,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="fetch the Python 3.12 wheels into DIR (kept there) and pack them")
     p.add_argument("--heads", action="store_true", help="pack the bundled heads, to continue them")
     p.add_argument("--recipe", default="", help="`peagle train` flags both heads train with")
-    p.add_argument("--work", type=Path, help="where the whole files are gathered [OUT/.work]")
+    p.add_argument("--work", type=Path, help="where the whole files are gathered [OUT.work, removed after]")
     for name, helptext in (("shard", "a head folder as safetensors shards of at most 16 MiB"),
                            ("join", "shards back into one head folder")):
         s = sub.add_parser(name, help=helptext)
@@ -237,9 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         wheels = download_wheels(args.download_wheels) if args.download_wheels else args.wheels
         work = args.work or Path(str(args.out) + ".work")
+        made_here = not work.exists()  # only a folder this run made is removed afterwards
         files = gather(work, args.data, args.eval_data, args.target, wheels, args.heads, args.recipe)
         manifest = pack(args.out, files)
-        shutil.rmtree(work, ignore_errors=True)
+        if made_here:
+            shutil.rmtree(work, ignore_errors=True)
         for f in manifest["files"]:
             print(f"{f['name']}: {f['bytes'] / 2 ** 20:.2f} MiB in {len(f['parts'])} part(s)", file=sys.stderr)
         for t in manifest["trips"]:
