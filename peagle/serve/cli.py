@@ -46,7 +46,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=cli_args.port, help=f"port (default 8000; {SAGEMAKER_PORT} with --sagemaker)")
     parser.add_argument("--speculative-config", metavar="JSON",
                         help='vLLM\'s speculative config, e.g. \'{"method": "eagle3", "model": HEAD, '
-                             '"num_speculative_tokens": 7, "parallel_drafting": true}\'; "none" turns speculation off')
+                             '"num_speculative_tokens": 7, "parallel_drafting": true}\', \'{"method": "suffix"}\' or '
+                             '\'{"method": "ngram", "prompt_lookup_max": 4}\' (methods: peagle, eagle3, ngram, suffix, '
+                             'hybrid; default: the hybrid for the embedded model); "none" turns speculation off')
     from peagle.engine.policy import DEFAULT_POLICY, POLICIES
 
     parser.add_argument("--speculation-policy", choices=POLICIES, default=DEFAULT_POLICY,
