@@ -689,7 +689,7 @@ class Trainer:
         log_path = Path(cfg.out) / "train_log.jsonl"
         if self.main:
             log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.clock = {"start": time.time(), "steps": 0, "first": 0.0, "tokens": 0, "eval": 0.0}
+        self.clock = {"start": time.time(), "steps": 0, "first": 0.0, "tokens": 0, "eval": 0.0, "paused": 0.0}
         while self.step < self.total_steps:
             m = self.train_step()
             self._fit_budget(m)
@@ -706,10 +706,13 @@ class Trainer:
                 t = time.time()
                 last_eval = self.evaluate()
                 self.clock["eval"] = time.time() - t
+                self.clock["paused"] += self.clock["eval"]
                 self._report_eval(last_eval)
             if cfg.save_every and self.step % cfg.save_every == 0 and self.step < self.total_steps:
+                t = time.time()
                 self.save_checkpoint()
                 self._barrier()
+                self.clock["paused"] += time.time() - t
         if bar is not None:
             bar.close()
         if self._ahead_pool is not None:
@@ -771,7 +774,7 @@ class Trainer:
         """What this run did, for the head's training_record.json and its checkpoints: steps, tokens and seconds of
         training (evaluations and saves excluded), tokens per second of this head, and why it stopped."""
         c = getattr(self, "clock", None) or {"start": time.time(), "steps": 0, "tokens": 0, "eval": 0.0}
-        seconds = c.get("end", time.time()) - c["start"]
+        seconds = c.get("end", time.time()) - c["start"] - c.get("paused", 0.0)
         budget_hit = self.cfg.time_budget is not None and self.step < self.planned_steps
         return {"method": self.cfg.method, "device": str(self.device), "world_size": self.world,
                 "steps": self.step, "steps_this_run": c["steps"], "tokens": c["tokens"], "train_seconds": seconds,
