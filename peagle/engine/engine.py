@@ -74,6 +74,16 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 128
 MAX_FORCED_RUN = JOINT_PENDING_ROWS
 
 
+def kernels_in_use(target: TargetModel, drafter: Drafter | None) -> dict:
+    """Which kernels run the forward, in which weight formats, and whether greedy speculation is bit-exact."""
+    out = {**kernels.summary(target.device), "weights": target.weights}
+    if drafter is not None:
+        out["drafter_weights"] = drafter.weights
+    if target.quantized or out.get("drafter_weights", "bf16") != "bf16":
+        out["block_kernels"] = kernels.quant_path()  # whose integer dot products run the blocks
+    return out
+
+
 class LLMEngine:
     def __init__(self, target: TargetModel, tokenizer=None, drafter: Drafter | None = None,
                  speculative_config: SpeculativeConfig | None = None, max_num_seqs: int = 8,
@@ -121,12 +131,7 @@ class LLMEngine:
         self.prefix_cache = (PrefixCache(self.target_cache, self.drafter_cache, target.feature_dim, prefix_cache_gb,
                                          target.norm.weight.dtype) if enable_prefix_caching else None)
         self.device = target.device
-        # which kernels run the forward, in which weight format, and whether greedy is bit-exact
-        self.kernels = {**kernels.summary(self.device), "weights": target.weights}
-        if drafter is not None:
-            self.kernels["drafter_weights"] = drafter.weights
-        if target.quantized or self.kernels.get("drafter_weights", "bf16") != "bf16":
-            self.kernels["block_kernels"] = kernels.quant_path()  # whose integer dot products run the blocks
+        self.kernels = kernels_in_use(target, drafter)
         logger.info("peagle engine: %s weights, %s", target.weights, kernels.describe(self.device))
         self.eos_token_ids = set(target.config.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
@@ -140,13 +145,7 @@ class LLMEngine:
         self._lock = threading.Lock()
         self.stats = SpecDecodeStats(self.k)  # engine-wide, since start
         self.num_finished = 0
-        self.policy = (make_policy(speculation_policy, self.k, max_num_seqs, self.spec.disable_by_batch_size, head_k)
-                       if self.spec else NoSpeculation())
-        self.head = (HeadProposer(drafter, self.drafter_cache, spec.parallel_drafting, self.device)
-                     if drafter is not None else None)
-        self.proposer: Proposer | None = make_proposer(spec, self.head, self.policy) if spec else None
-        # engine-wide, since start, per drafter that ran (the hybrid has two)
-        self.proposer_stats = {name: SpecDecodeStats(self.k) for name in (self.proposer.names if spec else ())}
+        self._build_speculation(speculation_policy, head_k)
         self._step_clock = step_clock(self.device)
         self.policy.calibrate(self._time_target, self._time_draft)
         self.step_budget = StepBudget(self._step_clock, max_step_time_ms)
@@ -156,6 +155,17 @@ class LLMEngine:
         self.max_forced_run = MAX_FORCED_RUN  # 0: verify no forced tokens past the drafts (token-by-token reference)
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()  # request threads build the compiler on first use
+
+    def _build_speculation(self, speculation_policy: str, head_k: int) -> None:
+        """The policy that picks each step's windows, the head's proposer and the proposer the engine asks."""
+        spec = self.spec
+        self.policy = (make_policy(speculation_policy, self.k, self.max_num_seqs, spec.disable_by_batch_size, head_k)
+                       if spec else NoSpeculation())
+        self.head = (HeadProposer(self.drafter, self.drafter_cache, spec.parallel_drafting, self.device)
+                     if self.drafter is not None else None)
+        self.proposer: Proposer | None = make_proposer(spec, self.head, self.policy) if spec else None
+        # engine-wide, since start, per drafter that ran (the hybrid has two)
+        self.proposer_stats = {name: SpecDecodeStats(self.k) for name in (self.proposer.names if spec else ())}
 
     # -- construction ------------------------------------------------------------------------------------------
     @classmethod
