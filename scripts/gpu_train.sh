@@ -56,7 +56,7 @@ if [ "$MODE" = dry ]; then
   python3 "$ROOT/scripts/gpu_dry_run_inputs.py" "$DRY"
   python3 -m peagle.train.transfer pack --out "$DRY/in" --data "$DRY/data" --eval-data "$DRY/heldout" \
     --target "$DRY/target" --recipe "--device cpu --batch-size 4 --micro-batch-size 2 --lr-scaling sqrt \
-    --max-seq-len 128 --epochs 50 --save-every 0 --num-depths 3 --eval-samples 4 --eval-anchors 32"
+    --max-seq-len 128 --epochs 1000 --save-every 0 --num-depths 3 --eval-samples 4 --eval-anchors 32"
   PACK_S=$(python3 -c "import time; print(round(time.time() - $T0, 2))")
   bash "$0" --inputs "$DRY/in" --out "$OUT" --deadline-s "${DRY_DEADLINE_S:-45}" --reserve-s "${DRY_RESERVE_S:-30}" \
     --work "$DRY/work"
