@@ -164,6 +164,11 @@ class SpeculativeConfig(BaseModel):
                              f"(its suffix drafts run that long), got {self.suffix_decoding_max_tree_depth}")
         return self
 
+    def without_head(self) -> "SpeculativeConfig | None":
+        """What still drafts when the head this config names is not loaded: the hybrid's suffix trees alone (at its
+        keys), nothing for a head's own method."""
+        return self.model_copy(update={"method": "suffix"}) if self.method == HYBRID_METHOD else None
+
     @property
     def uses_head(self) -> bool:
         """Whether a drafter head runs (the heads' methods and the hybrid)."""

@@ -103,8 +103,7 @@ class LLMEngine:
         output."""
         spec = speculative_config
         if spec is not None and spec.uses_head and drafter is None:
-            # A head's method without its head: nothing drafts, except the hybrid's suffix side, which needs none.
-            spec = spec.model_copy(update={"method": "suffix"}) if spec.method == "hybrid" else None
+            spec = spec.without_head()
         if spec is None or not spec.uses_head:
             drafter = None  # model-free drafts (ngram, suffix) run no head
         self.target, self.tokenizer, self.drafter, self.spec = target, tokenizer, drafter, spec
