@@ -66,6 +66,32 @@ def test_the_hybrid_without_a_head_keeps_its_suffix_drafts(target):
     assert engine.proposer_stats["suffix"].num_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("method", ["suffix", "hybrid"])
+def test_a_long_prompt_is_indexed_a_chunk_at_a_time(target, method):
+    """The suffix tree takes each prefilled chunk in the step that computed it (under that step's budget), not the
+    whole prompt at the first decode step; the drafts are the same either way (lossless, and accepted)."""
+    prompt = repeating_prompts(1, seed=4)[0] * 4
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    ref = LLMEngine(target, None, max_num_seqs=2, max_model_len=256).generate([prompt], params)[0].token_ids
+    head = random_head(target.config, target.embed_tokens.weight, "peagle", mask_token_id=3, seed=0,
+                       dtype=target.embed_tokens.weight.dtype) if method == "hybrid" else None
+    engine = LLMEngine(target, None, head, SpeculativeConfig(method=method, model="random" if head else None),
+                       max_num_seqs=2, max_model_len=256, max_num_batched_tokens=32)
+    suffix = engine.proposer.suffix if method == "hybrid" else engine.proposer
+    rid = engine.add_request(prompt, params)
+    indexed = []
+    while engine.running or engine.waiting or not indexed:
+        outs = engine.step()
+        req = next((r for r in engine.running if r.request_id == rid), None)
+        if req is not None and req.prefilling:
+            indexed.append((suffix._prompt_seen[rid], req.num_computed))
+        if outs and outs[0].finished:
+            assert outs[0].token_ids == ref
+            break
+    assert len(indexed) >= 2 and all(have == done for have, done in indexed), indexed
+    assert engine.proposer_stats["suffix"].num_accepted_tokens > 0
+
+
 def test_prompt_lookup_lengths_are_bounded():
     with pytest.raises(ValueError, match="between 1 and 64"):
         SpeculativeConfig(method="ngram", prompt_lookup_max=1000)

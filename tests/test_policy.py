@@ -395,19 +395,19 @@ def record_drafts(eng: LLMEngine) -> dict[int, list[int]]:
     return seen
 
 
-PENDING_CAP = 24  # MAX_PENDING_ROWS for the test below, so that a short request reaches it
+PENDING_CAP = 24  # max_pending_rows for the test below, so that a short request reaches it
 
 
 @pytest.mark.parametrize("plain_steps", [5, PENDING_CAP - 1, PENDING_CAP + 3],
                          ids=["short", "resumes-right-after-the-cap", "past-the-pending-cap"])
 @pytest.mark.parametrize("parallel", [True, False], ids=["peagle", "eagle3"])
-def test_drafting_after_plain_steps_matches_always_drafting(tiny_target, parallel, plain_steps, monkeypatch):
-    monkeypatch.setattr(engine_module, "MAX_PENDING_ROWS", PENDING_CAP)
+def test_drafting_after_plain_steps_matches_always_drafting(tiny_target, parallel, plain_steps):
     prompt, k = prompts(1, seed=11)[0], 3
     params = SamplingParams(max_tokens=plain_steps + 12, ignore_eos=True)
     always = engine(tiny_target, k, "fixed", parallel, max_num_seqs=1)
     always_drafts = record_drafts(always)
     resumed = engine(tiny_target, k, "fixed", parallel, max_num_seqs=1)
+    resumed.max_pending_rows = PENDING_CAP
     resumed.policy = Scripted([k, k] + [0] * plain_steps + [k])
     resumed_drafts = record_drafts(resumed)
     assert always.generate([prompt], params)[0].token_ids == resumed.generate([prompt], params)[0].token_ids
@@ -418,6 +418,40 @@ def test_drafting_after_plain_steps_matches_always_drafting(tiny_target, paralle
     for n in after:
         assert resumed_drafts[n] == always_drafts[n], f"drafts differ at {n} tokens"
     assert resumed.stats.steps_per_k[0] == plain_steps
+
+
+@pytest.mark.parametrize("parallel", [True, False], ids=["peagle", "eagle3"])
+def test_the_drafter_runs_only_for_heads_that_draft_and_within_the_memory_bound(tiny_target, parallel):
+    """A request whose head never drafts never runs the drafter; a bound on its waiting rows makes the oldest run
+    (all but the newest JOINT_PENDING_ROWS), and drafting later still matches an engine that always drafted."""
+    prompt, k = prompts(1, seed=11)[0], 3
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    ref = engine(tiny_target, k, "fixed", parallel, max_num_seqs=1).generate([prompt], params)[0].token_ids
+    drafter_rows = []
+
+    def count_rows(module, args, out):
+        drafter_rows.append(args[0].shape[1])
+
+    never = engine(tiny_target, k, "fixed", parallel, max_num_seqs=1)
+    never.policy = Scripted([0])
+    hook = never.drafter.register_forward_hook(count_rows)
+    assert never.generate([prompt], params)[0].token_ids == ref
+    hook.remove()
+    assert drafter_rows == []
+    bounded = engine(tiny_target, k, "fixed", parallel, max_num_seqs=1)
+    bounded.max_pending_rows = PENDING_CAP
+    bounded.policy = Scripted([0] * 50 + [k])
+    hook = bounded.drafter.register_forward_hook(count_rows)
+    req_id = bounded.add_request(prompt, params)
+    got = []
+    while bounded.has_work():
+        for out in bounded.step():
+            assert out.request_id == req_id
+            got = out.token_ids
+        assert all(len(r.backlog) <= PENDING_CAP + k + 1 for r in bounded.running)  # + this step's rows
+    hook.remove()
+    assert got == ref
+    assert drafter_rows and min(drafter_rows[:2]) >= PENDING_CAP - engine_module.JOINT_PENDING_ROWS, drafter_rows
 
 
 def test_metrics_expose_k_per_step():

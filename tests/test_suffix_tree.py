@@ -84,7 +84,10 @@ def test_own_drafts_match_brute_force_as_tokens_arrive(seed):
     cache = SuffixCache(max_tree_depth=depth)
     text = random_text(rng, 70, rng.choice([2, 4, 9]))
     cut = rng.randrange(1, 20)
-    cache.start_request("r", text[:cut])
+    first = rng.randrange(0, cut + 1)  # the prompt may come in two pieces, as a chunked prefill indexes it
+    cache.start_request("r", text[:first])
+    if first < cut:
+        cache.add_prompt_tokens("r", text[first:cut])
     pos = cut
     while pos < len(text):
         step = rng.randint(1, 4)
@@ -102,6 +105,17 @@ def test_own_drafts_match_brute_force_as_tokens_arrive(seed):
             assert cum >= min_prob
         assert len(draft.tokens) <= max_spec and len(draft.probs) == len(draft.tokens)
     check_invariants(cache._requests["r"].cursor.trie)
+
+
+def test_prompt_tokens_come_before_the_output():
+    cache = SuffixCache()
+    cache.start_request("r", [1, 2])
+    cache.add_prompt_tokens("r", [3])
+    cache.add_tokens("r", [4])
+    with pytest.raises(ValueError, match="prompt tokens must come first"):
+        cache.add_prompt_tokens("r", [5])
+    cache.stop_request("r")
+    assert cache.num_cached_tokens == 1  # the output alone joins the shared trie
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -4,20 +4,23 @@ requests at once.
 Every step:
   1. admit waiting requests into free cache slots, and prefill: under a budget of max_num_batched_tokens prompt
      tokens per step, each prompt in turn continues from what the prefix cache holds (prefix_cache.py) and runs its
-     next chunk through the target; a prompt's last chunk samples its first token (the prompt's rows wait for the
-     drafter like any other real rows: a request the policy never drafts for never runs the drafter). Chunks start
-     on block boundaries and compute each row as one pass would, so chunking and caching change no output;
-  2. ask the speculation policy (policy.py) how many drafts K_b, from 0 to num_speculative_tokens, each request
-     verifies;
-  3. draft for the requests with K_b > 0 in one drafter forward (P-EAGLE) or one per draft (EAGLE-3), at the
-     widest K_b, after the drafter has caught up on every real row it has not seen;
-  4. verify every request's [x_n, d_1..d_K_b] in one target forward (ragged when the K_b differ: each request
+     next chunk through the target; a prompt's last chunk samples its first token. Chunks start on block boundaries
+     and compute each row as one pass would, so chunking and caching change no output;
+  2. ask the proposer for its model-free drafts and the speculation policy (policy.py) how many drafts K_b, from 0
+     to the widest window, each request verifies;
+  3. catch the head's drafter up: it runs the real rows (prompt rows included) a request's head draft needs, only
+     once the policy gives that head a window, in slices under the step's time budget (step_budget.py), oldest
+     request first; a head still behind after its slice verifies no window this step. So a request that some other
+     proposer drafts for, or none, never pays for the drafter;
+  4. draft for the requests with K_b > 0 in one drafter forward (P-EAGLE) or one per draft (EAGLE-3), at the
+     widest K_b (model-free drafts were made in 2);
+  5. verify every request's [x_n, d_1..d_K_b] in one target forward (ragged when the K_b differ: each request
      pays only for its own rows);
-  5. accept per request, emit, and queue the accepted positions as the drafter's next real rows.
-At K = 0 nothing is drafted: the new real rows wait in the request and the drafter runs them, in one pass, just
-before the next draft (or once MAX_PENDING_ROWS have piled up), so its cache has no gap when drafting resumes. A
-request with more than JOINT_PENDING_ROWS waiting runs them on its own first, so that the padded rows of a joint
-pass never reach past any request's cache.
+  6. accept per request, emit, and queue the accepted positions as the drafter's next real rows.
+Real rows wait in the request (request.DrafterBacklog) until its head drafts, or until they would hold more than
+MAX_PENDING_BYTES of features: then the oldest run, so a request's waiting rows stay bounded in memory. A joint
+drafting pass brings at most JOINT_PENDING_ROWS waiting rows per request, so that its padded rows never reach past
+any request's cache.
 Stale cache entries past a request's accepted length are overwritten by later writes; nothing is copied.
 
 Thread model: `add_request` and `abort` may be called from any thread; `step` runs in one thread (the server's
@@ -58,9 +61,9 @@ from peagle.model.target import TargetModel
 logger = logging.getLogger("peagle")
 
 Prompt = str | list[int] | list[dict]
-# Real rows (prompt included) a request may hold back from the drafter during plain (K = 0) steps before they are
-# run anyway: a bound on the pause when drafting resumes after a long plain stretch.
-MAX_PENDING_ROWS = 512
+# Features of real rows (prompt included) a request may hold back from the drafter while its head does not draft:
+# past this the oldest run anyway (a bound on memory, not on time: catching up later costs the same rows).
+MAX_PENDING_BYTES = 16 << 20
 # Waiting rows a request may bring into a joint (padded) drafter pass; more run first, on their own.
 JOINT_PENDING_ROWS = 16
 # Prompt rows turned into log-probabilities at once (each row is a vocabulary-sized float32 vector).
@@ -129,6 +132,9 @@ class LLMEngine:
         self.drafter_cache = drafter.new_cache(max_num_seqs, capacity) if drafter is not None else None
         self.prefix_cache = (PrefixCache(self.target_cache, self.drafter_cache, target.feature_dim, prefix_cache_gb,
                                          target.norm.weight.dtype) if enable_prefix_caching else None)
+        # MAX_PENDING_BYTES as rows of this target's features
+        row_bytes = target.feature_dim * torch.empty((), dtype=target.norm.weight.dtype).element_size()
+        self.max_pending_rows = max(JOINT_PENDING_ROWS + 1, MAX_PENDING_BYTES // row_bytes)
         self.device = target.device
         self.kernels = kernels_in_use(target, drafter)
         logger.info("peagle engine: %s weights, %s", target.weights, kernels.describe(self.device))
@@ -324,12 +330,17 @@ class LLMEngine:
             reports: dict[str, RequestOutput] = {}
             self._take_incoming(reports)
             self._admit()
-            touched = self._prefill_step()
+            touched, prefilled = self._prefill_step()
             if touched and on_first_tokens is not None:
                 on_first_tokens([self._report(r) for r in touched if not r.finished])
-            decoding = [r for r in self.running if not r.finished and not self._admitting(r)]
+            decoding = [r for r in self.running if not r.finished and not r.prefilling]
+            ks, free = self._plan(decoding)
+            caught_up = self._catch_up_drafters(ks_of={r: k for r, k, d in zip(decoding, ks, free) if d is None})
+            ks = [0 if k and d is None and len(r.backlog) > JOINT_PENDING_ROWS else k  # still behind: next step
+                  for r, k, d in zip(decoding, ks, free)]
+            self.step_budget.end_prefill(prefilled, caught_up)
             if decoding:
-                self._decode(decoding)
+                self._decode_step(decoding, ks, free)
             self.step_budget.end_step(decoded=bool(decoding))
             for req in dict.fromkeys(touched + decoding):
                 reports[req.request_id] = self._report(req)
@@ -375,17 +386,17 @@ class LLMEngine:
             if self.prefix_cache is not None and req.params.prompt_logprobs is None:
                 self.prefix_cache.queries += len(req.prompt_ids)  # looked up once its prefill begins
 
-    def _prefill_step(self) -> list[Request]:
+    def _prefill_step(self) -> tuple[list[Request], int]:
         """Prefill one chunk for as many prompts as this step's budget holds, in the order they came, in one padded
-        forward (its rows cost max chunk x prompts, kept within max_num_batched_tokens), then let the drafter catch
-        up on the prompts' rows; while streams decode the work is sized in time (step_budget.py), the oldest prompt
-        getting at least one block. Returns the requests whose prompt is now complete (and first token sampled)."""
+        forward (its rows cost max chunk x prompts, kept within max_num_batched_tokens); while streams decode the
+        work is sized in time (step_budget.py), the oldest prompt getting at least one block. Returns the requests
+        whose prompt is now complete (and first token sampled), and the prompt tokens computed."""
         budget = self.step_budget
         clock = budget.clock
-        admitting = [r for r in self.running if not r.finished and self._admitting(r)]
+        admitting = [r for r in self.running if not r.finished and r.prefilling]
         budget.start_step(decoding=len(admitting) < sum(not r.finished for r in self.running))
         tokens_budget, batch, widest = self.max_num_batched_tokens, [], 0
-        for req in [r for r in admitting if r.prefilling]:
+        for req in admitting:
             started = clock()
             self._continue_from_prefix_cache(req)
             budget.spend(clock() - started)
@@ -410,15 +421,12 @@ class LLMEngine:
             seconds = clock() - started
             budget.target.observe(predicted, seconds)
             budget.spend(seconds)
-        drafted = self._catch_up_drafters(admitting)
-        budget.end_prefill(sum(n for _, n in batch), drafted)
-        return [req for req, _ in batch if not req.prefilling]
-
-    def _admitting(self, req: Request) -> bool:
-        """Still in admission: prefilling, or prefilled with the drafter still behind on the prompt's rows (it
-        catches up under the step budget first, never in one pass over the whole prompt)."""
-        return req.prefilling or (self._drafts_later(req) and len(req.backlog) > JOINT_PENDING_ROWS
-                                  and req.backlog.start < len(req.prompt_ids) - 1)
+            if self.proposer is not None:  # index what was prefilled (suffix trees), a chunk at a time
+                started = clock()
+                for req, _ in batch:
+                    self.proposer.prefill(req)
+                budget.spend(clock() - started)
+        return [req for req, _ in batch if not req.prefilling], sum(n for _, n in batch)
 
     def _drafts_later(self, req: Request) -> bool:
         """Whether the drafter may ever draft for this request (not when its only token is the prompt's first)."""
@@ -426,31 +434,46 @@ class LLMEngine:
 
     def _chunk_cost(self, batch: list[tuple[Request, int]], drafter: bool = True) -> float:
         """Predicted seconds of a padded prefill forward over batch's chunks (and, with `drafter`, of the drafter's
-        pass over their rows later in the step)."""
+        pass later in the step over the rows that would take a request's waiting rows past max_pending_rows)."""
         width = max(n for _, n in batch)
         every_row = any(req.params.prompt_logprobs is not None for req, _ in batch)
         logit_rows = len(batch) * width if every_row else \
             sum(req.num_computed + n == len(req.prompt_ids) for req, n in batch)
         cost = self.step_budget.target.predict([(width, req.num_computed) for req, _ in batch], logit_rows)
         if drafter:
-            cost += sum(self.step_budget.drafter.predict([(n, req.num_computed)]) for req, n in batch
-                        if self._drafts_later(req))
+            cost += sum(self.step_budget.drafter.predict([(due, req.backlog.start)]) for req, n in batch
+                        if (due := self._rows_due(req, n)))
         return cost
 
-    def _catch_up_drafters(self, admitting: list[Request]) -> int:
-        """The drafter runs the prompt rows waiting in admitting requests, oldest request first, as far as the
-        step's budget goes (the oldest at least one block), at most max_num_batched_tokens rows each. Rows that
-        fit a later joint drafting pass (JOINT_PENDING_ROWS) wait for it. Returns the rows run."""
+    def _rows_due(self, req: Request, coming: int = 0) -> int:
+        """Waiting rows the drafter must run now to keep the request's backlog within max_pending_rows once
+        `coming` more rows join it."""
+        if not self._drafts_later(req):
+            return 0
+        return max(0, len(req.backlog) + coming - self.max_pending_rows)
+
+    def _catch_up_drafters(self, ks_of: dict[Request, int]) -> int:
+        """The drafter runs waiting real rows, oldest request first, as far as the step's budget goes (and at most
+        max_num_batched_tokens a request): of a request
+        whose head drafts this step (ks_of: the head's K per request the head may draft for), all but the newest
+        (the first such request at least one block); of a request past max_pending_rows, all but the newest
+        JOINT_PENDING_ROWS, and at least the rows past the bound (and one block) whatever the budget: a bound on
+        memory, reached again only a block or more later. Returns the rows run."""
         budget, total = self.step_budget, 0
         clock = budget.clock
-        for req in admitting:
-            if req.finished or not self._drafts_later(req) or len(req.backlog) <= JOINT_PENDING_ROWS:
+        for req in self.running:
+            if req.finished or not self._drafts_later(req):
                 continue
-            start = req.backlog.start
-            cap = min(len(req.backlog) - 1, self.max_num_batched_tokens)
-            rows = budget.largest(lambda n: budget.drafter.predict([(n, start)]), cap, floor=not total)
-            if not rows:
-                break
+            due, waiting, start = self._rows_due(req), len(req.backlog), req.backlog.start
+            if ks_of.get(req) and waiting > JOINT_PENDING_ROWS:
+                cap = waiting - 1
+            elif due:
+                cap = waiting - JOINT_PENDING_ROWS
+            else:
+                continue
+            cap = min(cap, self.max_num_batched_tokens)  # a step's bound in tokens, the drafter's as the target's
+            rows = max(due, budget.largest(lambda n: budget.drafter.predict([(n, start)]), cap,
+                                           floor=bool(due) or not total))
             predicted, started = budget.drafter.predict([(rows, start)]), clock()
             self._run_backlog(req, rows)
             seconds = clock() - started
@@ -480,7 +503,7 @@ class LLMEngine:
             return
         end = start + len(hit) * BLOCK_SIZE
         features = pc.load(hit, req.slot, start, self.target_cache)
-        if self.drafter is not None:
+        if self._drafts_later(req):
             reused = 0
             if not req.backlog.tokens and req.backlog.start == start:
                 for j, block in enumerate(hit):
@@ -535,7 +558,7 @@ class LLMEngine:
             req.first_token_at = time.perf_counter()
             self._commit(req, [first], last[None])
             next_tokens.append(first)
-        if self.drafter is not None:  # the rows wait for the drafter
+        if self._drafts_later(req):  # the rows wait for the drafter
             req.backlog.append(next_tokens, features)
         self._cache_blocks(req, features)
 
@@ -585,24 +608,21 @@ class LLMEngine:
             if block.next_token is None and block.tokens == tuple(seq[p:p + BLOCK_SIZE]):
                 self.prefix_cache.store_drafter(block, req.slot, p, self.drafter_cache, seq[p + BLOCK_SIZE])
 
-    def _decode(self, reqs: list[Request]) -> None:
-        """One decode step: the proposer makes its model-free drafts, the policy gives each request its number of
-        drafts (cutting a model-free draft where a longer window stops paying)."""
+    def _plan(self, reqs: list[Request]) -> tuple[list[int], list[Draft | None]]:
+        """This step's windows: the proposer's model-free drafts (None: the head's, if any) and the number of drafts
+        the policy gives each request (cutting a model-free draft where a longer window stops paying)."""
+        if not reqs:
+            return [], []
         free = self.proposer.score(reqs) if self.proposer is not None else [None] * len(reqs)
         ks = self.policy.choose([Candidate(r.request_id, r.params.max_tokens - len(r.output_ids), d)
                                  for r, d in zip(reqs, free)])
-        self._decode_step(reqs, ks, free)
+        return ks, free
 
     def _decode_step(self, reqs: list[Request], ks: list[int], free: list[Draft | None] | None = None) -> None:
         """Draft for the requests with K_b > 0 (the head's together, at their widest K; model-free drafts as they
         were made), then verify every request's [x_n, d_1..d_K_b] in one target forward, accept, emit.
         free[b]: request b's model-free draft (None: the head drafts it)."""
         free = free or [None] * len(reqs)
-        head_ks = [k if d is None else 0 for k, d in zip(ks, free)]
-        if self.drafter is not None:  # before drafting: long backlogs alone; at K = 0 only one at the cap
-            for req, k in zip(reqs, head_ks):
-                if len(req.backlog) > (JOINT_PENDING_ROWS if k else MAX_PENDING_ROWS - 1):
-                    self._run_backlog(req)
         started = self._step_clock()
         kmax, drafting = max(ks), [b for b, k in enumerate(ks) if k]
         head_rows = [b for b in drafting if free[b] is None]

@@ -44,6 +44,12 @@ class Proposer(Protocol):
         or the head instead), the first `num_accepted` accepted."""
         ...
 
+    def prefill(self, req: "Request") -> None:
+        """The request's prompt is computed up to `req.num_computed`: a proposer that indexes prompts may take that
+        much now, so a long prompt's index is built a chunk a step, under the step's time budget, rather than in
+        one piece at its first decode step."""
+        ...
+
     def add_tokens(self, req: "Request", tokens: list[int]) -> None:
         """Tokens the request just committed. A proposer that has not seen the request yet starts it from its prompt
         and whole output (so the first token, sampled at the end of prefill, needs no call of its own)."""
@@ -56,6 +62,9 @@ class Proposer(Protocol):
 
 class NoModelFreeDrafts:
     """The lifecycle of a proposer without model-free drafts (the heads alone): nothing to keep per request."""
+
+    def prefill(self, req: "Request") -> None:
+        pass
 
     def observe(self, req: "Request", draft: Draft, num_drafted: int, num_accepted: int) -> None:
         pass

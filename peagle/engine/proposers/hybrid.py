@@ -39,6 +39,9 @@ class HybridProposer:
     def observe(self, req: "Request", draft: Draft, num_drafted: int, num_accepted: int) -> None:
         self.suffix.observe(req, draft, num_drafted, num_accepted)
 
+    def prefill(self, req: "Request") -> None:
+        self.suffix.prefill(req)
+
     def add_tokens(self, req: "Request", tokens: list[int]) -> None:
         self.suffix.add_tokens(req, tokens)
 

@@ -68,6 +68,9 @@ class NgramProposer:
     def observe(self, req: "Request", draft: Draft, num_drafted: int, num_accepted: int) -> None:
         self.acceptance.observe(req.request_id, num_drafted, num_accepted)
 
+    def prefill(self, req: "Request") -> None:
+        pass  # a prompt is one array copy at the first `score`: cheap however long
+
     def add_tokens(self, req: "Request", tokens: list[int]) -> None:
         pass  # read from the request at the next `score`
 

@@ -28,18 +28,29 @@ class SuffixProposer:
         self.cache = SuffixCache(max_tree_depth=spec.suffix_decoding_max_tree_depth,
                                  max_cached_requests=spec.suffix_decoding_max_cached_requests)
         self.acceptance = MeasuredAcceptance(max_k)
+        self._prompt_seen: dict[str, int] = {}  # request -> prompt tokens its tree holds
         self._seen: dict[str, int] = {}  # request -> output tokens its tree holds
 
-    def _sync(self, req: "Request") -> None:
-        """Bring the request's tree up to its committed tokens (starting it, with its prompt, on first sight)."""
+    def _index_prompt(self, req: "Request", upto: int) -> None:
+        """The request's tree holds its prompt up to `upto` (started on first sight)."""
         rid = req.request_id
-        seen = self._seen.get(rid)
-        if seen is None:
-            self.cache.start_request(rid, req.prompt_ids, req.cache_key)
-            seen = 0
+        have = self._prompt_seen.get(rid)
+        if have is None:
+            self.cache.start_request(rid, req.prompt_ids[:upto], req.cache_key)
+        elif upto > have:
+            self.cache.add_prompt_tokens(rid, req.prompt_ids[have:upto])
+        self._prompt_seen[rid] = max(have or 0, upto)
+
+    def _sync(self, req: "Request") -> None:
+        """Bring the request's tree up to its committed tokens."""
+        self._index_prompt(req, len(req.prompt_ids))
+        rid, seen = req.request_id, self._seen.get(req.request_id, 0)
         if len(req.output_ids) > seen:
             self.cache.add_tokens(rid, req.output_ids[seen:])
         self._seen[rid] = max(seen, len(req.output_ids))
+
+    def prefill(self, req: "Request") -> None:
+        self._index_prompt(req, req.num_computed)
 
     def score(self, reqs: Sequence["Request"]) -> list[Draft | None]:
         out = []
@@ -60,8 +71,9 @@ class SuffixProposer:
 
     def finish(self, req: "Request") -> None:
         rid = req.request_id
-        if self._seen.pop(rid, None) is None:
-            return  # never decoded: its tree was never built
+        self._seen.pop(rid, None)
+        if self._prompt_seen.pop(rid, None) is None:
+            return  # its tree was never started
         if req.finish_reason == "abort":
             self.cache.abort_request(rid)
         else:

@@ -352,6 +352,15 @@ class SuffixCache:
         cursor = SuffixTrie(self.max_tree_depth).insert(seq)
         self._requests[request_id] = _Request(seq, cursor, cache_key, len(seq))
 
+    def add_prompt_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """More of the prompt, before any output (a long prompt indexed a chunk at a time as it is prefilled)."""
+        req = self._request(request_id)
+        if req.output_start != len(req.seq):
+            raise ValueError(f"request {request_id!r} already has output: prompt tokens must come first")
+        req.seq.extend(token_ids)
+        req.cursor.advance()
+        req.output_start = len(req.seq)
+
     def add_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Committed output tokens, in order."""
         req = self._request(request_id)
