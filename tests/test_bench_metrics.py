@@ -180,7 +180,9 @@ def test_request_body_from_load_settings():
     assert request_body(prompt, LoadSettings(max_tokens=8), 3) == {
         "max_tokens": 8, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
         "messages": [{"role": "user", "content": "hi"}]}
-    settings = LoadSettings(max_tokens=8, temperature=0.7, seed=10, chat=False, model="m", ignore_eos=True)
+    settings = LoadSettings(max_tokens=8, temperature=0.7, seed=10, chat=False, model="m", ignore_eos=True,
+                            cache_salt="run-c4")
     body = request_body(prompt, settings, 3)
     assert body["seed"] == 13 and body["prompt"] == "hi" and "messages" not in body  # request i: seed + i
     assert body["model"] == "m" and body["ignore_eos"] is True and body["temperature"] == 0.7
+    assert body["cache_salt"] == "run-c4"

@@ -92,6 +92,17 @@ def test_a_long_prompt_is_indexed_a_chunk_at_a_time(target, method):
     assert engine.proposer_stats["suffix"].num_accepted_tokens > 0
 
 
+def test_shared_suffix_trees_are_kept_per_cache_salt(target):
+    """Finished outputs join the shared tree of their credential and salt only: requests of another salt never
+    draft from them."""
+    ps, params = repeating_prompts(2, seed=6), SamplingParams(max_tokens=12, ignore_eos=True)
+    engine = LLMEngine(target, None, None, SpeculativeConfig(method="suffix"), max_num_seqs=2, max_model_len=256)
+    engine.generate(ps, params, cache_salt="run-1")
+    engine.generate(ps[:1], params, cache_salt="run-2")
+    assert sorted(engine.proposer.cache._shared) == ["/run-1", "/run-2"]
+    assert [t.outputs for _, t in sorted(engine.proposer.cache._shared.items())] == [2, 1]
+
+
 def test_prompt_lookup_lengths_are_bounded():
     with pytest.raises(ValueError, match="between 1 and 64"):
         SpeculativeConfig(method="ngram", prompt_lookup_max=1000)

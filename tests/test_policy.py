@@ -61,6 +61,18 @@ def test_zero_acceptance_chooses_plain_steps():
     assert policy.choose([Candidate("new", 1000)]) == [0]
 
 
+def test_a_drafts_value_is_measured_in_its_batch():
+    """value(): the step's tokens per second when this request alone drafts, over a plain step's. Where reading
+    the weights is most of a step, a draft that pays alone does not in a batch, which already shares that read."""
+    from peagle.engine.proposers.base import Draft
+
+    policy = policy_with_cost(lambda rows: 1.0 + 0.2 * rows)
+    draft = Candidate("a", 1000, Draft("suffix", [5], [0.2]))
+    alone = (1 + 0.2) / (1.0 + 0.2 * 2) * (1.0 + 0.2 * 1)  # tokens / cost of the window, times a plain step's
+    assert policy.value(draft) == pytest.approx(alone) and alone > 1
+    assert policy.value(draft, batch=4) == 1.0  # (4.2 / 2.0) * (1.8 / 4) < 1: no window beats plain
+
+
 def test_a_head_that_pays_a_little_is_not_written_off_by_early_rejections():
     """Costs of the embedded model on a CPU (a 2-row verify 1.12 plain steps, a draft 0.19) and drafts accepted
     about half the time: K = 1 pays about 1.1x, so most steps should draft. An estimate that a few early rejections

@@ -130,11 +130,28 @@ def test_eviction_under_a_tiny_budget_keeps_outputs(target):
 def test_forced_hash_collisions_never_leak_context(target, monkeypatch):
     """Every block hashes alike: a lookup must compare token ids and the parent, so nothing is ever reused for a
     prompt it does not belong to, and outputs stay exact."""
-    monkeypatch.setattr(PrefixCache, "key", staticmethod(lambda parent, tokens: 0))
+    monkeypatch.setattr(PrefixCache, "key", staticmethod(lambda parent, tokens, salt="": 0))
     ps = shared_prefix_prompts(2, seed=1) + shared_prefix_prompts(2, seed=2)
     eng = engine(target, "peagle", 3)
     same(run_mixed(eng, ps), run_mixed(reference(target, "peagle", 3), ps))
     assert eng.prefix_cache.num_cached_blocks == 1  # one key: each new block replaced the one before
+    # ... and a chain's first block is checked against its salt too
+    (p,) = shared_prefix_prompts(1, seed=3)
+    eng.generate([p], PARAMS, cache_salt="a")
+    assert eng.generate([p], PARAMS, cache_salt="b")[0].num_cached_tokens == 0
+
+
+def test_a_cache_salt_reuses_only_its_own_requests_blocks(target):
+    """vLLM's cache_salt: the same prompt under another salt finds nothing (a tenant cannot time another's
+    prompts), under the same salt everything, and the outputs are the same either way."""
+    (p,) = shared_prefix_prompts(1, shared=60, seed=5)
+    eng, ref = engine(target, "peagle", 3), reference(target, "peagle", 3)
+    want = ref.generate([p], PARAMS)
+    cached = (len(p) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    for salt, hits in (("alice", 0), ("bob", 0), ("alice", cached), ("", 0), ("", cached)):
+        got = eng.generate([p], PARAMS, cache_salt=salt)
+        same(got, want)
+        assert got[0].num_cached_tokens == hits, salt
 
 
 def test_prompt_logprobs_are_computed_not_skipped(target):
@@ -188,6 +205,10 @@ def test_the_server_reports_cached_tokens_and_hits(tmp_path):
             for q in ("hello there", "what now?")]
         assert usages[0].prompt_tokens_details.cached_tokens == 0
         assert usages[1].prompt_tokens_details.cached_tokens >= BLOCK_SIZE
+        salted = client.chat.completions.create(
+            model="tiny", max_tokens=4, temperature=0, extra_body={"cache_salt": "tenant-2"},
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": "hello there"}]).usage
+        assert salted.prompt_tokens_details.cached_tokens == 0  # another salt's blocks are not reused
         server.wait_idle()
         metrics = httpx.get(server.url + "/metrics").text
     hits = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("vllm:prefix_cache_hits")]

@@ -45,6 +45,7 @@ class LoadSettings:
     model: str | None = None  # the served model's name; None: the server's only model
     ignore_eos: bool = False
     api_key: str | None = None
+    cache_salt: str | None = None  # vLLM's: caches reuse only what requests of the same salt left
 
 
 def request_body(prompt: BenchPrompt, settings: LoadSettings, index: int) -> dict:
@@ -57,6 +58,8 @@ def request_body(prompt: BenchPrompt, settings: LoadSettings, index: int) -> dic
         body["seed"] = settings.seed + index
     if settings.ignore_eos:
         body["ignore_eos"] = True  # vLLM's extension, which peagle's server also takes
+    if settings.cache_salt:
+        body["cache_salt"] = settings.cache_salt
     if prompt.response_format is not None:
         body["response_format"] = prompt.response_format
     if settings.chat:
@@ -212,7 +215,7 @@ def server_info(url: str, api_key: str | None = None) -> dict:
 # -- offline (engine in this process) ----------------------------------------------------------------------------
 
 def run_offline(engine, prompts: list[BenchPrompt], concurrency: int, params_for: Callable[[int], object],
-                chat: bool = True, progress: Progress = None) -> tuple[list[RequestResult], float]:
+                chat: bool = True, progress: Progress = None, cache_salt: str = "") -> tuple[list[RequestResult], float]:
     """N clients on the engine directly. `params_for(i)` gives request i's SamplingParams (with the constraint of
     the prompt's response_format, if it has one)."""
     from peagle.bench.structured import constraint_of
@@ -230,7 +233,8 @@ def run_offline(engine, prompts: list[BenchPrompt], concurrency: int, params_for
         try:
             params = params_for(i)
             params.constraint = constraint_of(p.response_format)
-            rid = engine.add_request(prompt, params, request_id=f"bench-{i}-{time.monotonic_ns()}", chat=chat)
+            rid = engine.add_request(prompt, params, request_id=f"bench-{i}-{time.monotonic_ns()}", chat=chat,
+                                     cache_salt=cache_salt)
         except ValueError as e:
             res.ok, res.error = False, f"{type(e).__name__}: {e}"[:300]
             results[i] = res

@@ -7,10 +7,11 @@ import argparse
 import datetime as _dt
 import gc
 import json
+import secrets
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -155,10 +156,17 @@ class _ConfigRuns:
     cfg: Config
     concurrencies: list[int]
     bar: Any  # the sweep's progress bar, one step per request
+    salt_base: str = field(default_factory=lambda: secrets.token_hex(6))
 
     @property
     def warm(self) -> list[BenchPrompt]:
         return self.plan.prompts[: max(self.args.warmup, 0)]
+
+    def cache_salt(self, run: str) -> str:
+        """Each run's own cache_salt (the warm-up's, each concurrency's): the prefix cache and the suffix trees
+        reuse nothing a previous run left, so no run replays answers an earlier one cached, and every concurrency
+        starts from the same empty caches (each run's own repeats, such as a shared system prompt, still hit)."""
+        return f"peagle-bench-{self.salt_base}-{run}"
 
     @property
     def seed(self) -> int | None:
@@ -205,14 +213,14 @@ def _offline_runs(runs: _ConfigRuns, holder: TargetHolder) -> Iterator[RunMetric
     engine = holder.engine(plan.model_path, cfg, max(plan.concurrencies), plan.max_model_len)
     if runs.warm:
         engine.generate([p.chat_messages() if plan.chat else p.text for p in runs.warm],
-                        _params(args, min(8, args.max_tokens)), chat=plan.chat)
+                        _params(args, min(8, args.max_tokens)), chat=plan.chat, cache_salt=runs.cache_salt("warm-up"))
     seed = runs.seed
     for c in runs.concurrencies:
         runs.starting(cfg.label, c)
         cpu = time.process_time()  # the engine runs in this process
         res, dur = loadgen.run_offline(engine, plan.prompts, c,
                                        lambda i: _params(args, seed=None if seed is None else seed + i),
-                                       plan.chat, runs.progress)
+                                       plan.chat, runs.progress, cache_salt=runs.cache_salt(f"c{c}"))
         yield summarize(res, dur, cfg.method, cfg.k, c, policy=cfg.policy, cpu_s=time.process_time() - cpu)
     del engine
     gc.collect()
@@ -263,7 +271,8 @@ def _http_runs(runs: _ConfigRuns, url: str, method: str, k: int, model_name: str
                                     chat=runs.plan.chat, model=model_name, ignore_eos=args.ignore_eos,
                                     api_key=args.api_key)
     if runs.warm:
-        warm = replace(settings, max_tokens=min(8, args.max_tokens), seed=None, ignore_eos=False)
+        warm = replace(settings, max_tokens=min(8, args.max_tokens), seed=None, ignore_eos=False,
+                       cache_salt=runs.cache_salt("warm-up"))
         res, _ = loadgen.run_http(url, runs.warm, 1, warm)
         bad = [r.error for r in res if not r.ok]
         if bad:
@@ -272,7 +281,8 @@ def _http_runs(runs: _ConfigRuns, url: str, method: str, k: int, model_name: str
         runs.starting(config_label(method, k, policy), c)
         before = loadgen.scrape_spec_metrics(url, args.api_key)
         cpu = server.cpu_seconds() if server else None
-        res, dur = loadgen.run_http(url, runs.plan.prompts, c, settings, progress=runs.progress)
+        res, dur = loadgen.run_http(url, runs.plan.prompts, c, replace(settings, cache_salt=runs.cache_salt(f"c{c}")),
+                                    progress=runs.progress)
         acceptance = None
         if method in DRAFTING_METHODS and not any(r.spec for r in res) and before is not None:
             after = loadgen.scrape_spec_metrics(url, args.api_key)

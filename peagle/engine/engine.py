@@ -250,9 +250,10 @@ class LLMEngine:
                                "context_length_exceeded")
 
     def make_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                     chat: bool | None = None, arrival: float | None = None) -> Request:
+                     chat: bool | None = None, arrival: float | None = None, cache_salt: str = "") -> Request:
         """Tokenise and check a request without queueing it (see `submit`). This is the CPU-heavy part of intake,
-        so a server runs it off its event loop. Raises RequestError naming the parameter at fault."""
+        so a server runs it off its event loop. Raises RequestError naming the parameter at fault. `cache_salt`:
+        reuse only what requests of the same salt left in the prefix cache and the suffix trees."""
         params = params or SamplingParams()
         prompt_ids = self.encode_prompt(prompt, chat)
         if not prompt_ids:
@@ -283,7 +284,7 @@ class LLMEngine:
             gen.manual_seed(params.seed % 2**64 if params.seed is not None else torch.seed())
         return Request(request_id, prompt_ids, params, SpecDecodeStats(self.k), gen,
                        arrival=arrival if arrival is not None else time.perf_counter(),
-                       detokenizer=IncrementalDetokenizer(self.tokenizer), matcher=matcher)
+                       detokenizer=IncrementalDetokenizer(self.tokenizer), matcher=matcher, cache_salt=cache_salt)
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
@@ -302,9 +303,9 @@ class LLMEngine:
         return req.request_id
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    chat: bool | None = None) -> str:
+                    chat: bool | None = None, cache_salt: str = "") -> str:
         """Queue a request; raises RequestError at once if it cannot fit. Safe from any thread."""
-        return self.submit(self.make_request(prompt, params, request_id, chat))
+        return self.submit(self.make_request(prompt, params, request_id, chat, cache_salt=cache_salt))
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its slot at the next step. Safe from any thread."""
@@ -498,7 +499,8 @@ class LLMEngine:
         if pc is None or req.params.prompt_logprobs is not None or start != len(req.blocks) * BLOCK_SIZE:
             return
         m = len(req.prompt_ids)
-        hit = pc.match(req.blocks[-1] if req.blocks else None, req.prompt_ids[start:], (m - 1 - start) // BLOCK_SIZE)
+        hit = pc.match(req.blocks[-1] if req.blocks else None, req.prompt_ids[start:], (m - 1 - start) // BLOCK_SIZE,
+                       req.cache_salt)
         if not hit:
             return
         end = start + len(hit) * BLOCK_SIZE
@@ -591,7 +593,8 @@ class LLMEngine:
         for j in range(full):
             p = start + j * BLOCK_SIZE
             req.blocks.append(pc.store(req.blocks[-1] if req.blocks else None, tuple(seq[p:p + BLOCK_SIZE]),
-                                       req.slot, p, self.target_cache, feats[j * BLOCK_SIZE:(j + 1) * BLOCK_SIZE]))
+                                       req.slot, p, self.target_cache, feats[j * BLOCK_SIZE:(j + 1) * BLOCK_SIZE],
+                                       req.cache_salt))
         rest = feats[full * BLOCK_SIZE:]
         req.unstored_features = [rest.clone()] if len(rest) else []
 
@@ -913,10 +916,10 @@ class LLMEngine:
 
     # -- blocking helpers --------------------------------------------------------------------------------------
     def generate(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
-                 chat: bool | None = None) -> list[RequestOutput]:
+                 chat: bool | None = None, cache_salt: str = "") -> list[RequestOutput]:
         """Run prompts to completion (continuously batched) and return their final outputs in order."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [self.add_request(p, _copy(sp), chat=chat) for p, sp in zip(prompts, plist)]
+        ids = [self.add_request(p, _copy(sp), chat=chat, cache_salt=cache_salt) for p, sp in zip(prompts, plist)]
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
             for out in self.step():

@@ -224,7 +224,7 @@ class SpeculationPolicy(Protocol):
     max_k: int
 
     def choose(self, requests: Sequence[Candidate]) -> list[int]: ...
-    def value(self, request: Candidate) -> float: ...
+    def value(self, request: Candidate, batch: int = 1) -> float: ...
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None: ...
     def observe_step(self, rows: int, drafted: int, k: int, seconds: float) -> None: ...
     def forget(self, request_id: str) -> None: ...
@@ -241,10 +241,11 @@ class NoSpeculation:
     def choose(self, requests: Sequence[Candidate]) -> list[int]:
         return [0] * len(requests)
 
-    def value(self, request: Candidate) -> float:
-        """How much speculating this request alone is expected to pay, as expected tokens per plain step's time
-        (1.0: no better than plain): the hybrid's measure for choosing between drafts. Without a cost model a
-        model-free draft, where there is one, is preferred: it costs no drafter forward."""
+    def value(self, request: Candidate, batch: int = 1) -> float:
+        """How much speculating this request alone, in a step of `batch` requests, is expected to pay: the step's
+        expected tokens per second over a plain step's (1.0: no better than plain). The hybrid's measure for
+        choosing between drafts. Without a cost model a model-free draft, where there is one, is preferred: it
+        costs no drafter forward."""
         if request.draft is not None:
             return math.inf if request.draft.tokens else 0.0
         return 1.0
@@ -304,14 +305,16 @@ class AdaptiveK(NoSpeculation):
         useful = max(0, min(self.head_k, request.remaining - 1))
         return self.estimate(request.request_id).survival()[:useful]
 
-    def value(self, request: Candidate) -> float:
-        """The best window's expected tokens per second for this request alone, over a plain step's."""
-        margins, best, tokens = self.margins(request), 1.0, 1.0
-        plain = self.cost.predict_target(1)
+    def value(self, request: Candidate, batch: int = 1) -> float:
+        """The best window's expected tokens per second for a step of `batch` requests where this one alone drafts,
+        over a plain step's. In a batch the reading of the weights is already shared, so a verify row is a larger
+        part of a request's share of the step than alone: a draft that pays alone may not pay there."""
+        margins, best, tokens = self.margins(request), 1.0, float(batch)
+        plain = self.cost.predict_target(batch)
         for w, s in enumerate(margins, start=1):
             tokens += s
             drafter = self.cost.predict_draft(1, w) if request.draft is None else 0.0
-            best = max(best, tokens * plain / (self.cost.predict_target(1 + w) + drafter))
+            best = max(best, tokens * plain / (batch * (self.cost.predict_target(batch + w) + drafter)))
         return best
 
     def choose(self, requests: Sequence[Candidate]) -> list[int]:
@@ -396,8 +399,8 @@ class OffAtBatchSize:
     def choose(self, requests: Sequence[Candidate]) -> list[int]:
         return [0] * len(requests) if len(requests) >= self.batch_size else self.policy.choose(requests)
 
-    def value(self, request: Candidate) -> float:
-        return self.policy.value(request)
+    def value(self, request: Candidate, batch: int = 1) -> float:
+        return self.policy.value(request, batch)
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
         self.policy.observe(request_id, num_drafted, num_accepted)

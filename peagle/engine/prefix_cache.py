@@ -38,6 +38,7 @@ class Block:
     index: int  # row in the pool tensors
     next_token: int | None = None  # the token after the block that its drafter entries were computed with
     last_used: int = 0
+    salt: str = ""  # a chain's first block: the cache_salt of the requests that may reuse the chain
 
 
 class PrefixCache:
@@ -63,21 +64,24 @@ class PrefixCache:
 
     # -- finding blocks ----------------------------------------------------------------------------------------
     @staticmethod
-    def key(parent: Block | None, tokens: tuple[int, ...]) -> int:
-        return hash((parent.uid if parent is not None else -1, tokens))
+    def key(parent: Block | None, tokens: tuple[int, ...], salt: str = "") -> int:
+        """A chain's first block hashes its salt where later ones hash their parent: chains of different salts
+        never meet (vLLM's cache_salt)."""
+        return hash((parent.uid if parent is not None else ("salt", salt), tokens))
 
-    def _child(self, parent: Block | None, tokens: tuple[int, ...]) -> Block | None:
-        block = self.blocks.get(self.key(parent, tokens))
-        if block is None or block.tokens != tokens or block.parent_uid != (parent.uid if parent else None):
+    def _child(self, parent: Block | None, tokens: tuple[int, ...], salt: str) -> Block | None:
+        block = self.blocks.get(self.key(parent, tokens, salt))
+        if block is None or block.tokens != tokens or block.parent_uid != (parent.uid if parent else None) \
+                or parent is None and block.salt != salt:
             return None  # absent, or a collision
         return block
 
-    def match(self, parent: Block | None, tokens: list[int], max_blocks: int) -> list[Block]:
-        """The blocks that continue `parent`'s chain with tokens[0:BLOCK_SIZE], tokens[BLOCK_SIZE:2 BLOCK_SIZE], ..
-        (at most max_blocks), in order."""
+    def match(self, parent: Block | None, tokens: list[int], max_blocks: int, salt: str = "") -> list[Block]:
+        """The blocks that continue `parent`'s chain (None: a chain of `salt`) with tokens[0:BLOCK_SIZE],
+        tokens[BLOCK_SIZE:2 BLOCK_SIZE], .. (at most max_blocks), in order."""
         hit, now = [], next(self._clock)
         for j in range(max_blocks):
-            block = self._child(parent, tuple(tokens[j * BLOCK_SIZE:(j + 1) * BLOCK_SIZE]))
+            block = self._child(parent, tuple(tokens[j * BLOCK_SIZE:(j + 1) * BLOCK_SIZE]), salt)
             if block is None:
                 break
             block.last_used = now
@@ -97,17 +101,19 @@ class PrefixCache:
         _copy_in(self.dk, self.dv, idx, drafter_cache, slot, start)
 
     def store(self, parent: Block | None, tokens: tuple[int, ...], slot: int, start: int, target_cache: KVCache,
-              features: torch.Tensor) -> Block:
-        """The block of `tokens` at positions start.. of `slot` (features [BLOCK_SIZE, F]): the pool's own if it has
-        one already, else a new one (evicting the least recently used block when the pool is full)."""
-        block = self._child(parent, tokens)
+              features: torch.Tensor, salt: str = "") -> Block:
+        """The block of `tokens` at positions start.. of `slot` (features [BLOCK_SIZE, F]) after `parent` (None: a
+        chain of `salt`): the pool's own if it has one already, else a new one (evicting the least recently used
+        block when the pool is full)."""
+        block = self._child(parent, tokens, salt)
         if block is not None:
             block.last_used = next(self._clock)
             return block
         index = self._free.pop() if self._free else self._evict()
         block = Block(next(self._uids), parent.uid if parent else None, tokens,
-                      parent.depth + 1 if parent else 0, index, last_used=next(self._clock))
-        key = self.key(parent, tokens)
+                      parent.depth + 1 if parent else 0, index, last_used=next(self._clock),
+                      salt=salt if parent is None else "")
+        key = self.key(parent, tokens, salt)
         if key in self.blocks:  # a collision with a different block: the newer one takes the key
             self._free.append(self.blocks.pop(key).index)
         self.blocks[key] = block

@@ -141,6 +141,10 @@ class Request:
     # Whose earlier outputs a suffix tree may draft from (proposers/suffix.py): requests under one key share a
     # tree, so no client's text is drafted into another's answers.
     cache_key: str = ""
+    # vLLM's cache_salt: the prefix cache and the suffix trees' shared outputs reuse only what requests of the same
+    # salt left, so one tenant cannot probe another's prompts through hit timing, and a benchmark's runs start from
+    # the same empty caches.
+    cache_salt: str = ""
 
     @property
     def num_tokens(self) -> int:

@@ -349,7 +349,8 @@ def _prepare(state: ServerState, raw: bytes, kind: str | None, arrival: float) -
             source = prompt if j == 0 else requests[-1].prompt_ids
             try:
                 requests.append(engine.make_request(source, _sampling(req, j, constraint), rid,
-                                                    chat=kind == "chat", arrival=arrival))
+                                                    chat=kind == "chat", arrival=arrival,
+                                                    cache_salt=req.cache_salt or ""))
             except RequestError as e:
                 raise _request_error(e, req, param) from None
     echoes = None

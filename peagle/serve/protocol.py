@@ -259,6 +259,8 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's: the prefix cache (and peagle's suffix trees) reuse only what requests with the same salt left
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None

@@ -27,8 +27,8 @@ class HybridProposer:
         out: list[Draft | None] = []
         for req, draft in zip(reqs, self.suffix.score(reqs)):
             remaining = req.params.max_tokens - len(req.output_ids)
-            if draft.tokens and (self.policy.value(Candidate(req.request_id, remaining, draft))
-                                 >= self.policy.value(Candidate(req.request_id, remaining))):
+            if draft.tokens and (self.policy.value(Candidate(req.request_id, remaining, draft), len(reqs))
+                                 >= self.policy.value(Candidate(req.request_id, remaining), len(reqs))):
                 out.append(draft)
             else:
                 out.append(None)

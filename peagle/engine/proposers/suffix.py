@@ -36,7 +36,8 @@ class SuffixProposer:
         rid = req.request_id
         have = self._prompt_seen.get(rid)
         if have is None:
-            self.cache.start_request(rid, req.prompt_ids[:upto], req.cache_key)
+            # the shared tree of the request's credential and salt ("/" cannot occur in a cache_key's hex digest)
+            self.cache.start_request(rid, req.prompt_ids[:upto], f"{req.cache_key}/{req.cache_salt}")
         elif upto > have:
             self.cache.add_prompt_tokens(rid, req.prompt_ids[have:upto])
         self._prompt_seen[rid] = max(have or 0, upto)
