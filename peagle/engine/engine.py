@@ -425,7 +425,8 @@ class LLMEngine:
             if self.proposer is not None:  # index what was prefilled (suffix trees), a chunk at a time
                 started = clock()
                 for req, _ in batch:
-                    self.proposer.prefill(req)
+                    if req.params.max_tokens > 1:  # a request that never decodes never drafts
+                        self.proposer.prefill(req)
                 budget.spend(clock() - started)
         return [req for req, _ in batch if not req.prefilling], sum(n for _, n in batch)
 
