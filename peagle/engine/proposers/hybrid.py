@@ -27,8 +27,11 @@ class HybridProposer:
         out: list[Draft | None] = []
         for req, draft in zip(reqs, self.suffix.score(reqs)):
             remaining = req.params.max_tokens - len(req.output_ids)
-            if draft.tokens and (self.policy.value(Candidate(req.request_id, remaining, draft), len(reqs))
-                                 >= self.policy.value(Candidate(req.request_id, remaining), len(reqs))):
+            head = self.policy.value(Candidate(req.request_id, remaining), len(reqs))
+            # where no head window beats a plain step the suffix draft stays, even a poor one: the policy's probe
+            # then re-measures the free draft rather than run the drafter for a head expected not to pay
+            if draft.tokens and (head <= 1.0 or self.policy.value(Candidate(req.request_id, remaining, draft),
+                                                                   len(reqs)) >= head):
                 out.append(draft)
             else:
                 out.append(None)
