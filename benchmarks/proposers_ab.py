@@ -5,7 +5,8 @@ each call timed in this thread's CPU seconds.
 `peagle bench` runs its methods one after the other, a minute or more apart; on a machine shared with other jobs
 the memory system's load drifts between them by 10-20% (docs/benchmarks.md), more than the differences between
 two good drafters. Interleaved like this every method sees the same drift, so their ratios hold to a percent or
-two. Outputs of every method are checked equal to no speculation's (greedy).
+two. Greedy outputs of every method are checked equal to no speculation's; sampled ones (--temperature) are seeded
+per prompt but differ between methods (the same distribution, other draws).
 
     OMP_NUM_THREADS=1 python3 benchmarks/proposers_ab.py --dataset sharegpt-multiturn --methods none,suffix,hybrid
 """
@@ -39,6 +40,8 @@ def main() -> None:
     ap.add_argument("--dataset", default="sharegpt-multiturn", help="a `peagle bench` dataset")
     ap.add_argument("--num-prompts", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens per prompt")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (outputs checked equal)")
     ap.add_argument("--methods", default="none,suffix,hybrid", help=f"comma-separated, from {', '.join(METHODS)}; "
                     "the first is the reference of the ratios and of the outputs")
     ap.add_argument("--batch", type=int, default=1, help="prompts per call (a static batch: concurrency N)")
@@ -59,12 +62,13 @@ def main() -> None:
         engines[m] = LLMEngine.from_pretrained(args.model, speculative_config(m, head, args.k),
                                                max_num_seqs=max(4, args.batch), device="cpu")
         engines[m].generate(prompts[:1], SamplingParams(max_tokens=8), cache_salt="warm-up")
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     cpu, tokens = dict.fromkeys(methods, 0.0), dict.fromkeys(methods, 0)
     with tqdm(total=args.rounds * len(batches) * len(methods), desc="calls") as bar:
         for r in range(args.rounds):
             for i, batch in enumerate(batches):
                 outputs = {}
+                params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                         ignore_eos=args.ignore_eos, seed=i * args.batch + j) for j in range(len(batch))]
                 for m in methods if (i + r) % 2 == 0 else methods[::-1]:
                     started = time.thread_time()
                     outs = engines[m].generate(batch, params, cache_salt=f"round-{r}")
@@ -72,12 +76,12 @@ def main() -> None:
                     outputs[m] = [o.token_ids for o in outs]
                     tokens[m] += sum(map(len, outputs[m]))
                     bar.update(1)
-                if differ := [m for m in methods if outputs[m] != outputs[methods[0]]]:
+                if args.temperature == 0 and (differ := [m for m in methods if outputs[m] != outputs[methods[0]]]):
                     raise SystemExit(f"{differ[0]} changed the greedy output of batch {i}: not lossless")
     ref = tokens[methods[0]] / cpu[methods[0]]
     rows = []
     print(f"\n{args.dataset}, {args.num_prompts} prompts x {args.rounds} rounds, batches of {args.batch}, "
-          f"{args.max_tokens} tokens, thread CPU time\n")
+          f"{args.max_tokens} tokens, temperature {args.temperature:g}, thread CPU time\n")
     print(f"| method | output tokens per CPU s | vs {methods[0]} | drafts (accepted tokens) per proposer |")
     print("|---|---:|---:|---|")
     for m in methods:
