@@ -336,9 +336,10 @@ class LLMEngine:
                 on_first_tokens([self._report(r) for r in touched if not r.finished])
             decoding = [r for r in self.running if not r.finished and not r.prefilling]
             ks, free = self._plan(decoding)
-            caught_up = self._catch_up_drafters(ks_of={r: k for r, k, d in zip(decoding, ks, free) if d is None})
-            ks = [0 if k and d is None and len(r.backlog) > JOINT_PENDING_ROWS else k  # still behind: next step
-                  for r, k, d in zip(decoding, ks, free)]
+            heads = {r for r, k, d in zip(decoding, ks, free) if k and d is None}  # the head drafts for these
+            caught_up = self._catch_up_drafters(heads)
+            # a head still behind after its slice drafts from a later step on
+            ks = [0 if r in heads and len(r.backlog) > JOINT_PENDING_ROWS else k for r, k in zip(decoding, ks)]
             self.step_budget.end_prefill(prefilled, caught_up)
             if decoding:
                 self._decode_step(decoding, ks, free)
@@ -454,11 +455,10 @@ class LLMEngine:
             return 0
         return max(0, len(req.backlog) + coming - self.max_pending_rows)
 
-    def _catch_up_drafters(self, ks_of: dict[Request, int]) -> int:
+    def _catch_up_drafters(self, heads: set[Request]) -> int:
         """The drafter runs waiting real rows, oldest request first, as far as the step's budget goes (and at most
-        max_num_batched_tokens a request): of a request
-        whose head drafts this step (ks_of: the head's K per request the head may draft for), all but the newest
-        (the first such request at least one block); of a request past max_pending_rows, all but the newest
+        max_num_batched_tokens a request): of a request in `heads` (its head drafts this step) all but the newest,
+        the first such request at least one block; of a request past max_pending_rows all but the newest
         JOINT_PENDING_ROWS, and at least the rows past the bound (and one block) whatever the budget: a bound on
         memory, reached again only a block or more later. Returns the rows run."""
         budget, total = self.step_budget, 0
@@ -467,7 +467,7 @@ class LLMEngine:
             if req.finished or not self._drafts_later(req):
                 continue
             due, waiting, start = self._rows_due(req), len(req.backlog), req.backlog.start
-            if ks_of.get(req) and waiting > JOINT_PENDING_ROWS:
+            if req in heads and waiting > JOINT_PENDING_ROWS:
                 cap = waiting - 1
             elif due:
                 cap = waiting - JOINT_PENDING_ROWS
