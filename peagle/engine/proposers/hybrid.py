@@ -1,7 +1,7 @@
 """The hybrid: per request and step, the suffix tree's draft or the head's, whichever the speculation policy expects
 to pay more (its `value`: the best window's expected tokens per second over a plain step's, from the window costs it
-measured, the head's measured acceptance and the suffix draft's own probabilities), or none, when the policy then
-finds that no window pays. Text that repeats (code edits, quotes, resent turns) gets the suffix tree's long drafts;
+measured, the head's measured acceptance and the suffix draft's own probabilities; the suffix draft wherever no head
+window beats a plain step), or none, when the policy then finds that no window pays. Text that repeats (code edits, quotes, resent turns) gets the suffix tree's long drafts;
 fresh text gets the head's."""
 from __future__ import annotations
 
