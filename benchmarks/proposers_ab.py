@@ -6,7 +6,9 @@ each call timed in this thread's CPU seconds.
 the memory system's load drifts between them by 10-20% (docs/benchmarks.md), more than the differences between
 two good drafters. Interleaved like this every method sees the same drift, so their ratios hold to a percent or
 two. Greedy outputs of every method are checked equal to no speculation's; sampled ones (--temperature) are seeded
-per prompt but differ between methods (the same distribution, other draws).
+per prompt but differ between methods (the same distribution, other draws). The same interleaving compares one
+head's policies in benchmarks/policy_ab.py and heads at each K in benchmarks/c1_interleaved.py; this one compares
+kinds of drafter.
 
     OMP_NUM_THREADS=1 python3 benchmarks/proposers_ab.py --dataset sharegpt-multiturn --methods none,suffix,hybrid
 """
