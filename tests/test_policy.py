@@ -106,7 +106,7 @@ def test_cost_growing_with_rows_lowers_k_as_concurrency_rises():
     for batch in (1, 2, 4, 8, 16):
         cands = [Candidate(f"r{i}", 1000) for i in range(batch)]
         for c in cands:
-            policy.requests[c.request_id] = history
+            policy.acceptance.requests[c.request_id] = history
         choice = policy.choose(cands)
         assert len(set(choice)) == 1  # the same history: no request gains more than another from drafting
         ks.append(choice[0])
@@ -150,7 +150,7 @@ def test_requests_that_gain_draft_while_the_others_take_a_plain_step():
     good.tried, good.accepted, good.prior_weight = [10.0] * MAX_K, [9.5] * MAX_K, [0.0] * MAX_K
     bad.tried, bad.accepted, bad.prior_weight = [10.0] * MAX_K, [0.0] * MAX_K, [0.0] * MAX_K
     for b in range(1, 4):
-        policy.requests[f"good{b}"], policy.requests[f"bad{b}"] = good, bad
+        policy.acceptance.requests[f"good{b}"], policy.acceptance.requests[f"bad{b}"] = good, bad
     names = ["good1", "bad1", "good2", "bad2", "good3", "bad3", "good", "bad"]
     choice = policy.choose([Candidate(n, 1000) for n in names])
     assert [k for n, k in zip(names, choice) if n.startswith("bad")] == [0] * 4
@@ -202,7 +202,8 @@ def test_a_model_free_draft_written_off_by_early_rejections_is_probed_back():
     """A suffix or n-gram draft's acceptance is capped by what its verified drafts measured; where verify rows are
     dear (4-bit weights on AVX2), early rejections put it below paying, and only a probe can show that the
     text now repeats."""
-    from peagle.engine.proposers.base import Draft, MeasuredAcceptance, survival
+    from peagle.engine.policy import MeasuredAcceptance
+    from peagle.engine.proposers.base import Draft, survival
 
     policy = policy_with_cost(lambda rows: 1.0 + 0.3 * (rows - 1), max_k=8)
     measured, rid, chosen = MeasuredAcceptance(8), "r", []

@@ -131,6 +131,41 @@ class AcceptanceEstimate:
         return out
 
 
+class MeasuredAcceptance:
+    """One drafter's acceptance per draft position: each request's recent drafts (REQUEST_MEMORY), shrunk towards the
+    drafter's engine-wide record (ENGINE_MEMORY) as AcceptanceEstimate describes. The adaptive policy keeps one for
+    the head; each model-free proposer (n-gram, suffix) one for its own drafts, so a proposer whose drafts stop
+    matching the target's text gets short windows, then none, within a few steps, and drafts again as it
+    recovers."""
+
+    def __init__(self, max_k: int):
+        self.max_k = max_k
+        self.engine_wide = AcceptanceEstimate(max_k, ENGINE_MEMORY)
+        self.requests: dict[str, AcceptanceEstimate] = {}
+
+    def estimate(self, request_id: str) -> AcceptanceEstimate:
+        est = self.requests.get(request_id)
+        if est is None:
+            est = self.requests[request_id] = AcceptanceEstimate(self.max_k, REQUEST_MEMORY, prior=self.engine_wide)
+        return est
+
+    def conditional(self, request_id: str) -> list[float]:
+        """a_i: the probability that draft position i is accepted given that those before it were."""
+        return self.estimate(request_id).conditional()
+
+    def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
+        """A verified draft; num_drafted 0: none was verified this step, and the request's estimate ages."""
+        est = self.estimate(request_id)
+        if num_drafted:
+            est.observe(num_drafted, num_accepted)
+            self.engine_wide.observe(num_drafted, num_accepted)
+        else:
+            est.age()
+
+    def forget(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+
 class StepCostModel:
     """Seconds of one decode step: the target's verify forward over `rows` rows (B plain rows plus every verified
     draft) plus the drafter's forward for the `drafted` requests that draft, at window `k` (the widest one). Two
@@ -286,16 +321,13 @@ class AdaptiveK(NoSpeculation):
         self.max_k = max_k
         self.head_k = max_k if head_k is None else head_k
         self.cost = cost or StepCostModel(max_batch, max_k, self.head_k)
-        self.engine_wide = AcceptanceEstimate(self.head_k, ENGINE_MEMORY)
-        self.requests: dict[str, AcceptanceEstimate] = {}
+        self.acceptance = MeasuredAcceptance(self.head_k)  # the head's
         self.plain_steps_in_a_row = 0
         self.probe_after = PROBE_AFTER
 
     def estimate(self, request_id: str) -> AcceptanceEstimate:
-        est = self.requests.get(request_id)
-        if est is None:
-            est = self.requests[request_id] = AcceptanceEstimate(self.head_k, REQUEST_MEMORY, prior=self.engine_wide)
-        return est
+        """The head's acceptance estimate for this request."""
+        return self.acceptance.estimate(request_id)
 
     def margins(self, request: Candidate) -> list[float]:
         """s_1, s_2, ..: what each further draft of this request adds to its expected tokens (nothing past the
@@ -372,17 +404,16 @@ class AdaptiveK(NoSpeculation):
             return
         for r, k in zip(requests, ks):
             if k == 0 or r.draft is not None:
-                self.estimate(r.request_id).age()
+                self.acceptance.observe(r.request_id, 0, 0)
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
-        self.estimate(request_id).observe(num_drafted, num_accepted)
-        self.engine_wide.observe(num_drafted, num_accepted)
+        self.acceptance.observe(request_id, num_drafted, num_accepted)
 
     def observe_step(self, rows: int, drafted: int, k: int, seconds: float) -> None:
         self.cost.observe(rows, drafted, k, seconds)
 
     def forget(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
+        self.acceptance.forget(request_id)
 
     def calibrate(self, time_target: Callable[[int], float], time_draft: Callable[[int, int], float]) -> None:
         self.cost.calibrate(time_target, time_draft)

@@ -76,43 +76,6 @@ class NoModelFreeDrafts:
         pass
 
 
-class MeasuredAcceptance:
-    """A model-free proposer's acceptance per draft position, measured the way the adaptive policy measures the
-    head's (policy.AcceptanceEstimate: each request's recent drafts, shrunk towards the proposer's engine-wide
-    record), so a proposer whose drafts stop matching the target's text gets short windows, then none, within a few
-    steps, and drafts again as it recovers."""
-
-    def __init__(self, max_k: int):
-        from peagle.engine.policy import ENGINE_MEMORY, AcceptanceEstimate
-
-        self.max_k = max_k
-        self.engine_wide = AcceptanceEstimate(max_k, ENGINE_MEMORY)
-        self.requests: dict[str, "AcceptanceEstimate"] = {}
-
-    def _estimate(self, request_id: str):
-        from peagle.engine.policy import REQUEST_MEMORY, AcceptanceEstimate
-
-        est = self.requests.get(request_id)
-        if est is None:
-            est = self.requests[request_id] = AcceptanceEstimate(self.max_k, REQUEST_MEMORY, prior=self.engine_wide)
-        return est
-
-    def conditional(self, request_id: str) -> list[float]:
-        """a_i: the probability that draft position i is accepted given that those before it were."""
-        return self._estimate(request_id).conditional()
-
-    def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
-        est = self._estimate(request_id)
-        if num_drafted:
-            est.observe(num_drafted, num_accepted)
-            self.engine_wide.observe(num_drafted, num_accepted)
-        else:
-            est.age()
-
-    def forget(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
-
-
 def survival(conditional: Sequence[float]) -> list[float]:
     """s_i = a_1 * ... * a_i."""
     out, s = [], 1.0

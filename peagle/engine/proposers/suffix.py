@@ -1,14 +1,15 @@
 """Suffix decoding (vLLM's `method: "suffix"`, after Arctic Inference): the draft continues the longest suffix of
 the request's context found in a suffix tree over its own prompt and output, or in the shared tree over recent
 finished requests' outputs under the same cache key (the tree itself: suffix_tree.py). The tree's counts give each
-drafted token a probability; the measured acceptance of this proposer's drafts (base.MeasuredAcceptance) caps it,
+drafted token a probability; the measured acceptance of this proposer's drafts (policy.MeasuredAcceptance) caps it,
 since a path seen once says little, and the policy cuts the draft where a longer window stops paying."""
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from peagle.engine.proposers.base import Draft, MeasuredAcceptance, survival
+from peagle.engine.policy import MeasuredAcceptance
+from peagle.engine.proposers.base import Draft, survival
 from peagle.engine.proposers.suffix_tree import SuffixCache
 
 if TYPE_CHECKING:
