@@ -84,7 +84,7 @@ def test_a_long_prompt_is_indexed_a_chunk_at_a_time(target, method):
         outs = engine.step()
         req = next((r for r in engine.running if r.request_id == rid), None)
         if req is not None and req.prefilling:
-            indexed.append((suffix._prompt_seen[rid], req.num_computed))
+            indexed.append((suffix.cache.num_tokens(rid), req.num_computed))
         if outs and outs[0].finished:
             assert outs[0].token_ids == ref
             break

@@ -133,7 +133,7 @@ class LLMEngine:
         self.prefix_cache = (PrefixCache(self.target_cache, self.drafter_cache, target.feature_dim, prefix_cache_gb,
                                          target.norm.weight.dtype) if enable_prefix_caching else None)
         # MAX_PENDING_BYTES as rows of this target's features
-        row_bytes = target.feature_dim * torch.empty((), dtype=target.norm.weight.dtype).element_size()
+        row_bytes = target.feature_dim * target.norm.weight.dtype.itemsize
         self.max_pending_rows = max(JOINT_PENDING_ROWS + 1, MAX_PENDING_BYTES // row_bytes)
         self.device = target.device
         self.kernels = kernels_in_use(target, drafter)
@@ -426,14 +426,14 @@ class LLMEngine:
             if self.proposer is not None:  # index what was prefilled (suffix trees), a chunk at a time
                 started = clock()
                 for req, _ in batch:
-                    if req.params.max_tokens > 1:  # a request that never decodes never drafts
+                    if req.decodes:
                         self.proposer.prefill(req)
                 budget.spend(clock() - started)
         return [req for req, _ in batch if not req.prefilling], sum(n for _, n in batch)
 
     def _drafts_later(self, req: Request) -> bool:
-        """Whether the drafter may ever draft for this request (not when its only token is the prompt's first)."""
-        return self.drafter is not None and req.params.max_tokens > 1
+        """Whether the drafter may ever draft for this request."""
+        return self.drafter is not None and req.decodes
 
     def _chunk_cost(self, batch: list[tuple[Request, int]], drafter: bool = True) -> float:
         """Predicted seconds of a padded prefill forward over batch's chunks (and, with `drafter`, of the drafter's

@@ -152,6 +152,11 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def decodes(self) -> bool:
+        """Whether it goes on past the token its prompt's prefill samples (so drafts may ever be made for it)."""
+        return self.params.max_tokens > 1
+
+    @property
     def prefilling(self) -> bool:
         return self.num_computed < len(self.prompt_ids)
 

@@ -26,17 +26,18 @@ class HybridProposer:
     def score(self, reqs: Sequence["Request"]) -> list[Draft | None]:
         out: list[Draft | None] = []
         for req, draft in zip(reqs, self.suffix.score(reqs)):
+            if not draft.tokens:
+                out.append(None)
+                continue
             remaining = req.params.max_tokens - len(req.output_ids)
             head = self.policy.value(Candidate(req.request_id, remaining), len(reqs))
             # where no head window beats a plain step the suffix draft stays, even a poor one: the policy's probe
             # then re-measures the free draft rather than run the drafter for a head expected not to pay
-            if draft.tokens and (head <= 1.0 or self.policy.value(Candidate(req.request_id, remaining, draft),
-                                                                   len(reqs)) >= head):
+            if head <= 1.0 or self.policy.value(Candidate(req.request_id, remaining, draft), len(reqs)) >= head:
                 out.append(draft)
             else:
                 out.append(None)
-                if draft.tokens:
-                    self.suffix.observe(req, draft, 0, 0)  # not verified: its estimate ages
+                self.suffix.observe(req, draft, 0, 0)  # not verified: its estimate ages
         return out
 
     def observe(self, req: "Request", draft: Draft, num_drafted: int, num_accepted: int) -> None:

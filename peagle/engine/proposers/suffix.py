@@ -29,30 +29,25 @@ class SuffixProposer:
         self.cache = SuffixCache(max_tree_depth=spec.suffix_decoding_max_tree_depth,
                                  max_cached_requests=spec.suffix_decoding_max_cached_requests)
         self.acceptance = MeasuredAcceptance(max_k)
-        self._prompt_seen: dict[str, int] = {}  # request -> prompt tokens its tree holds
-        self._seen: dict[str, int] = {}  # request -> output tokens its tree holds
 
-    def _index_prompt(self, req: "Request", upto: int) -> None:
-        """The request's tree holds its prompt up to `upto` (started on first sight)."""
-        rid = req.request_id
-        have = self._prompt_seen.get(rid)
+    def _sync(self, req: "Request", prompt_upto: int | None = None) -> None:
+        """Bring the request's tree up to its committed tokens (with `prompt_upto`: to that much of its prompt),
+        starting it on first sight."""
+        rid, m = req.request_id, len(req.prompt_ids)
+        upto = m if prompt_upto is None else prompt_upto
+        have = self.cache.num_tokens(rid)
         if have is None:
             # the shared tree of the request's credential and salt ("/" cannot occur in a cache_key's hex digest)
             self.cache.start_request(rid, req.prompt_ids[:upto], f"{req.cache_key}/{req.cache_salt}")
-        elif upto > have:
+            have = upto
+        elif have < upto:
             self.cache.add_prompt_tokens(rid, req.prompt_ids[have:upto])
-        self._prompt_seen[rid] = max(have or 0, upto)
-
-    def _sync(self, req: "Request") -> None:
-        """Bring the request's tree up to its committed tokens."""
-        self._index_prompt(req, len(req.prompt_ids))
-        rid, seen = req.request_id, self._seen.get(req.request_id, 0)
-        if len(req.output_ids) > seen:
-            self.cache.add_tokens(rid, req.output_ids[seen:])
-        self._seen[rid] = max(seen, len(req.output_ids))
+            have = upto
+        if prompt_upto is None and have - m < len(req.output_ids):
+            self.cache.add_tokens(rid, req.output_ids[have - m:])
 
     def prefill(self, req: "Request") -> None:
-        self._index_prompt(req, req.num_computed)
+        self._sync(req, prompt_upto=req.num_computed)
 
     def score(self, reqs: Sequence["Request"]) -> list[Draft | None]:
         out = []
@@ -73,8 +68,7 @@ class SuffixProposer:
 
     def finish(self, req: "Request") -> None:
         rid = req.request_id
-        self._seen.pop(rid, None)
-        if self._prompt_seen.pop(rid, None) is None:
+        if self.cache.num_tokens(rid) is None:
             return  # its tree was never started
         if req.finish_reason == "abort":
             self.cache.abort_request(rid)

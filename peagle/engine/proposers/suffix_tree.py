@@ -352,6 +352,11 @@ class SuffixCache:
         cursor = SuffixTrie(self.max_tree_depth).insert(seq)
         self._requests[request_id] = _Request(seq, cursor, cache_key, len(seq))
 
+    def num_tokens(self, request_id: str) -> int | None:
+        """Tokens the request's trie holds (its prompt, then its output), or None when it is not started."""
+        req = self._requests.get(request_id)
+        return None if req is None else len(req.seq)
+
     def add_prompt_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
         """More of the prompt, before any output (a long prompt indexed a chunk at a time as it is prefilled)."""
         req = self._request(request_id)
