@@ -24,7 +24,7 @@ from tests.test_policy import Rotating
 # CPU lacks its instructions, and the whole file only off x86-64/AVX2, where quantized weights are refused with a
 # clear error and nothing here is promised.
 pytestmark = needs_native_kernels
-FORMATS = list(quant.FORMATS)
+FORMATS = list(quant.QUANTIZATIONS)  # the K-quants and Q5 formats: tests/test_kquants.py
 QUANT_PATHS = [pytest.param(p, marks=pytest.mark.skipif(not kernels.cpu_has(p),
                                                         reason=f"this CPU lacks the {p} instructions"))
                for p in kernels.QUANT_PATHS]
@@ -36,7 +36,7 @@ def kernel_activations(x: torch.Tensor) -> torch.Tensor:
     qx = torch.empty(M, K, dtype=torch.int8)
     dx = torch.empty(M, K // 32)
     sx = torch.empty(M, K // 32, dtype=torch.int32)
-    kernels.library().peagle_quantize_rows_q8(x.data_ptr(), K, M, K, qx.data_ptr(), dx.data_ptr(), sx.data_ptr())
+    kernels.library().peagle_quantize_rows_q8(x.data_ptr(), K, M, K, 0, qx.data_ptr(), dx.data_ptr(), sx.data_ptr())
     assert torch.equal(sx, qx.view(M, -1, 32).sum(-1, dtype=torch.int32))
     assert qx.abs().max() <= 127
     return (qx.double().view(M, -1, 32) * dx.double()[..., None]).view(M, K)
@@ -65,7 +65,7 @@ def test_the_largest_codes_never_saturate_the_integer_sums(fmt, path, one_thread
     """AVX2 sums a 4-bit block's eight byte products in int16 (at most 8 x 2 x 15 x 127 = 30,480) and a Q8_0
     chunk's in int16 pairs (2 x 128 x 127 = 32,512): blocks of the largest codes times activations of the largest
     magnitude, of both signs, in every row of a register block, must come out exact."""
-    fid, block_bytes, _, _ = quant.FORMATS[fmt]
+    block_bytes = quant.FORMATS[fmt].block_bytes
     N, K = 16, 96
     one = np.array([1.0], dtype=np.float16).view(np.uint8)
     blocks = np.zeros((N * K // 32, block_bytes), dtype=np.uint8)
@@ -216,13 +216,13 @@ def _gguf_dequantize(blocks: torch.Tensor, fmt: str, n: int, k: int) -> torch.Te
 def test_unsupported_tensor_types_are_named(tmp_path):
     import gguf
 
-    _, q6k_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q6_K]
-    write_gguf(tmp_path / "k.gguf", {"blk.0.ffn_up.weight": (np.zeros((4, q6k_bytes), dtype=np.uint8), "Q6_K")})
+    _, q3k_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q3_K]
+    write_gguf(tmp_path / "k.gguf", {"blk.0.ffn_up.weight": (np.zeros((4, q3k_bytes), dtype=np.uint8), "Q3_K")})
     with pytest.raises(ValueError) as e:
         read_tensors(tmp_path / "k.gguf", CONFIG)
     msg = str(e.value)
-    assert "Q6_K" in msg and "blk.0.ffn_up.weight" in msg
-    for name in ("Q4_0", "Q4_1", "Q8_0", "llama-quantize --pure", "--quantization"):
+    assert "Q3_K" in msg and "blk.0.ffn_up.weight" in msg
+    for name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "llama-quantize", "Q4_K_M", "--quantization"):
         assert name in msg
 
 

@@ -914,115 +914,192 @@ int peagle_amx_gemm(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y
 #endif /* PEAGLE_NO_AMX */
 
 /* ---------------------------------------------------------------------------------------------------------------
-   Block-quantized weights: GGUF's Q4_0, Q4_1 and Q8_0, integer dot products: AVX2 on every x86-64 path,
-   AVX-512 VNNI where the CPU has it (AMD Zen 4, Intel Ice Lake and later)
+   Block-quantized weights: GGUF's Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 (blocks of 32 inputs) and its K-quants Q4_K,
+   Q5_K and Q6_K (super-blocks of 256), integer dot products: AVX2 on every x86-64 path, AVX-512 VNNI where the CPU
+   has it (AMD Zen 4, Intel Ice Lake and later)
 
-   A GGUF block holds 32 consecutive inputs of one output row: Q4_0 a fp16 scale d and 32 4-bit codes q (w = d (q-8));
-   Q4_1 d, a fp16 minimum m and 32 codes (w = d q + m); Q8_0 d and 32 int8 codes (w = d q). Byte j of a 4-bit block
-   holds input j in its low nibble and input j+16 in its high one. The bytes are kept exactly as in the file, only
-   regrouped ("qpanels") so that one 32-byte load holds QCOLS = 8 output columns side by side, four consecutive
-   inputs of one column in each 4-byte lane: a dot product that sums groups of four bytes into an int32 lane
-   (vpdpbusd, or vpmaddubsw then vpmaddwd) then leaves each column's partial sum in that column's lane, with no
-   horizontal additions, whatever the number of activation rows that share the loaded weights. A record holds the 8
-   columns' blocks at one input block:
-     4-bit:  four 32-byte chunks; chunk t, lane c: bytes 4t..4t+3 of column c's block (low nibbles: inputs
-             4t..4t+3, high nibbles: inputs 16+4t..19+4t);
-     Q8_0:   eight 32-byte chunks; chunk j, lane c: column c's codes of inputs 4j..4j+3;
-     then the 8 d (and for Q4_1 the 8 m) in column order,
-   so each group of 8 columns is one contiguous stream (N is zero padded to a multiple of 8).
+   A GGUF block holds consecutive inputs of one output row. Blocks of 32: Q4_0 a fp16 scale d and 32 4-bit codes q
+   (w = d (q-8)); Q4_1 d, a fp16 minimum m and 32 codes (w = d q + m); Q5_0 / Q5_1 the same with a fifth bit per
+   code in 4 bytes qh (w = d (q-16), w = d q + m); Q8_0 d and 32 int8 codes (w = d q). Byte j of a 4-bit block
+   holds input j in its low nibble and input j+16 in its high one; bit j of qh is input j's fifth bit.
+   K-quants (super-blocks of 256 inputs, sub-blocks each with an integer scale): Q4_K d, dmin, 8 6-bit scales sc and
+   minimums m packed in 12 bytes, and 4-bit codes (w = d sc_j q - dmin m_j, sub-blocks of 32); Q5_K the same with
+   fifth bits qh; Q6_K 6-bit codes (low nibbles ql, two high bits qh), 16 int8 scales and d (w = d sc_j (q - 32),
+   sub-blocks of 16). The bytes are kept exactly as in the file, only regrouped ("qpanels") so that one 32-byte load
+   holds QCOLS = 8 output columns side by side, four consecutive bytes of one column in each 4-byte lane: a dot
+   product that sums groups of four bytes into an int32 lane (vpdpbusd, or vpmaddubsw then vpmaddwd) then leaves
+   each column's partial sum in that column's lane, with no horizontal additions, whatever the number of activation
+   rows that share the loaded weights. A record holds the 8 columns' blocks at one input block, field by field
+   (qformats): a field of 4n bytes (codes, fifth or high bits, packed scales) as n 32-byte chunks, chunk t lane c
+   holding bytes 4t..4t+3 of column c's field; a fp16 scalar (d, m, dmin) as the 8 columns' values in column order.
+   Each group of 8 columns is one contiguous stream (N is zero padded to a multiple of 8).
 
-   Activations are quantized per row and per block of 32, as llama.cpp does: dx = max|x| / 127, qx = rint(x / dx) in
-   [-127, 127], sx = sum(qx). A block's dot product is then exact integer arithmetic (unsigned 4-bit codes, or |q8|
-   with q8's sign moved onto the activations, times signed activations), and each output column accumulates its
-   blocks in order:
-     acc = fma((float)isum, d * dx, acc)          [Q4_0: isum = q.qx - 8 sx; Q8_0: isum = q.qx]
-     acc = fma(m, dx * sx, acc)                   [Q4_1 only, after the line above with isum = q.qx]
-   in one fp32 lane per column. Nothing in that chain depends on the other rows, the thread count or the
-   instruction set (isum is exact however it is summed), so a verify window computes each row exactly as a one-row
-   decode step does (batch invariance), and the AVX2 and VNNI paths give the same bits. What the paths change is
-   the cost of each further row, which is the arithmetic alone: the weights are loaded and unpacked once per
-   register block, the activations quantized once per call into tiles of the register block's rows (block-major,
-   so a row's codes sit at a fixed offset from one pointer), and a row adds only its broadcasts and dot products.
-   VNNI does 32 multiply-adds in one vpdpbusd instead of vpmaddubsw, vpmaddwd and an add, on 512-bit registers of
-   16 columns, and its 32 registers hold register blocks of 8 rows (a K = 7 verify window in one pass over the
-   weights). */
+   Activations are quantized per row, as llama.cpp does: per block of 32 for the 32-input formats (dx = max|x| / 127,
+   qx = rint(x / dx) in [-127, 127], sx = sum(qx)), per super-block of 256 for the K-quants (one dx, and the sums of
+   each 16 and 32 codes, bsum). A block's dot product is then exact integer arithmetic (unsigned codes, or |q8| with
+   q8's sign moved onto the activations, times signed activations), and each output column accumulates its blocks
+   in order in one fp32 lane:
+     acc = fma((float)isum, d * dx, acc)          [Q4_0: isum = q.qx - 8 sx; Q5_0: q.qx - 16 sx; Q8_0: q.qx]
+     acc = fma(m, dx * sx, acc)                   [Q4_1, Q5_1 only, after the line above with isum = q.qx]
+   and for a K-quant super-block, with (q.qx)_j the codes' dot product over sub-block j:
+     isum = sum_j sc_j (q.qx)_j                   [Q6_K: minus 32 sum_j sc_j bsum16_j]
+     acc = fma((float)isum, d * dx, acc)
+     acc = fnmadd((float)(sum_j m_j bsum32_j), dmin * dx, acc)     [Q4_K, Q5_K]
+   Nothing in that chain depends on the other rows, the thread count or the instruction set (isum is exact however
+   it is summed), so a verify window computes each row exactly as a one-row decode step does (batch invariance), and
+   the AVX2 and VNNI paths give the same bits. What the paths change is the cost of each further row, which is the
+   arithmetic alone: the weights are loaded and unpacked once per register block, the activations quantized once
+   per call into tiles of the register block's rows (block-major, so a row's codes sit at a fixed offset from one
+   pointer), and a row adds only its broadcasts and dot products. VNNI does 32 multiply-adds in one vpdpbusd instead
+   of vpmaddubsw, vpmaddwd and an add, and its 32 registers hold register blocks of 8 rows (a K = 7 verify window in
+   one pass over the weights). */
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
 #define QCOLS 8        /* output columns per qpanel group */
 #define QBLOCK 32      /* inputs per quantization block */
+#define QK 256         /* inputs per K-quant super-block */
+#define QK_PAIRS 12    /* int32 words of activation sums per K-quant super-block (kq_sums) */
 #define QMAX_ROWS 4    /* rows per register block on AVX2 (16 registers) */
 #define QMAX_ROWS_VNNI 8  /* rows per register block with AVX-512 VNNI (32 registers) */
 
-enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
-static const int q_block_bytes[3] = {18, 20, 34};    /* one GGUF block */
-static const int q_record_bytes[3] = {144, 160, 272}; /* one qpanel record: 8 blocks regrouped */
+enum { Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, QFORMATS };
+static inline int is_kquant(int format) { return format >= Q4_K; }
+
+/* Where a field sits in a GGUF block (from, size bytes) and in a qpanel record (at); size 0: the format has none. */
+typedef struct { short from, size, at; } qfield;
+typedef struct {
+    short block_bytes, record_bytes;
+    qfield codes, high, scales, d, m; /* high: Q5 fifth bits, Q6_K's two high bits; m: Q4_1/Q5_1 m, K-quant dmin */
+} qformat;
+static const qformat qformats[QFORMATS] = {
+    [Q4_0] = {18, 144, {2, 16, 0}, {0, 0, 0}, {0, 0, 0}, {0, 2, 128}, {0, 0, 0}},
+    [Q4_1] = {20, 160, {4, 16, 0}, {0, 0, 0}, {0, 0, 0}, {0, 2, 128}, {2, 2, 144}},
+    [Q8_0] = {34, 272, {2, 32, 0}, {0, 0, 0}, {0, 0, 0}, {0, 2, 256}, {0, 0, 0}},
+    [Q5_0] = {22, 176, {6, 16, 0}, {2, 4, 128}, {0, 0, 0}, {0, 2, 160}, {0, 0, 0}},
+    [Q5_1] = {24, 192, {8, 16, 0}, {4, 4, 128}, {0, 0, 0}, {0, 2, 160}, {2, 2, 176}},
+    [Q4_K] = {144, 1152, {16, 128, 0}, {0, 0, 0}, {4, 12, 1024}, {0, 2, 1120}, {2, 2, 1136}},
+    [Q5_K] = {176, 1408, {48, 128, 0}, {16, 32, 1024}, {4, 12, 1280}, {0, 2, 1376}, {2, 2, 1392}},
+    [Q6_K] = {210, 1680, {0, 128, 0}, {128, 64, 1024}, {192, 16, 1536}, {208, 2, 1664}, {0, 0, 0}},
+};
+static inline int block_inputs(int format) { return is_kquant(format) ? QK : QBLOCK; }
 
 size_t peagle_qpanels_size(int format, int N, int K) { /* bytes of W [N, K] regrouped into qpanels */
-    return (size_t)((N + QCOLS - 1) / QCOLS) * (size_t)(K / QBLOCK) * (size_t)q_record_bytes[format];
+    return (size_t)((N + QCOLS - 1) / QCOLS) * (size_t)(K / block_inputs(format)) *
+           (size_t)qformats[format].record_bytes;
 }
 
-/* Byte offset in a record of column c's code byte j (Q8_0: input j; 4-bit: inputs j and j + 16, j < 16). */
+/* Byte offset in a field of column c's byte j (bytes 4t..4t+3 of each column in chunk t's lane). */
 static inline int qcode_offset(int c, int j) { return 32 * (j / 4) + 4 * c + j % 4; }
 
-/* Regroup GGUF rows (N rows of K/32 blocks, row-major as in the file) into qpanels. Codes and scales are copied
-   byte for byte; padding columns get zero codes and zero scales. */
-void peagle_qpack(int format, const uint8_t *src, int N, int K, uint8_t *out) {
-    int Kb = K / QBLOCK, G = (N + QCOLS - 1) / QCOLS, bb = q_block_bytes[format], rb = q_record_bytes[format];
-    int qbytes = format == Q8_0 ? 32 : 16, scales = format == Q4_1 ? 2 : 1;
-    memset(out, 0, peagle_qpanels_size(format, N, K));
-    for (int g = 0; g < G; g++)
-        for (int b = 0; b < Kb; b++) {
-            uint8_t *rec = out + ((size_t)g * Kb + b) * rb;
-            for (int c = 0; c < QCOLS && g * QCOLS + c < N; c++) {
-                const uint8_t *blk = src + ((size_t)(g * QCOLS + c) * Kb + b) * bb, *codes = blk + 2 * scales;
-                for (int j = 0; j < qbytes; j += 4) memcpy(rec + qcode_offset(c, j), codes + j, 4);
-                memcpy(rec + QCOLS * qbytes + 2 * c, blk, 2);                                 /* d */
-                if (scales == 2) memcpy(rec + QCOLS * qbytes + 2 * QCOLS + 2 * c, blk + 2, 2); /* m */
-            }
+/* Copy column c's block blk into record rec (to_record), or back (the inverse), field by field. */
+static void move_block(int format, uint8_t *rec, int c, uint8_t *blk, int to_record) {
+    const qformat *f = &qformats[format];
+    const qfield *fields[5] = {&f->codes, &f->high, &f->scales, &f->d, &f->m};
+    for (int i = 0; i < 5; i++) {
+        const qfield *fd = fields[i];
+        for (int j = 0; j < fd->size; j += 4) {
+            int n = fd->size == 2 ? 2 : 4;
+            uint8_t *r = rec + fd->at + (fd->size == 2 ? 2 * c : qcode_offset(c, j)), *b = blk + fd->from + j;
+            memcpy(to_record ? r : b, to_record ? b : r, n);
         }
+    }
 }
 
-/* Quantize M rows of x (bf16, row stride ldx, K a multiple of 32) per block: codes qx (M x K), dx and sx
-   (M x K/32), kept in tiles of `tile` rows (the register blocks' rows; the last tile may hold fewer), each tile
-   block-major: block b of the tile's row r at [b][r], so that a register block finds its rows' codes of one block
-   side by side, 32 bytes apart (fixed offsets: no register per row). tile = 1 is plain row-major. */
+/* Regroup GGUF rows (N rows of K / block_inputs blocks, row-major as in the file) into qpanels. Bytes are copied
+   unchanged; padding columns get zero codes and zero scales. */
+void peagle_qpack(int format, const uint8_t *src, int N, int K, uint8_t *out) {
+    int Kb = K / block_inputs(format), G = (N + QCOLS - 1) / QCOLS;
+    int bb = qformats[format].block_bytes, rb = qformats[format].record_bytes;
+    memset(out, 0, peagle_qpanels_size(format, N, K));
+    for (int g = 0; g < G; g++)
+        for (int b = 0; b < Kb; b++)
+            for (int c = 0; c < QCOLS && g * QCOLS + c < N; c++)
+                move_block(format, out + ((size_t)g * Kb + b) * rb, c,
+                           (uint8_t *)src + ((size_t)(g * QCOLS + c) * Kb + b) * bb, 1);
+}
+
+/* max |x| over n (a multiple of 8) bf16 values, by a fixed tree. */
+static inline float amax_bf16(const uint16_t *x, int n) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, bf16x8_to_f32(x + i)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+/* 32 bf16 inputs times id, rounded to int8 codes in input order; returns their sum. */
+static inline int32_t quantize32(const uint16_t *xb, float id, int8_t *out) {
+    __m256 idv = _mm256_set1_ps(id);
+    __m256i q[4];
+    for (int i = 0; i < 4; i++)
+        q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(bf16x8_to_f32(xb + 8 * i), idv),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    s4 = _mm_hadd_epi32(s4, s4);
+    s4 = _mm_hadd_epi32(s4, s4);
+    /* int32 -> int8 in input order: packs interleave 128-bit lanes, the permute puts them back */
+    __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256((__m256i *)out, _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    return _mm_cvtsi128_si32(s4);
+}
+
+/* Row m's block b in a tile layout of `tile` rows (the register blocks' rows; the last tile may hold fewer), each
+   tile block-major: block b of the tile's row r at [b][r], so that a register block finds its rows' codes of one
+   block side by side, a block apart (fixed offsets: no register per row). tile = 1 is plain row-major. In blocks. */
+static inline size_t tiled(int m, int b, int M, int Kb, int tile) {
+    int t0 = m - m % tile, R = M - t0 < tile ? M - t0 : tile;
+    return (size_t)t0 * Kb + (size_t)b * R + (m - t0);
+}
+
+/* Quantize M rows of x (bf16, row stride ldx, K a multiple of 32) per block of 32: codes qx (M x K), dx and sx
+   (M x K/32), tiled. */
 static void quantize_rows_q8(const uint16_t *x, long ldx, int M, int K, int tile, int8_t *qx, float *dx,
                              int32_t *sx) {
     int Kb = K / QBLOCK;
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int m = 0; m < M; m++)
         for (int b = 0; b < Kb; b++) {
             const uint16_t *xb = x + (size_t)m * ldx + b * QBLOCK;
-            __m256 v[4], amax = _mm256_setzero_ps();
-            for (int i = 0; i < 4; i++) {
-                v[i] = bf16x8_to_f32(xb + 8 * i);
-                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+            float a = amax_bf16(xb, QBLOCK);
+            size_t at = tiled(m, b, M, Kb, tile);
+            dx[at] = a / 127.0f;
+            sx[at] = quantize32(xb, a > 0.0f ? 127.0f / a : 0.0f, qx + at * QBLOCK);
+        }
+}
+
+static inline uint32_t int16_pair(int a, int b) { return (uint16_t)a | (uint32_t)(uint16_t)b << 16; }
+
+/* Quantize M rows of x (K a multiple of 256) per super-block of 256: codes qx, dx, and QK_PAIRS words of sums
+   (kq_sums) per super-block, tiled like quantize_rows_q8. The sums come as the int16 pairs that vpmaddwd multiplies
+   by a lane's scales: word 2k + e (k < 4, e < 2) pairs the sums of 16 codes 4k+e and 4k+e+2, word 8 + 2k + e
+   (k < 2) those of 32 codes 4k+e and 4k+e+2 (a lane's even bytes are scales 4k and 4k+2, its odd ones 4k+1, 4k+3). */
+static void quantize_rows_q8k(const uint16_t *x, long ldx, int M, int K, int tile, int8_t *qx, float *dx,
+                              int32_t *sums) {
+    int Kb = K / QK;
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < Kb; b++) {
+            const uint16_t *xb = x + (size_t)m * ldx + b * QK;
+            float a = amax_bf16(xb, QK), id = a > 0.0f ? 127.0f / a : 0.0f;
+            size_t at = tiled(m, b, M, Kb, tile);
+            int8_t *q = qx + at * QK;
+            int s16[16], s32[8];
+            for (int i = 0; i < QK / QBLOCK; i++) quantize32(xb + QBLOCK * i, id, q + QBLOCK * i);
+            for (int i = 0; i < 16; i++) {
+                s16[i] = 0;
+                for (int j = 0; j < 16; j++) s16[i] += q[16 * i + j];
             }
-            __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-            h = _mm_max_ss(h, _mm_movehdup_ps(h));
-            float a = _mm_cvtss_f32(h);
-            float d = a / 127.0f, id = a > 0.0f ? 127.0f / a : 0.0f;
-            __m256 idv = _mm256_set1_ps(id);
-            __m256i q[4];
-            for (int i = 0; i < 4; i++)
-                q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], idv),
-                                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-            s4 = _mm_hadd_epi32(s4, s4);
-            s4 = _mm_hadd_epi32(s4, s4);
-            /* int32 -> int8 in input order: packs interleave 128-bit lanes, the permute puts them back */
-            __m256i p16 = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
-            __m256i p8 = _mm256_packs_epi16(p16, p16b);
-            p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-            int t0 = m - m % tile, R = M - t0 < tile ? M - t0 : tile;
-            size_t at = (size_t)t0 * Kb + (size_t)b * R + (m - t0); /* in blocks */
-            _mm256_storeu_si256((__m256i *)(qx + at * QBLOCK), p8);
-            dx[at] = d;
-            sx[at] = _mm_cvtsi128_si32(s4);
+            for (int i = 0; i < 8; i++) s32[i] = s16[2 * i] + s16[2 * i + 1];
+            int32_t *w = sums + at * QK_PAIRS;
+            for (int k = 0; k < 4; k++)
+                for (int e = 0; e < 2; e++) {
+                    w[2 * k + e] = (int32_t)int16_pair(s16[4 * k + e], s16[4 * k + e + 2]);
+                    if (k < 2) w[8 + 2 * k + e] = (int32_t)int16_pair(s32[4 * k + e], s32[4 * k + e + 2]);
+                }
+            dx[at] = a / 127.0f;
         }
 }
 
@@ -1033,13 +1110,29 @@ static inline __m256i broadcast4(const int8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
+/* Per 4-byte lane, byte j of the lane's bytes where a pattern byte is j, zero where it is 0x80 (vpshufb within
+   128-bit halves, so each lane's pattern is offset by the lane's first byte). */
+static inline __m256i lane_bytes(__m256i v, uint32_t pattern) {
+    const __m256i base = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,
+                                          0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+    return _mm256_shuffle_epi8(v, _mm256_add_epi8(_mm256_set1_epi32((int)pattern), base));
+}
+
+/* The fifth bits (0x10 where set) of a Q5 chunk's 4 inputs per lane: bits 4 half .. 4 half + 3 of byte `byte` of
+   each lane of qh. */
+static inline __m256i fifth_bits(__m256i qh, int byte, int half) {
+    const __m256i bit = _mm256_set1_epi32((int)(0x08040201u << (4 * half)));
+    __m256i v = _mm256_and_si256(lane_bytes(qh, 0x01010101u * (uint32_t)byte), bit);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(0x10));
+}
+
 /* AVX2's register block: R rows x one group of 8 columns, over all K/32 blocks (the chain above). vpmaddubsw
    multiplies a lane's unsigned weight bytes by the row's signed activation bytes and adds neighbouring pairs into
    int16; vpmaddwd by ones then adds pairs of those into the lane's int32. Both issue on only two of Zen 3's four
    vector pipes, so a row's cost is their count:
      4-bit: a pair of products is at most 2 x 15 x 127 = 3,810, so all eight vpmaddubsw of a block (4 chunks, low
             and high nibbles) sum in int16 (at most 30,480) before one vpmaddwd: 9 multiplies per row and block
-            instead of 12;
+            instead of 12; 5-bit codes (at most 2 x 31 x 127 = 7,874 a pair) take one vpmaddwd per two chunks;
      Q8_0:  |q| times x with q's sign moved onto x (vpsignb); a pair is at most 2 x 128 x 127 = 32,512, so each
             vpmaddubsw needs its own vpmaddwd.
    The weights are loaded and unpacked once per register block; a row adds only its own broadcasts, products and
@@ -1052,7 +1145,8 @@ static inline __m256i madd_ones(__m256i v) { return _mm256_madd_epi16(v, _mm256_
 static inline __attribute__((always_inline)) void qblock(const int format, const int R, const int8_t *qx,
                                                          const float *dx, const int32_t *sx, int K,
                                                          const uint8_t *w, uint16_t *y, size_t ldy, int ncols) {
-    int Kb = K / QBLOCK, rb = q_record_bytes[format], qbytes = format == Q8_0 ? 32 : 16;
+    const qformat *f = &qformats[format];
+    const int Kb = K / QBLOCK, rb = f->record_bytes, five = f->high.size != 0;
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     __m256 acc[QMAX_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
@@ -1073,74 +1167,192 @@ static inline __attribute__((always_inline)) void qblock(const int format, const
             }
         } else {
             __m256i s16[QMAX_ROWS];
+            const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(rec + f->high.at)) : low4;
             for (int t = 0; t < 4; t++) {
                 __m256i raw = _mm256_loadu_si256((const __m256i *)(rec + 32 * t));
                 __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                if (five) {
+                    lo = _mm256_or_si256(lo, fifth_bits(qh, t / 2, t % 2));
+                    hi = _mm256_or_si256(hi, fifth_bits(qh, 2 + t / 2, t % 2));
+                }
                 for (int r = 0; r < R; r++) {
                     const int8_t *xr = xb + r * QBLOCK + 4 * t;
                     __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(xr)),
                                                  _mm256_maddubs_epi16(hi, broadcast4(xr + 16)));
-                    s16[r] = t ? _mm256_add_epi16(s16[r], p) : p;
+                    s16[r] = t && !(five && t == 2) ? _mm256_add_epi16(s16[r], p) : p;
                     KEEP_IN_REGISTER(s16[r]);
+                    if (five && t == 1) isum[r] = madd_ones(s16[r]);
                 }
             }
-            for (int r = 0; r < R; r++) isum[r] = madd_ones(s16[r]);
+            for (int r = 0; r < R; r++)
+                isum[r] = five ? _mm256_add_epi32(isum[r], madd_ones(s16[r])) : madd_ones(s16[r]);
         }
-        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + QCOLS * qbytes)));
-        __m256 mn = format == Q4_1
-            ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + QCOLS * qbytes + 2 * QCOLS)))
-            : _mm256_setzero_ps();
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + f->d.at)));
+        __m256 mn = f->m.size ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + f->m.at)))
+                              : _mm256_setzero_ps();
         for (int r = 0; r < R; r++) {
             float dxr = dx[b * R + r];
             __m256i is = isum[r];
-            if (format == Q4_0) is = _mm256_sub_epi32(is, _mm256_set1_epi32(8 * sx[b * R + r]));
+            if (format == Q4_0 || format == Q5_0)
+                is = _mm256_sub_epi32(is, _mm256_set1_epi32((format == Q4_0 ? 8 : 16) * sx[b * R + r]));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(d, _mm256_set1_ps(dxr)), acc[r]);
-            if (format == Q4_1)
-                acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(dxr * (float)sx[b * R + r]), acc[r]);
+            if (f->m.size) acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(dxr * (float)sx[b * R + r]), acc[r]);
         }
     }
     for (int r = 0; r < R; r++) store_bf16x8(y + r * ldy, acc[r], ncols < QCOLS ? ncols : QCOLS);
 }
 
-/* A register block of R rows over `span` neighbouring groups (w: the first one's records; gstride bytes apart). */
+/* A K-quant register block: R rows x one group of 8 columns, over all K/256 super-blocks. Written once for both
+   paths (a macro: each path compiles it for its own instruction set), which differ only in how a lane's codes
+   times a row's activations become int32 and meet the sub-block's scale:
+     KQ_DOT(s, first, codes, x):  AVX2 vpmaddubsw into int16 sums s; VNNI vpdpbusd into int32 sums s;
+     KQ_SCALE(isum, s, scale):    AVX2 vpmaddwd of s by the scale in both int16 halves of the lane;
+                                  VNNI vpmulld of s by the scale in the lane;
+     KQ_SCALE_U/S(v, j):          that scale from byte j of each lane of v (unsigned: Q4_K/Q5_K; signed: Q6_K).
+   Both give the same exact integers. `group` codes vectors share one int16 sum on AVX2 without overflow (a pair of
+   products: 4-bit 3,810, 5-bit 7,874, 6-bit 16,002; at most 32,767), so the scale is applied once per group.
+   Per super-block a row adds 64 vpmaddubsw, 64 / group scalings, the minimums' or the -32 offset's 4 to 8 vpmaddwd
+   and its two fp32 steps; the unpacking of codes and scales is shared by the block's rows. */
+#define DEFINE_KQBLOCK(NAME, MAXR)                                                                               \
+static inline __attribute__((always_inline)) void NAME(const int format, const int R, const int8_t *qx,          \
+                                                       const float *dx, const int32_t *sums, int K,              \
+                                                       const uint8_t *w, uint16_t *y, size_t ldy, int ncols) {   \
+    const qformat *f = &qformats[format];                                                                        \
+    const int Kb = K / QK, rb = f->record_bytes, group = format == Q4_K ? 8 : format == Q5_K ? 4 : 2;            \
+    const __m256i low4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1), m6 = _mm256_set1_epi8(0x3f);        \
+    const __m256i top2 = _mm256_set1_epi8(0x30), even = _mm256_set1_epi32(0x00ff00ff);                           \
+    __m256 acc[MAXR];                                                                                            \
+    __m256i isum[MAXR], s[MAXR], msum[MAXR];                                                                     \
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                                                    \
+    for (int b = 0; b < Kb; b++) {                                                                               \
+        const uint8_t *rec = w + (size_t)b * rb, *sc = rec + f->scales.at, *hb = rec + f->high.at;               \
+        for (int l = 0; l < rb; l += 64) _mm_prefetch((const char *)(rec + 2 * rb + l), _MM_HINT_T0);           \
+        const int8_t *xb = qx + (size_t)b * R * QK;                                                              \
+        const int32_t *pb = sums + (size_t)b * R * QK_PAIRS;                                                     \
+        for (int r = 0; r < R; r++) isum[r] = msum[r] = s[r] = _mm256_setzero_si256();                          \
+        if (format != Q6_K) {                                                                                    \
+            __m256i s0 = LOAD32(sc), s1 = LOAD32(sc + 32), s2 = LOAD32(sc + 64), scl[2], mnl[2];                 \
+            scl[0] = _mm256_and_si256(s0, m6);                                                                   \
+            scl[1] = _mm256_or_si256(_mm256_and_si256(s2, low4), _mm256_and_si256(_mm256_srli_epi32(s0, 2), top2)); \
+            mnl[0] = _mm256_and_si256(s1, m6);                                                                   \
+            mnl[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(s2, 4), low4),                           \
+                                     _mm256_and_si256(_mm256_srli_epi32(s1, 2), top2));                          \
+            for (int j = 0; j < 8; j++) { /* sub-block j: inputs 32j.., low (j even) or high nibbles */          \
+                const __m256i scale = KQ_SCALE_U(scl[j / 4], j % 4);                                             \
+                _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) {                                            \
+                    __m256i raw = LOAD32(rec + 32 * (8 * (j / 2) + u));                                          \
+                    __m256i q = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(raw, 4) : raw, low4);                 \
+                    if (format == Q5_K)                                                                          \
+                        q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(                               \
+                            _mm256_srl_epi16(LOAD32(hb + 32 * u), _mm_cvtsi32_si128(j)), one), 4));              \
+                    for (int r = 0; r < R; r++) {                                                                \
+                        KQ_DOT(s[r], u % group == 0, q, xb + r * QK + 32 * j + 4 * u);                           \
+                        if (u % group == group - 1) KQ_SCALE(isum[r], s[r], scale);                              \
+                    }                                                                                            \
+                }                                                                                                \
+            }                                                                                                    \
+            for (int k = 0; k < 2; k++) {                                                                        \
+                __m256i e = _mm256_and_si256(mnl[k], even), o = _mm256_srli_epi16(mnl[k], 8);                    \
+                for (int r = 0; r < R; r++)                                                                      \
+                    msum[r] = _mm256_add_epi32(msum[r], _mm256_add_epi32(                                        \
+                        _mm256_madd_epi16(e, _mm256_set1_epi32(pb[r * QK_PAIRS + 8 + 2 * k])),                   \
+                        _mm256_madd_epi16(o, _mm256_set1_epi32(pb[r * QK_PAIRS + 9 + 2 * k]))));                 \
+            }                                                                                                    \
+        } else {                                                                                                 \
+            for (int k = 0; k < 16; k++) { /* sub-block k: inputs 16k.. = 128 n + 32 quarter + 4 u */            \
+                const int n = k / 8, quarter = (k % 8) / 2;                                                      \
+                const __m256i scale = KQ_SCALE_S(LOAD32(sc + 32 * (k / 4)), k % 4);                              \
+                _Pragma("GCC unroll 4") for (int u = 4 * (k % 2); u < 4 * (k % 2) + 4; u++) {                    \
+                    __m256i raw = LOAD32(rec + 32 * (16 * n + 8 * (quarter % 2) + u)), h = LOAD32(hb + 32 * (8 * n + u)); \
+                    h = quarter < 2 ? _mm256_slli_epi16(h, 4 - 2 * quarter) : _mm256_srli_epi16(h, 2 * quarter - 4); \
+                    __m256i q = _mm256_or_si256(_mm256_and_si256(quarter / 2 ? _mm256_srli_epi16(raw, 4) : raw, low4), \
+                                                _mm256_and_si256(h, top2));                                      \
+                    for (int r = 0; r < R; r++) {                                                                \
+                        KQ_DOT(s[r], u % 2 == 0, q, xb + r * QK + 16 * k + 4 * (u % 4));                         \
+                        if (u % 2 == 1) KQ_SCALE(isum[r], s[r], scale);                                          \
+                    }                                                                                            \
+                }                                                                                                \
+            }                                                                                                    \
+            for (int k = 0; k < 4; k++) { /* the -32 offset: 32 sum_k sc_k bsum16_k */                           \
+                __m256i v = LOAD32(sc + 32 * k);                                                                 \
+                __m256i e = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8), o = _mm256_srai_epi16(v, 8);          \
+                for (int r = 0; r < R; r++)                                                                      \
+                    msum[r] = _mm256_add_epi32(msum[r], _mm256_add_epi32(                                        \
+                        _mm256_madd_epi16(e, _mm256_set1_epi32(pb[r * QK_PAIRS + 2 * k])),                       \
+                        _mm256_madd_epi16(o, _mm256_set1_epi32(pb[r * QK_PAIRS + 2 * k + 1]))));                 \
+            }                                                                                                    \
+            for (int r = 0; r < R; r++) isum[r] = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(msum[r], 5));      \
+        }                                                                                                        \
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + f->d.at)));                           \
+        __m256 dmin = format == Q6_K ? d : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + f->m.at)));   \
+        for (int r = 0; r < R; r++) {                                                                            \
+            __m256 dxr = _mm256_set1_ps(dx[b * R + r]);                                                          \
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, dxr), acc[r]);                \
+            if (format != Q6_K)                                                                                  \
+                acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum[r]), _mm256_mul_ps(dmin, dxr), acc[r]);        \
+        }                                                                                                        \
+    }                                                                                                            \
+    for (int r = 0; r < R; r++) store_bf16x8(y + r * ldy, acc[r], ncols < QCOLS ? ncols : QCOLS);                \
+}
+#define LOAD32(p) _mm256_loadu_si256((const __m256i *)(p))
+
+#define KQ_DOT(s, first, codes, x)                                                                               \
+    do {                                                                                                         \
+        __m256i p_ = _mm256_maddubs_epi16(codes, broadcast4(x));                                                 \
+        s = (first) ? p_ : _mm256_add_epi16(s, p_);                                                              \
+        KEEP_IN_REGISTER(s);                                                                                     \
+    } while (0)
+#define KQ_SCALE(isum, s, scale) isum = _mm256_add_epi32(isum, _mm256_madd_epi16(s, scale))
+#define KQ_SCALE_U(v, j) lane_bytes(v, 0x80008000u | (uint32_t)(j) << 16 | (uint32_t)(j))
+#define KQ_SCALE_S(v, j) _mm256_srai_epi16(lane_bytes(v, (uint32_t)(j) << 24 | 0x00800080u | (uint32_t)(j) << 8), 8)
+DEFINE_KQBLOCK(kqblock, QMAX_ROWS)
+#undef KQ_DOT
+#undef KQ_SCALE
+#undef KQ_SCALE_U
+#undef KQ_SCALE_S
+
+/* A register block of R rows over `span` neighbouring groups (w: the first one's records; gstride bytes apart).
+   sx: the activations' sums (K-quants: kq_sums' words). */
 typedef void (*qblock_fn)(const int8_t *qx, const float *dx, const int32_t *sx, int K, const uint8_t *w,
                           size_t gstride, uint16_t *y, size_t ldy, int ncols);
 #define QBLOCK_FN(F, R)                                                                                          \
     static void qblock_##F##_##R(const int8_t *qx, const float *dx, const int32_t *sx, int K, const uint8_t *w,  \
                                  size_t gstride, uint16_t *y, size_t ldy, int ncols) {                           \
         (void)gstride;                                                                                           \
-        qblock(F, R, qx, dx, sx, K, w, y, ldy, ncols);                                                           \
+        if (is_kquant(F)) kqblock(F, R, qx, dx, sx, K, w, y, ldy, ncols);                                        \
+        else qblock(F, R, qx, dx, sx, K, w, y, ldy, ncols);                                                      \
     }
-QBLOCK_FN(Q4_0, 1) QBLOCK_FN(Q4_0, 2) QBLOCK_FN(Q4_0, 3) QBLOCK_FN(Q4_0, 4)
-QBLOCK_FN(Q4_1, 1) QBLOCK_FN(Q4_1, 2) QBLOCK_FN(Q4_1, 3) QBLOCK_FN(Q4_1, 4)
-QBLOCK_FN(Q8_0, 1) QBLOCK_FN(Q8_0, 2) QBLOCK_FN(Q8_0, 3) QBLOCK_FN(Q8_0, 4)
-static const qblock_fn qblocks[3][QMAX_ROWS + 1] = {
-    {0, qblock_Q4_0_1, qblock_Q4_0_2, qblock_Q4_0_3, qblock_Q4_0_4},
-    {0, qblock_Q4_1_1, qblock_Q4_1_2, qblock_Q4_1_3, qblock_Q4_1_4},
-    {0, qblock_Q8_0_1, qblock_Q8_0_2, qblock_Q8_0_3, qblock_Q8_0_4},
-};
+#define QBLOCK_ROWS(F) QBLOCK_FN(F, 1) QBLOCK_FN(F, 2) QBLOCK_FN(F, 3) QBLOCK_FN(F, 4)
+#define QBLOCK_TABLE(F) {0, qblock_##F##_1, qblock_##F##_2, qblock_##F##_3, qblock_##F##_4}
+QBLOCK_ROWS(Q4_0) QBLOCK_ROWS(Q4_1) QBLOCK_ROWS(Q8_0) QBLOCK_ROWS(Q5_0) QBLOCK_ROWS(Q5_1)
+QBLOCK_ROWS(Q4_K) QBLOCK_ROWS(Q5_K) QBLOCK_ROWS(Q6_K)
+static const qblock_fn qblocks[QFORMATS][QMAX_ROWS + 1] = {
+    QBLOCK_TABLE(Q4_0), QBLOCK_TABLE(Q4_1), QBLOCK_TABLE(Q8_0), QBLOCK_TABLE(Q5_0),
+    QBLOCK_TABLE(Q5_1), QBLOCK_TABLE(Q4_K), QBLOCK_TABLE(Q5_K), QBLOCK_TABLE(Q6_K)};
 
-/* y[M, N] (row stride ldy) = x[M, K] (bf16, row stride ldx) @ W^T, W in qpanels of `format`; K a multiple of 32;
-   register blocks of up to max_rows rows and `span` groups from `blocks` (a lone last group of an odd count from
-   `tail`). Threads split the spans; each span's weights (a few KB) stay in cache while every row block passes.
-   Returns 0, or -1 when memory for the quantized activations could not be allocated (y untouched). */
+/* y[M, N] (row stride ldy) = x[M, K] (bf16, row stride ldx) @ W^T, W in qpanels of `format`; K a multiple of the
+   format's block; register blocks of up to max_rows rows and `span` groups from `blocks` (a lone last group of an
+   odd count from `tail`). Threads split the spans; each span's weights (a few KB) stay in cache while every row
+   block passes. Returns 0, or -1 when memory for the quantized activations could not be allocated (y untouched). */
 static int qgemm(int format, const uint16_t *x, long ldx, const uint8_t *wp, uint16_t *y, long ldy, int M, int N,
                  int K, int nthreads, int max_rows, int span, const qblock_fn *blocks, const qblock_fn *tail) {
-    int Kb = K / QBLOCK, G = (N + QCOLS - 1) / QCOLS, S = (G + span - 1) / span;
-    size_t gstride = (size_t)Kb * q_record_bytes[format];
-    int8_t *qx = malloc((size_t)M * K + (size_t)M * Kb * (sizeof(float) + sizeof(int32_t)));
+    const int kq = is_kquant(format), words = kq ? QK_PAIRS : 1;
+    int Kb = K / block_inputs(format), G = (N + QCOLS - 1) / QCOLS, S = (G + span - 1) / span;
+    size_t gstride = (size_t)Kb * qformats[format].record_bytes;
+    int8_t *qx = malloc((size_t)M * K + (size_t)M * Kb * (sizeof(float) + words * sizeof(int32_t)));
     if (!qx) return -1;
     float *dx = (float *)(qx + (size_t)M * K);
     int32_t *sx = (int32_t *)(dx + (size_t)M * Kb);
-    quantize_rows_q8(x, ldx, M, K, max_rows, qx, dx, sx);
+    if (kq) quantize_rows_q8k(x, ldx, M, K, max_rows, qx, dx, sx);
+    else quantize_rows_q8(x, ldx, M, K, max_rows, qx, dx, sx);
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int s = 0; s < S; s++) {
         int g = s * span;
         const qblock_fn *fns = g + span > G ? tail : blocks;
         for (int m = 0; m < M; m += max_rows) {
             int R = M - m < max_rows ? M - m : max_rows;
-            fns[R](qx + (size_t)m * K, dx + (size_t)m * Kb, sx + (size_t)m * Kb, K, wp + g * gstride, gstride,
-                   y + (size_t)m * ldy + g * QCOLS, (size_t)ldy, N - g * QCOLS);
+            fns[R](qx + (size_t)m * K, dx + (size_t)m * Kb, sx + (size_t)m * Kb * words, K, wp + g * gstride,
+                   gstride, y + (size_t)m * ldy + g * QCOLS, (size_t)ldy, N - g * QCOLS);
         }
     }
     free(qx);
@@ -1152,47 +1364,108 @@ static int qgemm(int format, const uint16_t *x, long ldx, const uint8_t *wp, uin
              int nthreads) {                                                                                     \
         return qgemm(F, x, ldx, (const uint8_t *)wp, y, ldy, M, N, K, nthreads, MAXR, SPAN, BLOCKS, TAIL);      \
     }
-QGEMM_EXPORT(peagle_qgemm_q4_0, Q4_0, QMAX_ROWS, 1, qblocks[Q4_0], qblocks[Q4_0])
-QGEMM_EXPORT(peagle_qgemm_q4_1, Q4_1, QMAX_ROWS, 1, qblocks[Q4_1], qblocks[Q4_1])
-QGEMM_EXPORT(peagle_qgemm_q8_0, Q8_0, QMAX_ROWS, 1, qblocks[Q8_0], qblocks[Q8_0])
+#define QGEMM_EXPORT_AVX2(name, F) QGEMM_EXPORT(peagle_qgemm_##name, F, QMAX_ROWS, 1, qblocks[F], qblocks[F])
+QGEMM_EXPORT_AVX2(q4_0, Q4_0) QGEMM_EXPORT_AVX2(q4_1, Q4_1) QGEMM_EXPORT_AVX2(q8_0, Q8_0)
+QGEMM_EXPORT_AVX2(q5_0, Q5_0) QGEMM_EXPORT_AVX2(q5_1, Q5_1)
+QGEMM_EXPORT_AVX2(q4_k, Q4_K) QGEMM_EXPORT_AVX2(q5_k, Q5_K) QGEMM_EXPORT_AVX2(q6_k, Q6_K)
 
-/* Rows ids[0..n-1] of W [N, K] in qpanels, dequantized to bf16 (w = d q (+ m) in fp32, rounded once, as gguf's
-   own dequantizer computes it): the embedding lookup of a block-quantized table. Returns -2 for an id outside
-   [0, N), else 0. */
-int peagle_qrows_bf16(int format, const uint8_t *wp, int N, int K, const int64_t *ids, int n, uint16_t *out) {
-    int Kb = K / QBLOCK, rb = q_record_bytes[format], qbytes = format == Q8_0 ? 32 : 16;
+/* Several matrices of one input stacked by output rows, each in its own format (a file's q/k/v or gate/up in
+   different block types, as llama-quantize's mixes write them): one call runs each part's kernel into its rows. */
+typedef int (*qgemm_fn)(const uint16_t *, long, const uint16_t *, uint16_t *, long, int, int, int, int);
+#define QSTACK_PARTS 4
+typedef struct {
+    int count;
+    qgemm_fn gemm[QSTACK_PARTS];
+    const uint16_t *data[QSTACK_PARTS];
+    int rows[QSTACK_PARTS];
+} qstack;
+int peagle_qgemm_stack(const uint16_t *x, long ldx, const uint16_t *stack, uint16_t *y, long ldy, int M, int N, int K,
+                       int nthreads) {
+    const qstack *st = (const qstack *)stack;
+    int rc = 0, row = 0;
+    for (int i = 0; i < st->count && !rc; row += st->rows[i++])
+        rc = st->gemm[i](x, ldx, st->data[i], y + row, ldy, M, st->rows[i], K, nthreads);
+    return row == N || rc ? rc : -1;
+}
+
+/* Column c's block of record rec as GGUF stores it, dequantized to fp32 as gguf's reference dequantizer computes
+   it (the same fp32 operations in the same order). out: the block's block_inputs(format) weights. */
+static void dequantize_block(int format, const uint8_t *rec, int c, float *out) {
+    uint8_t blk[256];
+    move_block(format, (uint8_t *)rec, c, blk, 0);
+    const qformat *f = &qformats[format];
+    uint16_t h;
+    memcpy(&h, blk + f->d.from, 2);
+    float d = _cvtsh_ss(h), m = 0.0f;
+    if (f->m.size) memcpy(&h, blk + f->m.from, 2), m = _cvtsh_ss(h);
+    const uint8_t *qs = blk + f->codes.from, *qh = blk + f->high.from;
+    if (format == Q6_K)
+        for (int i = 0; i < QK; i++) {
+            int n = i / 128, l = i % 32, quarter = (i % 128) / 32;
+            int lo = qs[64 * n + 32 * (quarter % 2) + l] >> (4 * (quarter / 2)) & 0xf;
+            int q = lo | (qh[32 * n + l] >> (2 * quarter) & 3) << 4;
+            float dk = d * (float)(int8_t)blk[f->scales.from + i / 16];
+            out[i] = dk * (float)(q - 32);
+        }
+    else if (is_kquant(format))
+        for (int i = 0; i < QK; i++) {
+            int j = i / 32, l = i % 32;
+            const uint8_t *s = blk + f->scales.from;
+            int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 0xf) | (s[j - 4] >> 6) << 4;
+            int mn = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | (s[j] >> 6) << 4;
+            int q = qs[32 * (j / 2) + l] >> (4 * (j % 2)) & 0xf;
+            if (format == Q5_K) q |= (qh[l] >> j & 1) << 4;
+            float dj = d * (float)sc, mj = m * (float)mn;
+            out[i] = dj * (float)q - mj;
+        }
+    else
+        for (int i = 0; i < QBLOCK; i++) {
+            float q, w;
+            if (format == Q8_0) q = (float)(int8_t)qs[i];
+            else {
+                int code = qs[i % 16] >> (4 * (i / 16)) & 0xf;
+                if (f->high.size) code |= (qh[i / 8] >> (i % 8) & 1) << 4;
+                q = (float)(code - (format == Q4_0 ? 8 : format == Q5_0 ? 16 : 0));
+            }
+            w = d * q;
+            out[i] = f->m.size ? w + m : w;
+        }
+}
+
+/* Rows ids[0..n-1] of W [N, K] in qpanels, dequantized (dequantize_block) to fp32 (out32) or bf16 (out16, rounded
+   once): the embedding lookup of a block-quantized table, and the tests' view of the weights. Returns -2 for an
+   id outside [0, N), else 0. */
+static int qrows(int format, const uint8_t *wp, int N, int K, const int64_t *ids, int n, float *out32,
+                 uint16_t *out16) {
+    int bi = block_inputs(format), Kb = K / bi, rb = qformats[format].record_bytes;
+    float blk[QK];
     for (int i = 0; i < n; i++) {
         if (ids[i] < 0 || ids[i] >= N) return -2;
         int g = (int)(ids[i] / QCOLS), c = (int)(ids[i] % QCOLS);
         for (int b = 0; b < Kb; b++) {
-            const uint8_t *rec = wp + ((size_t)g * Kb + b) * rb;
-            uint16_t h;
-            memcpy(&h, rec + QCOLS * qbytes + 2 * c, 2);
-            float d = _cvtsh_ss(h), m = 0.0f;
-            if (format == Q4_1) {
-                memcpy(&h, rec + QCOLS * qbytes + 2 * QCOLS + 2 * c, 2);
-                m = _cvtsh_ss(h);
-            }
-            uint16_t *o = out + (size_t)i * K + b * QBLOCK;
-            for (int j = 0; j < QBLOCK; j++) {
-                float q;
-                if (format == Q8_0)
-                    q = (float)(int8_t)rec[qcode_offset(c, j)];
-                else {
-                    uint8_t byte = rec[qcode_offset(c, j % 16)];
-                    q = (float)(j < 16 ? byte & 0x0f : byte >> 4) - (format == Q4_0 ? 8.0f : 0.0f);
-                }
-                float w = d * q;
-                o[j] = f2bf(format == Q4_1 ? w + m : w);
+            dequantize_block(format, wp + ((size_t)g * Kb + b) * rb, c, blk);
+            for (int j = 0; j < bi; j++) {
+                size_t at = (size_t)i * K + (size_t)b * bi + j;
+                if (out32) out32[at] = blk[j];
+                else out16[at] = f2bf(blk[j]);
             }
         }
     }
     return 0;
 }
+int peagle_qrows_f32(int format, const uint8_t *wp, int N, int K, const int64_t *ids, int n, float *out) {
+    return qrows(format, wp, N, K, ids, n, out, NULL);
+}
+int peagle_qrows_bf16(int format, const uint8_t *wp, int N, int K, const int64_t *ids, int n, uint16_t *out) {
+    return qrows(format, wp, N, K, ids, n, NULL, out);
+}
 
-/* The quantized activations of M rows as the kernels compute them (for the tests' float64 reference). */
-void peagle_quantize_rows_q8(const uint16_t *x, long ldx, int M, int K, int8_t *qx, float *dx, int32_t *sx) {
-    quantize_rows_q8(x, ldx, M, K, 1, qx, dx, sx);
+/* The quantized activations of M rows as the kernels compute them (for the tests' float64 reference): per block of
+   32 (sums: sx, one per block) or, with kquant, per super-block of 256 (sums: QK_PAIRS words per super-block). */
+void peagle_quantize_rows_q8(const uint16_t *x, long ldx, int M, int K, int kquant, int8_t *qx, float *dx,
+                             int32_t *sums) {
+    if (kquant) quantize_rows_q8k(x, ldx, M, K, 1, qx, dx, sums);
+    else quantize_rows_q8(x, ldx, M, K, 1, qx, dx, sums);
 }
 
 #pragma GCC pop_options
@@ -1203,7 +1476,8 @@ void peagle_quantize_rows_q8(const uint16_t *x, long ldx, int M, int K, int8_t *
    the section's, so the bits are AVX2's. Two changes of integer arithmetic only, exact either way: Q8_0 codes are
    made unsigned by flipping their sign bit (q + 128; vpdpbusd sums into int32, so no int16 saturation to avoid)
    and the sum is corrected by -128 sx, in place of AVX2's |q| and sign moved onto the activations; and Q4_0's
-   -8 sx starts the sum instead of ending it. */
+   -8 sx (Q5_0's -16 sx) starts the sum instead of ending it. The K-quants run DEFINE_KQBLOCK on 256-bit registers
+   (AVX-512 VL) with vpdpbusd, 8 rows a register block. */
 #ifndef PEAGLE_NO_AVX512
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
@@ -1227,12 +1501,21 @@ static inline __m512i broadcast4_512(const int8_t *p) {
     return _mm512_set1_epi32(v);
 }
 
+/* fifth_bits on both groups' lanes. */
+static inline __m512i fifth_bits_512(__m512i qh, int byte, int half) {
+    const __m512i base = _mm512_set4_epi32(0x0c0c0c0c, 0x08080808, 0x04040404, 0);
+    __m512i v = _mm512_shuffle_epi8(qh, _mm512_add_epi8(_mm512_set1_epi8((char)byte), base));
+    __mmask64 set = _mm512_test_epi8_mask(v, _mm512_set1_epi32((int)(0x08040201u << (4 * half))));
+    return _mm512_maskz_mov_epi8(set, _mm512_set1_epi8(0x10));
+}
+
 /* R rows x the 16 columns of groups g and g + 1 (only g's 8 when !two: the last group of an odd count). */
 static inline __attribute__((always_inline)) void qblock_vnni(const int format, const int R, const int two,
                                                               const int8_t *qx, const float *dx, const int32_t *sx,
                                                               int K, const uint8_t *w, size_t gstride, uint16_t *y,
                                                               size_t ldy, int ncols) {
-    int Kb = K / QBLOCK, rb = q_record_bytes[format], qbytes = format == Q8_0 ? 32 : 16;
+    const qformat *f = &qformats[format];
+    const int Kb = K / QBLOCK, rb = f->record_bytes, five = f->high.size != 0;
     const int two_sums = R <= 2; /* few rows: two sums per row, so a row is not one chain of dependent adds */
     const __m512i low4 = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
     __m512 acc[QMAX_ROWS_VNNI];
@@ -1247,7 +1530,8 @@ static inline __attribute__((always_inline)) void qblock_vnni(const int format, 
         __m512i isum[QMAX_ROWS_VNNI], isum2[QMAX_ROWS_VNNI];
         for (int r = 0; r < R; r++) {
             int32_t s = sx[b * R + r];
-            isum[r] = _mm512_set1_epi32(format == Q4_0 ? -8 * s : format == Q8_0 ? -128 * s : 0);
+            isum[r] = _mm512_set1_epi32(format == Q4_0 ? -8 * s : format == Q5_0 ? -16 * s
+                                        : format == Q8_0 ? -128 * s : 0);
             isum2[r] = _mm512_setzero_si512();
         }
         if (format == Q8_0)
@@ -1261,10 +1545,15 @@ static inline __attribute__((always_inline)) void qblock_vnni(const int format, 
                     else isum[r] = _mm512_dpbusd_epi32(isum[r], wv2, broadcast4_512(xr + 4));
                 }
             }
-        else
+        else {
+            const __m512i qh = five ? load_groups(rec + f->high.at, gstride, two) : low4;
             for (int t = 0; t < 4; t++) {
                 __m512i raw = load_groups(rec + 32 * t, gstride, two);
                 __m512i lo = _mm512_and_si512(raw, low4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+                if (five) {
+                    lo = _mm512_or_si512(lo, fifth_bits_512(qh, t / 2, t % 2));
+                    hi = _mm512_or_si512(hi, fifth_bits_512(qh, 2 + t / 2, t % 2));
+                }
                 for (int r = 0; r < R; r++) {
                     const int8_t *xr = xb + r * QBLOCK + 4 * t;
                     isum[r] = _mm512_dpbusd_epi32(isum[r], lo, broadcast4_512(xr));
@@ -1272,15 +1561,14 @@ static inline __attribute__((always_inline)) void qblock_vnni(const int format, 
                     else isum[r] = _mm512_dpbusd_epi32(isum[r], hi, broadcast4_512(xr + 16));
                 }
             }
-        __m512 d = load_scales(rec + QCOLS * qbytes, gstride, two);
-        __m512 mn = format == Q4_1 ? load_scales(rec + QCOLS * qbytes + 2 * QCOLS, gstride, two)
-                                   : _mm512_setzero_ps();
+        }
+        __m512 d = load_scales(rec + f->d.at, gstride, two);
+        __m512 mn = f->m.size ? load_scales(rec + f->m.at, gstride, two) : _mm512_setzero_ps();
         for (int r = 0; r < R; r++) {
             float dxr = dx[b * R + r];
             __m512i is = two_sums ? _mm512_add_epi32(isum[r], isum2[r]) : isum[r];
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(d, _mm512_set1_ps(dxr)), acc[r]);
-            if (format == Q4_1)
-                acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(dxr * (float)sx[b * R + r]), acc[r]);
+            if (f->m.size) acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(dxr * (float)sx[b * R + r]), acc[r]);
         }
     }
     for (int r = 0; r < R; r++) {
@@ -1290,29 +1578,41 @@ static inline __attribute__((always_inline)) void qblock_vnni(const int format, 
                          ncols < 2 * QCOLS ? ncols - QCOLS : QCOLS);
     }
 }
+
+#define KQ_DOT(s, first, codes, x) s = _mm256_dpbusd_epi32((first) ? _mm256_setzero_si256() : s, codes, broadcast4(x))
+#define KQ_SCALE(isum, s, scale) isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(s, scale))
+#define KQ_SCALE_U(v, j) lane_bytes(v, 0x80808000u | (uint32_t)(j))
+#define KQ_SCALE_S(v, j) _mm256_srai_epi32(lane_bytes(v, (uint32_t)(j) << 24 | 0x00808080u), 24)
+DEFINE_KQBLOCK(kqblock_vnni, QMAX_ROWS_VNNI)
+#undef KQ_DOT
+#undef KQ_SCALE
+#undef KQ_SCALE_U
+#undef KQ_SCALE_S
+
 #define QBLOCK_VNNI_FN(F, R, TWO)                                                                                \
     static void qblock_vnni_##F##_##R##_##TWO(const int8_t *qx, const float *dx, const int32_t *sx, int K,       \
                                               const uint8_t *w, size_t gstride, uint16_t *y, size_t ldy,         \
                                               int ncols) {                                                       \
-        qblock_vnni(F, R, TWO, qx, dx, sx, K, w, gstride, y, ldy, ncols);                                        \
+        if (is_kquant(F)) kqblock_vnni(F, R, qx, dx, sx, K, w, y, ldy, ncols);                                   \
+        else qblock_vnni(F, R, TWO, qx, dx, sx, K, w, gstride, y, ldy, ncols);                                   \
     }
 #define QBLOCK_VNNI_ROWS(F, TWO)                                                                                 \
     QBLOCK_VNNI_FN(F, 1, TWO) QBLOCK_VNNI_FN(F, 2, TWO) QBLOCK_VNNI_FN(F, 3, TWO) QBLOCK_VNNI_FN(F, 4, TWO)      \
     QBLOCK_VNNI_FN(F, 5, TWO) QBLOCK_VNNI_FN(F, 6, TWO) QBLOCK_VNNI_FN(F, 7, TWO) QBLOCK_VNNI_FN(F, 8, TWO)
-QBLOCK_VNNI_ROWS(Q4_0, 1) QBLOCK_VNNI_ROWS(Q4_1, 1) QBLOCK_VNNI_ROWS(Q8_0, 1)
-QBLOCK_VNNI_ROWS(Q4_0, 0) QBLOCK_VNNI_ROWS(Q4_1, 0) QBLOCK_VNNI_ROWS(Q8_0, 0)
 #define QBLOCK_VNNI_TABLE(F, TWO)                                                                                \
     {0, qblock_vnni_##F##_1_##TWO, qblock_vnni_##F##_2_##TWO, qblock_vnni_##F##_3_##TWO,                         \
      qblock_vnni_##F##_4_##TWO, qblock_vnni_##F##_5_##TWO, qblock_vnni_##F##_6_##TWO,                            \
      qblock_vnni_##F##_7_##TWO, qblock_vnni_##F##_8_##TWO}
-static const qblock_fn qblocks_vnni[3][2][QMAX_ROWS_VNNI + 1] = {
-    {QBLOCK_VNNI_TABLE(Q4_0, 1), QBLOCK_VNNI_TABLE(Q4_0, 0)},
-    {QBLOCK_VNNI_TABLE(Q4_1, 1), QBLOCK_VNNI_TABLE(Q4_1, 0)},
-    {QBLOCK_VNNI_TABLE(Q8_0, 1), QBLOCK_VNNI_TABLE(Q8_0, 0)}};
-
-QGEMM_EXPORT(peagle_qgemm_vnni_q4_0, Q4_0, QMAX_ROWS_VNNI, 2, qblocks_vnni[Q4_0][0], qblocks_vnni[Q4_0][1])
-QGEMM_EXPORT(peagle_qgemm_vnni_q4_1, Q4_1, QMAX_ROWS_VNNI, 2, qblocks_vnni[Q4_1][0], qblocks_vnni[Q4_1][1])
-QGEMM_EXPORT(peagle_qgemm_vnni_q8_0, Q8_0, QMAX_ROWS_VNNI, 2, qblocks_vnni[Q8_0][0], qblocks_vnni[Q8_0][1])
+/* 32-input formats: two groups per register block (and one for a lone last group); K-quants: one group. */
+#define QGEMM_EXPORT_VNNI(name, F)                                                                               \
+    QBLOCK_VNNI_ROWS(F, 1) QBLOCK_VNNI_ROWS(F, 0)                                                                \
+    static const qblock_fn qblocks_vnni_##F[2][QMAX_ROWS_VNNI + 1] = {QBLOCK_VNNI_TABLE(F, 1),                   \
+                                                                      QBLOCK_VNNI_TABLE(F, 0)};                  \
+    QGEMM_EXPORT(peagle_qgemm_vnni_##name, F, QMAX_ROWS_VNNI, is_kquant(F) ? 1 : 2, qblocks_vnni_##F[0],         \
+                 qblocks_vnni_##F[1])
+QGEMM_EXPORT_VNNI(q4_0, Q4_0) QGEMM_EXPORT_VNNI(q4_1, Q4_1) QGEMM_EXPORT_VNNI(q8_0, Q8_0)
+QGEMM_EXPORT_VNNI(q5_0, Q5_0) QGEMM_EXPORT_VNNI(q5_1, Q5_1)
+QGEMM_EXPORT_VNNI(q4_k, Q4_K) QGEMM_EXPORT_VNNI(q5_k, Q5_K) QGEMM_EXPORT_VNNI(q6_k, Q6_K)
 
 #pragma GCC pop_options
 #endif /* PEAGLE_NO_AVX512 */

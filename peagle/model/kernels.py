@@ -45,6 +45,8 @@ _CPU_FLAGS_NEEDED = {
 # gives the same bits.
 QUANT_PATHS = ("avx512-vnni", "avx2")
 _QGEMM_PREFIX = {"avx512-vnni": "peagle_qgemm_vnni_", "avx2": "peagle_qgemm_"}
+# The block formats each quantized path runs, in kernels.c's order (a format's id is its index here).
+QUANT_FORMATS = ("q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 _GEMM_SYMBOL = {"amx": "peagle_amx_gemm", "avx512-bf16": "peagle_gemm_avx512bf16", "avx2": "peagle_gemm_avx2"}
 _FLAGS = ["-O3", "-fPIC", "-shared", "-ffp-contract=off", "-Wall", "-Wextra"]
 # An older compiler may not know the AMX or AVX-512 BF16 intrinsics: then build without those sections.
@@ -131,14 +133,11 @@ def _declare(lib) -> None:
         "peagle_layer_from_input": ([p, p, i, p, p, i, i, p, p, p, p, p, p, i, i, i], i),
         "peagle_qpanels_size": ([i, i, i], sz),
         "peagle_qpack": ([i, p, i, i, p], None),
-        "peagle_qgemm_q4_0": gemm,
-        "peagle_qgemm_q4_1": gemm,
-        "peagle_qgemm_q8_0": gemm,
-        "peagle_qgemm_vnni_q4_0": gemm,
-        "peagle_qgemm_vnni_q4_1": gemm,
-        "peagle_qgemm_vnni_q8_0": gemm,
-        "peagle_quantize_rows_q8": ([p, l, i, i, p, p, p], None),
+        **{prefix + fmt: gemm for prefix in _QGEMM_PREFIX.values() for fmt in QUANT_FORMATS},
+        "peagle_qgemm_stack": gemm,
+        "peagle_quantize_rows_q8": ([p, l, i, i, i, p, p, p], None),
         "peagle_qrows_bf16": ([i, p, i, i, p, i, p], i),
+        "peagle_qrows_f32": ([i, p, i, i, p, i, p], i),
     }
     for name, (args, res) in signatures.items():
         if hasattr(lib, name):  # the AMX / AVX-512 sections may be compiled out

@@ -1,29 +1,45 @@
-"""Block-quantized weights: GGUF's Q4_0, Q4_1 and Q8_0 (blocks of 32 inputs of one output row), kept in the bits
-they were stored in and multiplied by kernels.c's integer dot products (its section "Block-quantized weights").
+"""Block-quantized weights: GGUF's Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 (blocks of 32 inputs of one output row) and its
+K-quants Q4_K, Q5_K and Q6_K (super-blocks of 256), kept in the bits they were stored in and multiplied by
+kernels.c's integer dot products (its section "Block-quantized weights", which says what each block holds).
 
-A block of 32 weights stores a fp16 scale d, for Q4_1 a fp16 minimum m, and 32 codes q:
-    Q4_0: w = d * (q - 8),  q in 0..15     18 bytes per block (4.5 bits a weight)
-    Q4_1: w = d * q + m,    q in 0..15     20 bytes per block (5 bits)
-    Q8_0: w = d * q,        q in -128..127 34 bytes per block (8.5 bits)
-`QuantWeight` holds one matrix regrouped for the kernel (same bytes, 8 output columns side by side); `quantize`
-makes the blocks from float weights as llama.cpp's reference quantizers do (`--quantization`); `dequantize` and
-`QuantEmbedding` compute w = d * q (+ m) in fp32, as gguf's own dequantizer does.
+    Q4_0: w = d (q - 8)           18 bytes per 32 inputs (4.5 bits a weight)
+    Q4_1: w = d q + m             20 bytes per 32 (5 bits)
+    Q5_0: w = d (q - 16)          22 bytes per 32 (5.5 bits)
+    Q5_1: w = d q + m             24 bytes per 32 (6 bits)
+    Q8_0: w = d q                 34 bytes per 32 (8.5 bits)
+    Q4_K: w = d sc q - dmin m     144 bytes per 256 (4.5 bits), 8 sub-blocks with 6-bit sc and m
+    Q5_K: w = d sc q - dmin m     176 bytes per 256 (5.5 bits)
+    Q6_K: w = d sc (q - 32)       210 bytes per 256 (6.56 bits), 16 sub-blocks with int8 sc
+`QuantWeight` holds one matrix regrouped for the kernel (same bytes, 8 output columns side by side); `QuantStack`
+several of one input in different formats (a file's q/k/v); `quantize` makes Q4_0 / Q4_1 / Q8_0 blocks from float
+weights as llama.cpp's reference quantizers do (`--quantization`); `dequantize` and `QuantEmbedding` compute the
+weights in fp32 exactly as gguf's own dequantizer does.
 """
 from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from peagle.model import kernels
 
-BLOCK = 32  # inputs per block
+BLOCK = 32  # inputs per block of the 32-input formats (and of `--quantization`)
 QCOLS = 8  # output columns per group in the kernel's layout (kernels.c QCOLS)
-# name -> (kernels.c format id, bytes per GGUF block, bytes per kernel record of QCOLS blocks, code bytes per block)
-FORMATS = {"q4_0": (0, 18, 144, 16), "q4_1": (1, 20, 160, 16), "q8_0": (2, 34, 272, 32)}
-QUANTIZATIONS = tuple(FORMATS)  # what `--quantization` accepts
+
+
+class BlockFormat(NamedTuple):
+    fid: int  # kernels.c's format id
+    inputs: int  # inputs per GGUF block
+    block_bytes: int  # bytes per GGUF block
+
+
+_SIZES = {"q4_0": (32, 18), "q4_1": (32, 20), "q8_0": (32, 34), "q5_0": (32, 22), "q5_1": (32, 24),
+          "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210)}
+FORMATS = {name: BlockFormat(fid, *_SIZES[name]) for fid, name in enumerate(kernels.QUANT_FORMATS)}
+QUANTIZATIONS = ("q4_0", "q4_1", "q8_0")  # what `--quantization` accepts (quantize_blocks makes these)
 # `--quantization` keeps the LM head and the embedding table in 8 bits, as the embedded model's own GGUF does (and
 # llama.cpp's quantizer, which keeps its output tensor at 6 bits): on the embedded model a 4-bit LM head takes the
 # held-out perplexity from 4.33 to 5.49 (docs/performance.md, "Quantized weights").
@@ -53,6 +69,16 @@ def require_kernels(what: str) -> None:
                            "not run here (PEAGLE_CPU_KERNELS=off, or no AVX2 / compiler): use a bf16 model instead")
 
 
+def _rows_f32(fmt: str, data_ptr: int, out_features: int, in_features: int, rows: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` of a qpanel matrix in fp32 (kernels.c dequantize_block: gguf's dequantizer, bit for bit)."""
+    ids = rows.to(torch.int64).contiguous()
+    out = torch.empty(len(ids), in_features)
+    if kernels.library().peagle_qrows_f32(FORMATS[fmt].fid, data_ptr, out_features, in_features, ids.data_ptr(),
+                                          len(ids), out.data_ptr()):
+        raise IndexError(f"rows must lie in [0, {out_features})")
+    return out
+
+
 @dataclass
 class QuantWeight:
     """A matrix W [out_features, in_features] in one block format, regrouped for the kernel (kernels.c "qpanels")."""
@@ -65,8 +91,8 @@ class QuantWeight:
     @classmethod
     def from_blocks(cls, blocks: torch.Tensor, fmt: str, out_features: int, in_features: int,
                     path: str | None = None) -> "QuantWeight":
-        """From GGUF's bytes: `blocks` uint8 [out_features, in_features / 32 * block bytes], rows as in the file.
-        `path`: kernels.quant_path() by default."""
+        """From GGUF's bytes: `blocks` uint8 [out_features, in_features / block inputs * block bytes], rows as in
+        the file. `path`: kernels.quant_path() by default."""
         require_kernels(f"{fmt} weights")
         path = path or kernels.quant_path()
         if path not in kernels.quant_paths():
@@ -74,16 +100,16 @@ class QuantWeight:
                              f"{kernels.quant_paths()}")
         if fmt not in FORMATS:
             raise ValueError(f"no kernel for {fmt!r}; supported block formats: {', '.join(FORMATS)}")
-        fid, block_bytes, _, _ = FORMATS[fmt]
-        if in_features % BLOCK:
-            raise ValueError(f"a {fmt} matrix needs a multiple of {BLOCK} inputs, got {in_features}")
+        f = FORMATS[fmt]
+        if in_features % f.inputs:
+            raise ValueError(f"a {fmt} matrix needs a multiple of {f.inputs} inputs, got {in_features}")
         blocks = blocks.contiguous().view(torch.uint8)
-        if blocks.numel() != out_features * in_features // BLOCK * block_bytes:
+        if blocks.numel() != out_features * in_features // f.inputs * f.block_bytes:
             raise ValueError(f"{fmt} data of {blocks.numel()} bytes does not hold a {out_features}x{in_features} "
                              "matrix (truncated or corrupt file)")
         lib = kernels.library()
-        data = torch.empty(lib.peagle_qpanels_size(fid, out_features, in_features), dtype=torch.uint8)
-        lib.peagle_qpack(fid, blocks.data_ptr(), out_features, in_features, data.data_ptr())
+        data = torch.empty(lib.peagle_qpanels_size(f.fid, out_features, in_features), dtype=torch.uint8)
+        lib.peagle_qpack(f.fid, blocks.data_ptr(), out_features, in_features, data.data_ptr())
         return cls(data, out_features, in_features, fmt, path)
 
     @classmethod
@@ -102,31 +128,63 @@ class QuantWeight:
         return self.data.numel()
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """W (or its rows `rows`) as fp32 [n, K]: d * q (+ m), rounded once as gguf's dequantizer does. Reads the
-        kernel's layout (kernels.c, "qpanels"), decoding only the records of the rows asked for."""
-        _, _, record, code_bytes = FORMATS[self.format]
-        if rows is None:
-            rows = torch.arange(self.out_features)
-        groups = -(-self.out_features // QCOLS)
-        g, c = rows // QCOLS, rows % QCOLS
-        rec = self.data.view(groups, self.in_features // BLOCK, record)[g]  # [n, Kb, record]
-        col = c[:, None, None]
-        scales = rec[..., QCOLS * code_bytes:].contiguous().view(torch.float16).float()  # [n, Kb, 8 or 16]
-        d = scales.gather(-1, col.expand(-1, rec.shape[1], 1))
-        # code byte j of column c sits in 32-byte chunk j // 4, at lane c's byte j % 4
-        j = torch.arange(code_bytes)
-        idx = (32 * (j // 4) + j % 4 + 4 * col).expand(-1, rec.shape[1], -1)
-        if self.format == "q8_0":  # byte j: input j
-            q = rec.gather(-1, idx).view(torch.int8).float()
-        else:  # byte j: input j in the low nibble, input j + 16 in the high one
-            raw = rec.gather(-1, idx)
-            q = torch.cat([raw & 0x0F, raw >> 4], dim=-1).float()
-            if self.format == "q4_0":
-                q = q - 8
-        w = d * q
-        if self.format == "q4_1":
-            w = w + scales.gather(-1, (col + QCOLS).expand(-1, rec.shape[1], 1))
-        return w.reshape(len(rows), self.in_features)
+        """W (or its rows `rows`) as fp32 [n, K], computed as gguf's dequantizer does (bit for bit)."""
+        rows = torch.arange(self.out_features) if rows is None else rows
+        return _rows_f32(self.format, self.data_ptr, self.out_features, self.in_features, rows)
+
+
+class _StackLayout(ctypes.Structure):
+    """kernels.c's qstack: each part's kernel, qpanels and rows."""
+    _fields_ = [("count", ctypes.c_int), ("gemm", ctypes.c_void_p * 4), ("data", ctypes.c_void_p * 4),
+                ("rows", ctypes.c_int * 4)]
+
+
+class QuantStack:
+    """Matrices of one input in different block formats stacked by output rows, multiplied in one call (kernels.c
+    peagle_qgemm_stack): llama-quantize's mixes give a layer's q, k and v (or gate and up) different formats."""
+
+    def __init__(self, parts: list[QuantWeight]):
+        if not 1 < len(parts) <= 4:
+            raise ValueError(f"a stack holds 2 to 4 matrices, got {len(parts)}")
+        self.parts = parts
+        self.out_features = sum(p.out_features for p in parts)
+        self.in_features = parts[0].in_features
+        self.format = "+".join(dict.fromkeys(p.format for p in parts))
+        self.path = parts[0].path
+        n = len(parts)
+        self._layout = _StackLayout(n, (ctypes.c_void_p * 4)(*[p.gemm_ptr for p in parts], *[None] * (4 - n)),
+                                    (ctypes.c_void_p * 4)(*[p.data_ptr for p in parts], *[None] * (4 - n)),
+                                    (ctypes.c_int * 4)(*[p.out_features for p in parts], *[0] * (4 - n)))
+        self.gemm = kernels.library().peagle_qgemm_stack
+        self.gemm_ptr = ctypes.cast(self.gemm, ctypes.c_void_p).value
+        self.data_ptr = ctypes.addressof(self._layout)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """W (or its rows `rows`) as fp32, as QuantWeight.dequantize."""
+        whole = torch.cat([p.dequantize() for p in self.parts])
+        return whole if rows is None else whole[rows]
+
+
+def fuse(parts: list[tuple[str, torch.Tensor]], names: list[str]) -> "QuantWeight | QuantStack":
+    """Block-quantized matrices of one input, (format, GGUF rows) as read from a file under `names`, stacked by
+    output rows into one: a QuantWeight where neighbours share a format, a QuantStack of those runs otherwise."""
+    widths = {n: d.shape[1] // FORMATS[f].block_bytes * FORMATS[f].inputs for n, (f, d) in zip(names, parts)}
+    if len(set(widths.values())) > 1:
+        raise ValueError(f"{', '.join(names)} must have the same number of inputs; this file has "
+                         f"{', '.join(f'{n} {k}' for n, k in widths.items())}")
+    runs: list[tuple[str, list[torch.Tensor]]] = []
+    for fmt, data in parts:
+        if runs and runs[-1][0] == fmt:
+            runs[-1][1].append(data)
+        else:
+            runs.append((fmt, [data]))
+    K = next(iter(widths.values()))
+    weights = [QuantWeight.from_blocks(torch.cat(ds), fmt, sum(d.shape[0] for d in ds), K) for fmt, ds in runs]
+    return weights[0] if len(weights) == 1 else QuantStack(weights)
 
 
 def format_of(packed, weight: torch.Tensor) -> str:
@@ -150,8 +208,8 @@ def quantize_blocks(weight: torch.Tensor, fmt: str) -> torch.Tensor:
     """GGUF blocks (uint8 [N, K / 32 * block bytes]) of a float matrix, as llama.cpp's reference quantizers make
     them: Q8_0 d = max|w| / 127, q = round(w / d); Q4_0 d = (the signed w of largest magnitude) / -8,
     q = min(15, trunc(w / d + 8.5)); Q4_1 d = (max - min) / 15, m = min, q = min(15, trunc((w - m) / d + 0.5))."""
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown quantization {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if fmt not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {fmt!r}; choose one of {', '.join(QUANTIZATIONS)}")
     N, K = weight.shape
     if K % BLOCK:
         raise ValueError(f"{fmt} needs a multiple of {BLOCK} inputs per row; this matrix has {K}")
@@ -195,7 +253,7 @@ class QuantEmbedding(nn.Module):
         out = torch.empty(len(flat), self.embedding_dim, dtype=torch.bfloat16)
         q = self.quant
         # one native call: a decode step looks up one row, and the torch version above takes a dozen small ops
-        if kernels.library().peagle_qrows_bf16(FORMATS[q.format][0], q.data_ptr, q.out_features, q.in_features,
+        if kernels.library().peagle_qrows_bf16(FORMATS[q.format].fid, q.data_ptr, q.out_features, q.in_features,
                                                flat.data_ptr(), len(flat), out.data_ptr()):
             raise IndexError(f"token ids must lie in [0, {q.out_features})")
         return out.reshape(*tokens.shape, self.embedding_dim)
