@@ -1,7 +1,9 @@
 """`peagle export`: write a drafter head in the layout vLLM (or speculators) loads, and print the `vllm serve` line
-that uses it; or create an untrained head for a target (`--random-init`).
+that uses it; write an EAGLE-3 head as the draft GGUF llama.cpp runs, and print the `llama-server` line; or create an
+untrained head for a target (`--random-init`).
 
     peagle export HEAD --format vllm|speculators --out DIR [--target MODEL] [--num-speculative-tokens K]
+    peagle export HEAD --format llama.cpp --out DRAFT.gguf [--target TARGET.gguf] [--num-speculative-tokens K]
     peagle export --random-init [--target MODEL] --method peagle|eagle3 [--num-layers N] [--mask-token-id ID] --out DIR
 """
 from __future__ import annotations
@@ -17,6 +19,8 @@ from peagle.config import DEFAULT_NUM_SPECULATIVE_TOKENS, SpeculativeConfig
 from peagle.model.checkpoint import LAYOUTS, MASK_ROW
 from peagle.model.loading import EMBEDDED_HUB_ID
 
+LLAMA_CPP = "llama.cpp"  # --format: the draft GGUF llama.cpp's draft-eagle3 runs (one file, not a folder)
+
 
 class ExportError(ValueError):
     """Bad input to `peagle export`; the message says what to do."""
@@ -26,10 +30,15 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("head", nargs="?", default=None,
                         help="the head to export: a folder in any accepted layout (vLLM, speculators, SpecForge) or "
                              "a bundled head name")
-    parser.add_argument("--format", default="vllm", choices=LAYOUTS, help="layout to write (default: vllm)")
-    parser.add_argument("--out", required=True, help="folder to write config.json + model.safetensors into")
+    parser.add_argument("--format", default="vllm", choices=[*LAYOUTS, LLAMA_CPP],
+                        help="layout to write (default: vllm); llama.cpp: an EAGLE-3 head as the draft GGUF that "
+                             "`llama-server --spec-type draft-eagle3` loads")
+    parser.add_argument("--out", required=True, help="folder to write config.json + model.safetensors into "
+                                                     "(--format llama.cpp: the .gguf file to write)")
     parser.add_argument("--target", default=None,
                         help="the target model (folder or hub id); names the verifier and the `vllm serve` model. "
+                             "--format llama.cpp: the target's GGUF file that llama-server runs (its vocabulary is "
+                             "copied; default for the bundled heads: the embedded SmolLM2's own GGUF). "
                              "With --random-init: the model to build the head for (default: the embedded SmolLM2)")
     parser.add_argument("--num-speculative-tokens", type=cli_args.positive_int, default=None,
                         help=f"K in the printed speculative config (default: {DEFAULT_NUM_SPECULATIVE_TOKENS})")
@@ -49,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
         if args.random_init:
             if args.head is not None:
                 raise ExportError("give either a HEAD to export or --random-init, not both")
+            if args.format == LLAMA_CPP:
+                raise ExportError("--random-init writes a head folder: create it with --format vllm, then export "
+                                  "that folder with --format llama.cpp")
             out, parallel, target = create_random_head(args)
         else:
             if args.head is None:
@@ -56,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
             for flag in ("method", "mask_token_id"):
                 if getattr(args, flag) is not None:
                     raise ExportError(f"--{flag.replace('_', '-')} only applies with --random-init")
+            if args.format == LLAMA_CPP:
+                return export_llama_cpp(args)
             out, parallel, target = export_head(args)
         k = args.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS
         line = vllm_serve_line(target, out, k, parallel)
@@ -121,6 +135,50 @@ def export_head(args) -> tuple[Path, bool, str | None]:
               num_speculative_tokens=args.num_speculative_tokens,
               verifier_architectures=_architectures(args.target) if args.target else None)
     return out, head.config.parallel_capable, target
+
+
+def export_llama_cpp(args) -> int:
+    """Write the head as llama.cpp's EAGLE-3 draft GGUF and print the `llama-server` line that runs it."""
+    out, target = write_llama_cpp_draft(args)
+    k = args.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS
+    print(f"wrote EAGLE-3 draft GGUF to {out}; run it with llama.cpp:", file=sys.stderr)
+    print(llama_server_line(target, out, k))
+    return 0
+
+
+def write_llama_cpp_draft(args) -> tuple[Path, Path]:
+    import torch
+
+    from peagle.model.checkpoint import load_head
+    from peagle.model.heads import resolve_head
+    from peagle.model.llama_cpp_draft import write_draft_gguf
+    from peagle.model.loading import embedded_gguf_path, is_gguf, resolve_model
+
+    _check_k(args.num_speculative_tokens)
+    out = Path(args.out).expanduser().resolve()
+    if out.suffix.lower() != ".gguf":
+        raise ExportError(f"--format llama.cpp writes one file: give --out a path ending in .gguf, not {args.out}")
+    src = resolve_head(args.head)
+    if args.target is None and not _is_bundled(src):
+        raise ExportError("--format llama.cpp copies the target's vocabulary from its GGUF: pass --target TARGET.gguf "
+                          "(the file llama-server runs)")
+    target = embedded_gguf_path() if args.target is None else resolve_model(args.target)
+    if not is_gguf(target):
+        raise ExportError(f"--target {args.target} is not a GGUF file; llama.cpp runs the draft beside a GGUF target: "
+                          "convert it with llama.cpp's convert_hf_to_gguf.py and pass that file")
+    raw = json.loads((src / "config.json").read_text())
+    layer = {**(raw.get("transformer_layer_config") or {}), **raw}
+    own_embeddings = _has_tensor(src, "embed_tokens.weight") and not _has_tensor(src, MASK_ROW)
+    placeholder = None if own_embeddings else torch.zeros(layer["vocab_size"], layer["hidden_size"])
+    head = load_head(src, target_embeddings=placeholder, dtype=_saved_dtype(src))
+    write_draft_gguf(head, target, out, name=src.name, own_embeddings=own_embeddings)
+    return out, target
+
+
+def llama_server_line(target: Path, draft: Path, k: int) -> str:
+    """The `llama-server` command that runs `target` with this draft (greedy drafts of k tokens)."""
+    return (f"llama-server -m {shlex.quote(str(target))} -md {shlex.quote(str(draft))} --spec-type draft-eagle3 "
+            f"--spec-draft-n-max {k}")
 
 
 def create_random_head(args) -> tuple[Path, bool, str]:
