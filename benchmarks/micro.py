@@ -72,7 +72,8 @@ def filled_cache(model, batch: int, context: int, extra: int, seed: int = 0):
     from peagle.model.layers import BatchLayout
 
     cache = model.new_cache(batch, context + extra)
-    prompt = torch.randint(100, model.config.vocab_size, (batch, context), generator=torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(100, model.config.vocab_size, (batch, context), generator=g)
     with torch.inference_mode():
         model(prompt, BatchLayout.build(torch.arange(batch), torch.arange(context)[None].expand(batch, -1)), cache)
     return cache
@@ -314,7 +315,8 @@ def verify(args) -> None:
     plain, results = best(padded(list(range(B)), 1), []), []
     for w in args.windows:
         a, rest = padded(list(range(half)), w + 1), padded(list(range(half, B)), 1)
-        r = {"window": w, "one_forward_ms": best(padded(list(range(B)), w + 1)), "split_ms": best(lambda: (a(), rest())),
+        r = {"window": w, "one_forward_ms": best(padded(list(range(B)), w + 1)),
+             "split_ms": best(lambda: (a(), rest())),
              "ragged_ms": best(ragged([w] * half + [0] * (B - half))), "one_forward_flat_ms": best(ragged([w] * B)),
              "plain_ms": plain}
         results.append({k: round(v, 1) for k, v in r.items()})
@@ -436,8 +438,8 @@ def score(target, sequences: list[torch.Tensor]) -> tuple[torch.Tensor, float, i
     argmaxes, nll, n = [], 0.0, 0
     for ids in sequences:
         T = len(ids)
-        logits = target(ids[None], BatchLayout.build(torch.tensor([0]), torch.arange(T)[None]), target.new_cache(1, T),
-                        num_logits=None).logits[0, :-1]
+        layout = BatchLayout.build(torch.tensor([0]), torch.arange(T)[None])
+        logits = target(ids[None], layout, target.new_cache(1, T), num_logits=None).logits[0, :-1]
         nll -= torch.log_softmax(logits.double(), dim=-1).gather(1, ids[1:, None]).sum().item()
         n += T - 1
         argmaxes.append(logits.argmax(-1))
