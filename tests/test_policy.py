@@ -203,7 +203,7 @@ def test_a_model_free_draft_written_off_by_early_rejections_is_probed_back():
     dear (4-bit weights on AVX2), early rejections put it below paying, and only a probe can show that the
     text now repeats."""
     from peagle.engine.policy import MeasuredAcceptance
-    from peagle.engine.proposers.base import Draft, survival
+    from peagle.engine.acceptance import Draft, survival
 
     policy = policy_with_cost(lambda rows: 1.0 + 0.3 * (rows - 1), max_k=8)
     measured, rid, chosen = MeasuredAcceptance(8), "r", []
@@ -311,10 +311,10 @@ def test_steps_split_between_windows_are_lossless(tiny_target, parallel):
     hook = eng.target.register_forward_hook(lambda module, args, out: forwards.append(args[0].shape))
     real_step = eng._decode_step
 
-    def decode_step(reqs, ks, free=None):
+    def decode_step(plan):
         before = len(forwards)
-        real_step(reqs, ks, free)
-        per_step.append((len(forwards) - before, forwards[-1], sum(k + 1 for k in ks)))
+        real_step(plan)
+        per_step.append((len(forwards) - before, forwards[-1], sum(w.k + 1 for w in plan.windows)))
 
     eng._decode_step = decode_step
     try:
@@ -420,7 +420,7 @@ def test_drafting_after_plain_steps_matches_always_drafting(tiny_target, paralle
     always = engine(tiny_target, k, "fixed", parallel, max_num_seqs=1)
     always_drafts = record_drafts(always)
     resumed = engine(tiny_target, k, "fixed", parallel, max_num_seqs=1)
-    resumed.max_pending_rows = PENDING_CAP
+    resumed.catch_up.max_pending_rows = PENDING_CAP
     resumed.policy = Scripted([k, k] + [0] * plain_steps + [k])
     resumed_drafts = record_drafts(resumed)
     assert always.generate([prompt], params)[0].token_ids == resumed.generate([prompt], params)[0].token_ids
@@ -452,7 +452,7 @@ def test_the_drafter_runs_only_for_heads_that_draft_and_within_the_memory_bound(
     hook.remove()
     assert drafter_rows == []
     bounded = engine(tiny_target, k, "fixed", parallel, max_num_seqs=1)
-    bounded.max_pending_rows = PENDING_CAP
+    bounded.catch_up.max_pending_rows = PENDING_CAP
     bounded.policy = Scripted([0] * 50 + [k])
     hook = bounded.drafter.register_forward_hook(count_rows)
     req_id = bounded.add_request(prompt, params)

@@ -43,9 +43,12 @@ import torch
 from peagle.config import SpeculativeConfig
 from peagle.engine.detokenize import IncrementalDetokenizer
 from peagle.engine.grammar import GrammarCompiler, count_forced, stack_bias
-from peagle.engine.request import Request, RequestError, RequestOutput, TokenLogprob
+from peagle.engine.errors import RequestError
+from peagle.engine.request import Request, RequestOutput, TokenLogprob
 from peagle.engine import prefix_cache
-from peagle.engine.policy import DEFAULT_POLICY, Candidate, NoSpeculation, make_policy, step_clock, timed
+from peagle.engine.acceptance import Candidate
+from peagle.engine.policy import DEFAULT_POLICY, NoSpeculation, make_policy
+from peagle.engine.timing import step_clock, timed
 from peagle.engine.proposers import Draft, Proposer, make_proposer
 from peagle.engine.proposers.heads import HeadProposer
 from peagle.engine.prefix_cache import BLOCK_SIZE, PrefixCache

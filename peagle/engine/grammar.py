@@ -26,7 +26,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from peagle.engine.request import RequestError
+from peagle.engine.errors import RequestError
 
 ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")

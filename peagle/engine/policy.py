@@ -28,26 +28,15 @@ break-even point.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from peagle.engine.proposers.base import Draft
+# The policies' names and the default of the engine and every command live with the speculative config.
+from peagle.config import DEFAULT_SPECULATION_POLICY as DEFAULT_POLICY
+from peagle.config import SPECULATION_POLICIES as POLICIES
+from peagle.config import SPECULATION_POLICY_ENV
+from peagle.engine.acceptance import AcceptanceEstimate, Candidate, MeasuredAcceptance
 
-POLICIES = ("adaptive", "fixed")
-# Of the engine (LLMEngine's speculation_policy) and of every command: on a CPU a fixed K loses to plain decoding
-# wherever the head is weak, and adaptive is never far below the best fixed K (docs/engine.md, "Choosing K").
-DEFAULT_POLICY = "adaptive"
-ENV_VAR = "SM_VLLM_SPECULATION_POLICY"  # read by `peagle serve` (every flag maps to SM_VLLM_<NAME>) and generate
-
-REQUEST_MEMORY = 0.7  # per-request counts keep this much weight per new observation (about 3 steps' memory)
-PLAIN_STEP_MEMORY = 0.9  # ... and per step a position is not tried: back to the engine-wide estimate in ~10
-ENGINE_MEMORY = 0.98  # engine-wide counts: about 50 observations
-REQUEST_PRIOR_WEIGHT = 4.0  # the engine-wide estimate counts as this many observations in a request's estimate
-INITIAL_ACCEPTANCE = 0.5  # before anything is seen: optimistic enough that the first steps draft and learn
-INITIAL_WEIGHT = 0.5  # but weak: a few observations outweigh it
 PROBE_AFTER = 16  # plain steps in a row after which one step drafts a single token to re-measure acceptance ...
 PROBE_AFTER_MAX = 256  # ... a wait that doubles after every probe that does not bring drafting back, up to this
 # ... but where one draft is expected to come within PROBE_NEAR of a plain step's tokens per second, a probe costs
@@ -59,111 +48,9 @@ PROBE_AFTER_NEAR = 4
 # A window must promise this much more than a plain step to be chosen: estimates and timings are noisy, and a wrong
 # window costs more (drafter, verify rows) than a wrongly plain step loses.
 SPECULATION_MARGIN = 1.05
-SURPRISE_SCALE = 2.0  # how fast a request's own contrary evidence overrides the engine-wide prior (z² units)
 COST_CELL_RATE = 0.2  # how fast one (B, W) cell follows its own timings
 COST_DRIFT_RATE = 0.05  # how fast every cell follows the machine's drift (load from other processes, heat)
 DRAFT_DRIFT_RATE = 0.1  # how fast every drafting shape follows what drafting steps turn out to cost
-
-
-class AcceptanceEstimate:
-    """Conditional acceptance per draft position, from exponentially forgotten counts.
-
-    Position i is *tried* in a step when the window reached it and positions 1..i-1 were accepted; a_i is accepted
-    over tried. A request's estimate shrinks its own few recent observations towards the engine-wide estimate,
-    which counts as REQUEST_PRIOR_WEIGHT observations for as long as the request's data agree with it: a couple of
-    unlucky drafts must not switch speculation off where the head is as good as ever (three steps of memory are
-    too few to tell luck from a change). When they disagree beyond chance (z² = t (a/t - p)² / p(1 - p) large),
-    the prior's weight shrinks by exp(-z² / SURPRISE_SCALE) and the request follows its own data: a change of text
-    shows within a few steps. The engine-wide estimate's prior for a position never tried is the estimate of the
-    position before it."""
-
-    def __init__(self, max_k: int, memory: float, prior: "AcceptanceEstimate | None" = None):
-        self.memory, self.prior = memory, prior
-        self.tried = [0.0] * max_k
-        self.accepted = [0.0] * max_k
-        self.prior_weight = [REQUEST_PRIOR_WEIGHT if prior is not None else INITIAL_WEIGHT] * max_k
-
-    def observe(self, num_drafted: int, num_accepted: int) -> None:
-        tried = min(num_accepted + 1, num_drafted)
-        for i in range(len(self.tried)):
-            if i < tried:
-                self.tried[i] = self.memory * self.tried[i] + 1.0
-                self.accepted[i] = self.memory * self.accepted[i] + (1.0 if i < num_accepted else 0.0)
-                if self.prior is None:  # a request's prior keeps its weight: see the class docstring
-                    self.prior_weight[i] *= self.memory
-            else:
-                self._age(i)
-
-    def age(self) -> None:
-        """A plain step: nothing is tried."""
-        for i in range(len(self.tried)):
-            self._age(i)
-
-    def _age(self, i: int) -> None:
-        """Position i was not tried: its evidence fades and the prior's weight returns, so an estimate that fell
-        during a bad stretch does not stay frozen at its worst (a position that is never tried cannot correct
-        itself). A request's drifts back to the engine-wide estimate; the engine-wide one, more slowly, to its
-        position before it, so a deep position written off early (a few unlucky drafts while everything was cold)
-        is tried again once the shallower ones prove good."""
-        m, weight = (PLAIN_STEP_MEMORY, REQUEST_PRIOR_WEIGHT) if self.prior is not None else (ENGINE_MEMORY,
-                                                                                              INITIAL_WEIGHT)
-        self.tried[i] *= m
-        self.accepted[i] *= m
-        self.prior_weight[i] = m * self.prior_weight[i] + (1 - m) * weight
-
-    def conditional(self) -> list[float]:
-        prior = self.prior.conditional() if self.prior is not None else None
-        out: list[float] = []
-        for i, (a, t, w) in enumerate(zip(self.accepted, self.tried, self.prior_weight)):
-            p = prior[i] if prior is not None else out[i - 1] if i else INITIAL_ACCEPTANCE
-            if prior is not None and t > 0:  # the prior yields to evidence that contradicts it (a change of text)
-                z2 = t * (a / t - p) ** 2 / max(p * (1 - p), 0.01)
-                w *= math.exp(-z2 / SURPRISE_SCALE)
-            out.append((a + w * p) / (t + w))
-        return out
-
-    def survival(self) -> list[float]:
-        """s_i: the probability that the first i drafts are all accepted."""
-        out, s = [], 1.0
-        for a in self.conditional():
-            s *= a
-            out.append(s)
-        return out
-
-
-class MeasuredAcceptance:
-    """One drafter's acceptance per draft position: each request's recent drafts (REQUEST_MEMORY), shrunk towards the
-    drafter's engine-wide record (ENGINE_MEMORY) as AcceptanceEstimate describes. The adaptive policy keeps one for
-    the head; each model-free proposer (n-gram, suffix) one for its own drafts, so a proposer whose drafts stop
-    matching the target's text gets short windows, then none, within a few steps, and drafts again as it
-    recovers."""
-
-    def __init__(self, max_k: int):
-        self.max_k = max_k
-        self.engine_wide = AcceptanceEstimate(max_k, ENGINE_MEMORY)
-        self.requests: dict[str, AcceptanceEstimate] = {}
-
-    def estimate(self, request_id: str) -> AcceptanceEstimate:
-        est = self.requests.get(request_id)
-        if est is None:
-            est = self.requests[request_id] = AcceptanceEstimate(self.max_k, REQUEST_MEMORY, prior=self.engine_wide)
-        return est
-
-    def conditional(self, request_id: str) -> list[float]:
-        """a_i: the probability that draft position i is accepted given that those before it were."""
-        return self.estimate(request_id).conditional()
-
-    def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
-        """A verified draft; num_drafted 0: none was verified this step, and the request's estimate ages."""
-        est = self.estimate(request_id)
-        if num_drafted:
-            est.observe(num_drafted, num_accepted)
-            self.engine_wide.observe(num_drafted, num_accepted)
-        else:
-            est.age()
-
-    def forget(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
 
 
 class StepCostModel:
@@ -240,15 +127,6 @@ class StepCostModel:
             cell = self.draft_cell[drafted][k]
             self.draft_drift += DRAFT_DRIFT_RATE * (measured / cell - self.draft_drift)
             self.draft_cell[drafted][k] += COST_CELL_RATE * (measured / self.draft_drift - cell)
-
-
-@dataclass
-class Candidate:
-    """One request as the policy sees it: its id, how many tokens it may still emit, and the model-free draft a
-    proposer already made for it this step (peagle/engine/proposers/base.py; None: the head drafts, if any)."""
-    request_id: str
-    remaining: int
-    draft: "Draft | None" = None
 
 
 class SpeculationPolicy(Protocol):
@@ -457,35 +335,8 @@ def make_policy(name: str, max_k: int, max_batch: int, disable_by_batch_size: in
         policy = AdaptiveK(max_k, max_batch, head_k=head_k)
     else:
         raise ValueError(f"unknown speculation policy {name!r}: choose one of {', '.join(POLICIES)} "
-                     f"(--speculation-policy or {ENV_VAR})")
+                     f"(--speculation-policy or {SPECULATION_POLICY_ENV})")
     return OffAtBatchSize(policy, disable_by_batch_size) if disable_by_batch_size else policy
-
-
-def step_clock(device) -> Callable[[], float]:
-    """The clock step costs are measured with. On a CPU, CPU time: on a machine shared with other processes, wall
-    time mostly measures when the scheduler let us run, which is the same whatever K was chosen (one torch thread:
-    this thread's time; several: the whole process's). On an accelerator, wall time after the queued work is done."""
-    import torch
-
-    if torch.device(device).type == "cpu":
-        return time.thread_time if torch.get_num_threads() == 1 else time.process_time
-
-    def synchronized() -> float:
-        torch.cuda.synchronize(device)
-        return time.perf_counter()
-
-    return synchronized
-
-
-def timed(fn: Callable[[], object], clock: Callable[[], float], repeats: int = 2) -> float:
-    """The fastest of `repeats` runs of fn, in seconds of `clock` (after one untimed run that warms caches)."""
-    fn()
-    best = math.inf
-    for _ in range(repeats):
-        t0 = clock()
-        fn()
-        best = min(best, clock() - t0)
-    return best
 
 
 def _line(points: list[tuple[int, float]], max_k: int) -> list[float]:

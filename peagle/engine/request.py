@@ -1,5 +1,4 @@
-"""One request's state inside the engine, what the engine reports about it after each step, and the error a request
-that cannot be served raises."""
+"""One request's state inside the engine, and what the engine reports about it after each step."""
 from __future__ import annotations
 
 import time
@@ -14,16 +13,6 @@ if TYPE_CHECKING:
     from peagle.engine.detokenize import IncrementalDetokenizer
     from peagle.engine.grammar import GrammarMatcher
     from peagle.engine.sampling import SamplingParams
-
-
-class RequestError(ValueError):
-    """A request that cannot be served as asked (too long, bad parameters); other requests are unaffected.
-    `param` names the sampling parameter or input at fault ("prompt", "max_tokens", ...), `code` a machine-readable
-    reason (e.g. "context_length_exceeded"); the server maps both onto its own field names."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.param, self.code = param, code
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from peagle.engine.request import RequestError
+from peagle.engine.errors import RequestError
 
 if TYPE_CHECKING:
     from peagle.engine.grammar import Constraint

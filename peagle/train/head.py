@@ -16,7 +16,7 @@ stream, so the grown head starts exactly where the saved one was, and gradients 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -24,10 +24,8 @@ from peagle.model.drafter import Drafter
 from peagle.model.mask_token import choose_mask_token_id
 from peagle.train.objective import FrozenEmbedding
 from peagle.train.teacher import Teacher, drafter_config_for
+from peagle.train.train_config import TrainConfig
 from peagle.train.vocab import mapping, select_draft_vocab, used_ids
-
-if TYPE_CHECKING:
-    from peagle.train.trainer import TrainConfig
 
 
 def build_head(cfg: TrainConfig, teacher: Teacher, tokenizer, rows: Iterable[tuple[torch.Tensor, torch.Tensor]],

@@ -13,7 +13,7 @@ import sys
 
 from peagle import cli_args
 from peagle.train.objective import LOSSES
-from peagle.train.trainer import DEFAULT_DEPTHS, DEFAULT_LAYERS, LR_SCALING, TrainConfig
+from peagle.train.train_config import DEFAULT_DEPTHS, DEFAULT_LAYERS, LR_SCALING, TrainConfig
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 

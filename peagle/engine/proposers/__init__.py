@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from peagle.engine.proposers.base import Draft, Proposer
+from peagle.engine.acceptance import Draft
+from peagle.engine.proposers.base import Proposer
 
 if TYPE_CHECKING:
     from peagle.config import SpeculativeConfig

@@ -10,24 +10,12 @@ drafts cost a forward of the drafter. hybrid.py picks, per request and step, bet
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
+
+from peagle.engine.acceptance import Draft
 
 if TYPE_CHECKING:
     from peagle.engine.request import Request
-
-
-@dataclass(frozen=True)
-class Draft:
-    """A model-free draft, made before the step's windows are chosen."""
-    proposer: str  # who made it: "ngram" or "suffix"
-    tokens: list[int]
-    survival: list[float]  # survival[i]: the expected probability that tokens[: i + 1] are all accepted
-
-    @property
-    def score(self) -> float:
-        """Expected accepted tokens if the whole draft is verified."""
-        return sum(self.survival)
 
 
 class Proposer(Protocol):
@@ -75,11 +63,3 @@ class NoModelFreeDrafts:
     def finish(self, req: "Request") -> None:
         pass
 
-
-def survival(conditional: Sequence[float]) -> list[float]:
-    """s_i = a_1 * ... * a_i."""
-    out, s = [], 1.0
-    for a in conditional:
-        s *= a
-        out.append(s)
-    return out

@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from peagle.engine.policy import timed
-from peagle.engine.proposers.base import Draft, NoModelFreeDrafts
+from peagle.engine.acceptance import Draft
+from peagle.engine.proposers.base import NoModelFreeDrafts
+from peagle.engine.timing import timed
 
 if TYPE_CHECKING:
     from peagle.engine.request import Request

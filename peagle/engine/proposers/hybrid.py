@@ -8,8 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from peagle.engine.policy import Candidate
-from peagle.engine.proposers.base import Draft
+from peagle.engine.acceptance import Candidate, Draft
 from peagle.engine.proposers.heads import HeadProposer
 from peagle.engine.proposers.suffix import SuffixProposer
 

@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from peagle.engine.policy import MeasuredAcceptance
-from peagle.engine.proposers.base import Draft, survival
+from peagle.engine.acceptance import Draft, MeasuredAcceptance, survival
 
 if TYPE_CHECKING:
     from peagle.engine.request import Request

@@ -8,8 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from peagle.engine.policy import MeasuredAcceptance
-from peagle.engine.proposers.base import Draft, survival
+from peagle.engine.acceptance import Draft, MeasuredAcceptance, survival
 from peagle.engine.proposers.suffix_tree import SuffixCache
 
 if TYPE_CHECKING:
