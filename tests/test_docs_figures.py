@@ -70,3 +70,11 @@ def test_the_manual_stays_a_manual():
         assert not dated, f"{doc.name} has dated headings: {dated}"
         assert "../shared" not in text and not re.search(r"\bissue #?\d+", text, flags=re.I), \
             f"{doc.name} points outside the repository or at an issue number"
+
+
+def test_every_tool_the_docs_name_is_there():
+    """A script the manual tells a reader to run exists (one only in git history is named with `git show REV:`)."""
+    for doc in [ROOT / "README.md", *DOCS]:
+        text = re.sub(r"git show [0-9a-f]+:\S+", "", doc.read_text())
+        for path in sorted(set(re.findall(r"\b(?:benchmarks|scripts)/[\w./-]+\.(?:py|sh)\b", text))):
+            assert (ROOT / path).is_file(), f"{doc.name} names {path}, which is not in the repository"
