@@ -56,7 +56,7 @@ def run_one(method: str, k: int, dataset: str, head: str, num_prompts: int | Non
             "max_tokens": max_tokens, "max_num_seqs": max_num_seqs,
             "output_tokens": sum(map(len, tokens)), "seconds": round(seconds, 1), "outputs_sha256": digest,
             # each prompt's verify steps that carried drafts and the drafts they accepted, in the set's order: what
-            # the campaign's gate resamples (scripts/bundle_head.py)
+            # the re-bundling gate resamples (scripts/bundle_head.py)
             "per_prompt": [[o.spec.num_drafts, o.spec.num_accepted_tokens] for o in outs],
             **engine.stats.as_dict()}
 

@@ -415,7 +415,7 @@ def heldout_sequences(limit: int) -> list[torch.Tensor]:
     """The bundled heads' held-out conversations (SmolLM2's own answers to ShareGPT prompts, never trained on),
     rendered with the chat template."""
     sys.path.insert(0, str(ROOT / "scripts"))
-    from split_head_data import BUNDLED_DATA, bundled_heldout_ids
+    from head_data import BUNDLED_DATA, bundled_heldout_ids
 
     from peagle.model.loading import embedded_model_dir, load_tokenizer
     from peagle.train.data import iter_json_records

@@ -8,7 +8,7 @@
 #
 # THREADS=1 (default) keeps torch to one thread per process: on a 2-core machine shared with other work, two
 # OpenMP threads spend most of their time waiting for each other (10x slower steps were measured). THREADS=2 on a
-# quiet machine. benchmarks/narrow_head.sh measures a head that accepts a lot (a counting task).
+# quiet machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT="${ROOT:-${PEAGLE_HOME:-$HOME/.cache/peagle}/bench}"

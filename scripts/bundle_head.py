@@ -1,9 +1,10 @@
 """Copy a trained head into peagle/heads/NAME in the compact form the package ships: bf16, and for P-EAGLE only the
 learned mask-token row of the embedding table (loading takes every other row from the embedded target;
-`peagle export` writes the full table vLLM wants), unless training changed other rows too (--train-embeddings). Keeps a 2-layer P-EAGLE and a 1-layer EAGLE-3 head at draft
-vocab 8192 under 60 MB together.
+`peagle export` writes the full table vLLM wants), unless training changed other rows too (--train-embeddings).
+Keeps a 2-layer P-EAGLE and a 1-layer EAGLE-3 head at draft vocab 8192 under 60 MB together.
 
-    python scripts/bundle_head.py runs/peagle-head smollm2-135m-peagle --acceptance runs/campaign/acceptance/acceptance.json
+    python3 benchmarks/acceptance.py --peagle-head runs/peagle-head --methods peagle --out runs/acceptance
+    python3 scripts/bundle_head.py runs/peagle-head smollm2-135m-peagle --acceptance runs/acceptance/acceptance.json
 
 A new bundle must earn its place: its benchmark acceptance (benchmarks/acceptance.py's acceptance.json for the new
 head), at the deepest K both measured, must be no lower on any set and clearly higher on the mean of the sets'
@@ -11,7 +12,7 @@ relative gains: above zero at 95% confidence over the prompts (a paired bootstra
 acceptance.py kept each prompt's counts, by MIN_GAIN; otherwise nothing is copied (--force copies anyway, e.g. for a
 new target). The bundled head's figures are docs/heads/acceptance.json's
 unless --baseline gives a measurement made on the same machine as the new head's (greedy outputs, and so acceptance,
-differ a little between CPUs whose bf16 kernels round differently: scripts/campaign.sh measures both side by side).
+differ a little between CPUs whose bf16 kernels round differently: measure both heads on one machine).
 """
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ BUNDLED_ACCEPTANCE = Path("docs/heads/acceptance.json")
 # The mean over the sets of the relative gain in mean acceptance length must be above zero at CONFIDENCE (one-sided),
 # resampling each set's prompts with the same draw for both heads: greedy outputs are deterministic, so the spread
 # that matters is the prompts', and a head that gains on a few prompts only is not clearly better. Not a gain on
-# every set: the campaign's data is mostly code, and rounds clearly better on HumanEval were held back by small
-# MT-Bench gains (docs/heads.md, "The campaign's gate"); a set may not fall, though.
+# every set: training data mostly of code moves HumanEval, and heads clearly better there were held back by small
+# MT-Bench gains (docs/heads.md); a set may not fall, though.
 CONFIDENCE = 0.95
 RESAMPLES = 4000
 # For files measured before benchmarks/acceptance.py kept each prompt's counts: a fixed rise of 2% averaged over the

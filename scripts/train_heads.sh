@@ -11,7 +11,7 @@
 #    1,600 of data/heads/smollm2-regenerated.jsonl.gz and the 2,400 more of data/heads/smollm2-regenerated-2.jsonl.gz
 #    (answers to data/heads/prompts-2.jsonl.gz; any prompt still unanswered is regenerated first: about 35 per minute
 #    on one core, resumable)
-# 2. the bundled heads' 32 held-out conversations kept apart (scripts/split_head_data.py), evaluated every 100 steps
+# 2. the bundled heads' 32 held-out conversations kept apart (scripts/head_data.py split), evaluated every 100 steps
 # 3. both heads trained on the same data, in parallel, one core each, checkpointing every 20 steps (--resume latest)
 # 4. measured on MT-Bench and HumanEval (benchmarks/acceptance.py) into WORK/acceptance; bundle only a head that is
 #    clearly better than the bundled one (every bundle stays in the repository's history)
@@ -36,7 +36,7 @@ fi
 peagle data prepare --input data/heads/prompts-2.jsonl.gz --out "$WORK/regen" --regenerate --max-new-tokens 256 \
   --max-model-len 1024 --batch-size 32 --max-num-seqs 16  # skips the answers already there
 if [ ! -f "$WORK/heldout-data/peagle_data.json" ]; then
-  python3 scripts/split_head_data.py --inputs data/heads/smollm2-regenerated.jsonl.gz "$WORK/regen/regenerated.jsonl" \
+  python3 scripts/head_data.py split --inputs data/heads/smollm2-regenerated.jsonl.gz "$WORK/regen/regenerated.jsonl" \
     --train "$WORK/train.jsonl" --heldout "$WORK/heldout.jsonl"
   peagle data prepare --input "$WORK/train.jsonl" --out "$WORK/train-data"
   peagle data prepare --input "$WORK/heldout.jsonl" --out "$WORK/heldout-data"
