@@ -171,19 +171,13 @@ def main() -> int:
 
     import torch
 
-    from peagle.config import SpeculativeConfig
     from peagle.engine import LLMEngine
-    from peagle.model.heads import default_speculative_config
+    from peagle.model.speculation import resolve_speculation
 
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the server process inherits it
         torch.set_num_threads(args.threads)
-    if args.speculative_config is None:
-        spec = default_speculative_config(args.model)
-    elif args.speculative_config.lower() == "none":
-        spec = None
-    else:
-        spec = SpeculativeConfig.parse(args.speculative_config)
+    spec = resolve_speculation(args.model, args.speculative_config).config  # as `peagle serve` resolves it
     spec_json = spec.to_json() if spec is not None else None
     print(f"model {args.model or 'SmolLM2-135M-Instruct (embedded)'}; speculative config {spec_json or 'none'}; "
           f"max_tokens {args.max_tokens}; max_num_seqs {args.max_num_seqs}; torch threads {torch.get_num_threads()}",

@@ -1,9 +1,12 @@
 """The speculative config: the same JSON as vLLM's `--speculative-config` (and SageMaker's
 `SM_VLLM_SPECULATIVE_CONFIG`), e.g. {"model": ..., "method": "eagle3", "num_speculative_tokens": 3,
-"parallel_drafting": true}. This module is the one place its schema and rules live."""
+"parallel_drafting": true}. This module is the one place its schema and rules live, and the home of `Speculation`:
+what a command runs once its config is resolved (peagle/model/speculation.py resolves it)."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -28,7 +31,16 @@ HYBRID_METHOD = "hybrid"
 # K when a config or command gives none: with the bundled heads, drafts past the third are rarely accepted, and K = 3
 # was the fastest at concurrency 1 in docs/benchmarks.md.
 DEFAULT_NUM_SPECULATIVE_TOKENS = 3
-ENV_VAR = "SM_VLLM_SPECULATIVE_CONFIG"
+# Where a command reads its speculative config when no flag gives one (SageMaker's name for vLLM's flag).
+SPECULATIVE_CONFIG_ENV = "SM_VLLM_SPECULATIVE_CONFIG"
+# What turns speculation off where a config is expected, as with vLLM.
+NO_SPECULATION = ("", "none", "null")
+# How many drafts each step verifies (peagle/engine/policy.py): adaptive, every command's default, picks K from 0 up
+# to num_speculative_tokens every step; fixed always verifies K, as vLLM does. On a CPU a fixed K loses to plain
+# decoding wherever the drafts are weak, and adaptive is never far below the best fixed K (docs/engine.md).
+SPECULATION_POLICIES = ("adaptive", "fixed")
+DEFAULT_SPECULATION_POLICY = "adaptive"
+SPECULATION_POLICY_ENV = "SM_VLLM_SPECULATION_POLICY"  # `peagle serve` maps every flag to SM_VLLM_<NAME>; generate too
 # The drafter's block formats ("quantization"): peagle.model.quant.QUANTIZATIONS, named here without importing torch.
 DRAFTER_FORMATS = ("q4_0", "q4_1", "q8_0")
 
@@ -201,6 +213,12 @@ class SpeculativeConfig(BaseModel):
             return self.method
         return self.head_method
 
+    def describe(self, policy: str) -> str:
+        """What runs, in words, e.g. `hybrid (adaptive K<=24, head smollm2-135m-peagle)`."""
+        k = f"K{'<=' if policy == 'adaptive' else '='}{self.max_draft_tokens}"
+        head = f", head {Path(self.model).name}" if self.uses_head and self.model else ""
+        return f"{self.method_name} ({policy} {k}{head})"
+
     def to_dict(self) -> dict:
         """vLLM's JSON form, as a dict: every field that is set (defaults included, so K and the drafting mode are
         always spelled out). Every place that shows or passes on a config (export, `peagle models`, `/v1/models`, the
@@ -264,3 +282,43 @@ class SpeculativeConfig(BaseModel):
                     msg = f"unknown field; allowed fields: {', '.join(cls.model_fields)}"
                 parts.append(f"{loc}: {msg}")
             raise SpeculativeConfigError("invalid speculative config: " + "; ".join(parts)) from None
+
+
+# Where a command's speculation came from ("argument": a caller of the Python API passed it).
+ORIGINS = ("flag", "environment", "preset", "default", "argument")
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """The speculation a command runs, resolved once (peagle/model/speculation.py) and passed down as it is: the
+    target, the config (None: plain decoding) with its head resolved to `head_path`, the policy, where the config
+    came from (ORIGINS) and a note when the default had to settle for less than it wanted."""
+    model: str | None  # the target as the user named it (None: the embedded model)
+    model_path: Path | None  # its folder or .gguf file; None only for a model another engine (vLLM) fetches
+    config: SpeculativeConfig | None
+    head_path: Path | None = None  # the head's folder when a head drafts and is on this disk
+    policy: str = DEFAULT_SPECULATION_POLICY
+    origin: str = "default"
+    note: str | None = None
+
+    @property
+    def method(self) -> str:
+        """`none`, or the config's method_name (peagle, eagle3, ngram, suffix, hybrid)."""
+        return self.config.method_name if self.config is not None else "none"
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """The most drafts a step verifies (the widest proposer's, in the hybrid); 0 without speculation."""
+        return self.config.max_draft_tokens if self.config is not None else 0
+
+    def describe(self) -> str:
+        """What runs and why, for start-up lines and /v1/models, e.g. `suffix (adaptive K<=24), the default`."""
+        what = self.config.describe(self.policy) if self.config is not None else "no speculation"
+        return f"{what}, {'the default' if self.origin == 'default' else 'from the ' + self.origin}"
+
+    def as_dict(self) -> dict:
+        """The JSON form /v1/models and the stats show."""
+        return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
+                "speculation_policy": self.policy if self.config is not None else None,
+                "head": str(self.head_path or self.config.model) if self.config and self.config.uses_head else None,
+                "origin": self.origin, "what_runs": self.describe()}

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from peagle.config import ENV_VAR, SpeculativeConfig, SpeculativeConfigError
+from peagle.config import SPECULATIVE_CONFIG_ENV, SpeculativeConfig, SpeculativeConfigError
 
 SAGEMAKER = '{"model": "/opt/ml/additional-model-data-sources/peagle", "method": "eagle3", ' \
             '"num_speculative_tokens": 3, "parallel_drafting": true}'
@@ -33,16 +33,20 @@ def test_defaults_and_dict_input():
 
 
 def test_environment_variable(monkeypatch):
-    from peagle.model.heads import resolve_speculation
+    from peagle.model.speculation import resolve_speculation
 
-    monkeypatch.delenv(ENV_VAR, raising=False)
-    assert resolve_speculation(None, "some/other-model").config is None
-    monkeypatch.setenv(ENV_VAR, SAGEMAKER)
-    assert resolve_speculation(None, "some/other-model").config.parallel_drafting is True
-    assert resolve_speculation("none", "some/other-model").config is None  # a flag wins over the environment
-    monkeypatch.setenv(ENV_VAR, "{bad")
-    with pytest.raises(SpeculativeConfigError, match=f"(?s)not valid JSON.*from {ENV_VAR}"):
-        resolve_speculation(None, "some/other-model")
+    def chosen(flag=None):  # a hub id vLLM would fetch: nothing of it is on this disk
+        return resolve_speculation("some/other-model", flag, local=False)
+
+    monkeypatch.delenv(SPECULATIVE_CONFIG_ENV, raising=False)
+    assert (chosen().method, chosen().origin) == ("suffix", "default")
+    monkeypatch.setenv(SPECULATIVE_CONFIG_ENV, SAGEMAKER)
+    assert chosen().config.parallel_drafting is True and chosen().origin == "environment"
+    assert chosen().head_path is None and chosen().config.model == json.loads(SAGEMAKER)["model"]  # not local
+    assert chosen("none").config is None and chosen("none").origin == "flag"  # a flag wins over the environment
+    monkeypatch.setenv(SPECULATIVE_CONFIG_ENV, "{bad")
+    with pytest.raises(SpeculativeConfigError, match=f"(?s)not valid JSON.*from {SPECULATIVE_CONFIG_ENV}"):
+        chosen()
 
 
 @pytest.mark.parametrize("value, field, words", [

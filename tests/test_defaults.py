@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from peagle.config import DEFAULT_NUM_SPECULATIVE_TOKENS, SpeculativeConfig
-from peagle.model.heads import DEFAULT_HEADS, HEADS_DIR, default_speculative_config, embedded_speculative_config
+from peagle.model.heads import DEFAULT_HEADS, HEADS_DIR, embedded_speculative_config
+from peagle.model.speculation import resolve_speculation
 
 
-def _serve_plan(*argv: str) -> dict:
+def _serve_plan(*argv: str):
     from peagle.serve import cli
 
     p = argparse.ArgumentParser()
@@ -29,10 +30,12 @@ def test_embedded_preset_k_agrees_everywhere(name, capsys):
     expected = embedded_speculative_config().model_dump(exclude_none=True)
     assert expected["num_speculative_tokens"] == DEFAULT_NUM_SPECULATIVE_TOKENS
     assert SpeculativeConfig().num_speculative_tokens == DEFAULT_NUM_SPECULATIVE_TOKENS
-    assert default_speculative_config(None).model_dump(exclude_none=True) == expected
+    # what every command runs for the embedded model with no config, its head found in the package
+    bundled = str(HEADS_DIR / expected["model"])
+    assert resolve_speculation(None).config.model_dump(exclude_none=True) == {**expected, "model": bundled}
     # what `peagle serve NAME` would run
-    served = _serve_plan(*([name] if name else []))["spec"].model_dump(exclude_none=True)
-    assert served == expected
+    served = _serve_plan(*([name] if name else [])).speculation.config.model_dump(exclude_none=True)
+    assert served == {**expected, "model": bundled}
     # what `peagle models` lists for the preset, as a table and as JSON
     preset = catalog.find(name or "default")
     assert preset.name == catalog.EMBEDDED_PRESET and preset.speculative_config == \

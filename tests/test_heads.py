@@ -9,7 +9,8 @@ import pytest
 
 from peagle.engine.engine import LLMEngine
 from peagle.engine.sampling import SamplingParams
-from peagle.model.heads import DEFAULT_HEADS, DEFAULT_NUM_SPECULATIVE_TOKENS, bundled_heads, default_speculative_config
+from peagle.model.heads import DEFAULT_HEADS, DEFAULT_NUM_SPECULATIVE_TOKENS, HEADS_DIR, bundled_heads
+from peagle.model.speculation import resolve_speculation
 
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
@@ -33,8 +34,10 @@ def plain_outputs(one_thread) -> list[list[int]]:
 
 def test_heads_are_bundled_and_default():
     assert set(DEFAULT_HEADS.values()) <= set(bundled_heads())
-    spec = default_speculative_config(None)
-    assert spec is not None and spec.parallel_drafting and spec.model == DEFAULT_HEADS["peagle"]
+    chosen = resolve_speculation(None)
+    spec = chosen.config
+    assert chosen.origin == "default" and chosen.method == "hybrid" and spec.parallel_drafting
+    assert chosen.head_path == HEADS_DIR / DEFAULT_HEADS["peagle"] and spec.model == str(chosen.head_path)
     assert spec.num_speculative_tokens == DEFAULT_NUM_SPECULATIVE_TOKENS
 
 

@@ -56,16 +56,17 @@ def test_every_flag_from_sm_vllm_env_and_the_flag_wins():
 
 
 def test_sagemaker_defaults_use_the_bundled_peagle_head(monkeypatch, tmp_path):
-    from peagle.model.heads import DEFAULT_HEADS, DEFAULT_NUM_SPECULATIVE_TOKENS
+    from peagle.model.heads import DEFAULT_HEADS, DEFAULT_NUM_SPECULATIVE_TOKENS, HEADS_DIR
     from peagle.serve import cli
 
     monkeypatch.setenv(cli.ML_ROOT_ENV, str(tmp_path / "ml"))
     plan = cli.resolve(serve_parser({}).parse_args(["--sagemaker"]))
-    assert (plan["host"], plan["port"]) == ("0.0.0.0", 8080)
-    assert plan["spec"].parallel_drafting and plan["spec"].model == DEFAULT_HEADS["peagle"]
-    assert plan["spec"].num_speculative_tokens == DEFAULT_NUM_SPECULATIVE_TOKENS
+    assert (plan.host, plan.port) == ("0.0.0.0", 8080)
+    spec = plan.speculation.config
+    assert spec.parallel_drafting and plan.speculation.head_path == HEADS_DIR / DEFAULT_HEADS["peagle"]
+    assert spec.model == str(plan.speculation.head_path) and spec.num_speculative_tokens == DEFAULT_NUM_SPECULATIVE_TOKENS
     plan = cli.resolve(serve_parser({}).parse_args([]))
-    assert (plan["host"], plan["port"]) == ("127.0.0.1", 8000)
+    assert (plan.host, plan.port) == ("127.0.0.1", 8000)
 
 
 @pytest.mark.parametrize("how, text, message", [

@@ -89,13 +89,13 @@ class Browser:
 @pytest.fixture(scope="module")
 def server():
     from peagle.engine import LLMEngine
-    from peagle.model.heads import default_speculative_config
+    from peagle.model.speculation import resolve_speculation
     from peagle.serve.app import build_app
     from peagle.serve.async_engine import AsyncEngine
     from peagle.serve.metrics import Metrics
 
     # what `peagle serve` runs with no arguments: the embedded SmolLM2 with its bundled P-EAGLE head
-    engine = LLMEngine.from_pretrained(None, default_speculative_config(None), max_num_seqs=2, device="cpu")
+    engine = LLMEngine.from_pretrained(resolve_speculation(None), max_num_seqs=2, device="cpu")
     base = LLMEngine(engine.target, engine.tokenizer, max_num_seqs=1, max_model_len=engine.max_model_len,
                      model_name=engine.model_name)
     aengine = AsyncEngine(engine, base, metrics=Metrics("SmolLM2-135M-Instruct", engine.k))

@@ -43,7 +43,8 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("what to compare")
     g.add_argument("--methods", default=DEFAULT_METHODS,
                    help=f"comma-separated, from {', '.join(METHODS)} (default: {DEFAULT_METHODS}); ngram, suffix "
-                        "and hybrid run at their config's defaults under the adaptive policy")
+                        "and hybrid run at their config's defaults under the adaptive policy; default: what `peagle "
+                        "serve` runs for the model without a config")
     g.add_argument("--k", default="3,7,11",
                    help="speculative tokens K for eagle3 and peagle (default 3,7,11); `adaptive` adds the adaptive "
                         "speculation policy, which picks K from 0 up to the largest K listed (7 if none) every step")

@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from peagle.bench.structured import iter_structured
 from peagle.jsonarray import NotAJSONArrayError, iter_json_array
 
 BUILTIN = ("humaneval", "mtbench", "sharegpt", "structured")
@@ -84,9 +85,7 @@ def load_dataset(spec: str, num_prompts: int | None = None) -> list[BenchPrompt]
     elif name in ("summarise-quotes", "summarize-quotes"):
         it = iter_summarise_quotes()
     elif name == "structured":
-        from peagle.bench.structured import iter_structured
-
-        it = iter_structured()
+        it = (BenchPrompt(i, text, category=c, response_format=rf) for i, text, c, rf in iter_structured())
     elif name == "custom":
         if not arg:
             raise DatasetError("custom dataset needs a file: --dataset custom:FILE.jsonl")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from peagle.bench.datasets import BenchPrompt
 from peagle.bench.metrics import RequestResult
-from peagle.config import ENV_VAR
+from peagle.config import SPECULATIVE_CONFIG_ENV
 
 Progress = Callable[[RequestResult], None] | None
 
@@ -463,7 +463,7 @@ class ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "w")
         env = dict(os.environ)
-        env.pop(ENV_VAR, None)  # the flag decides, not a stray environment variable
+        env.pop(SPECULATIVE_CONFIG_ENV, None)  # the flag decides, not a stray environment variable
         if self.threads:
             env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(self.threads)
         t0 = time.perf_counter()

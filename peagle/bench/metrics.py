@@ -149,11 +149,13 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 METHOD_NAMES = {"baseline": "No speculation", "eagle3": "EAGLE-3", "peagle": "P-EAGLE",
                 "transformers": "transformers generate()", "transformers-pld": "transformers prompt lookup",
-                "ngram": "n-gram", "suffix": "Suffix decoding", "hybrid": "Hybrid (P-EAGLE + suffix)"}
+                "ngram": "n-gram", "suffix": "Suffix decoding", "hybrid": "Hybrid (P-EAGLE + suffix)",
+                "default": "peagle's default"}
 SPEC_METHODS = ("eagle3", "peagle")  # the heads, measured at each K of --k
 # peagle's other drafters, each at its own config's defaults under the adaptive policy (hybrid: the P-EAGLE head's)
 AUTO_METHODS = ("ngram", "suffix", "hybrid")
-DRAFTING_METHODS = SPEC_METHODS + AUTO_METHODS
+# "default": what `peagle serve` runs for the model when no config is given (peagle/model/speculation.py)
+DRAFTING_METHODS = SPEC_METHODS + AUTO_METHODS + ("default",)
 
 
 def config_label(method: str, k: int, policy: str = "fixed") -> str:

@@ -13,7 +13,8 @@ from peagle.bench.metrics import AUTO_METHODS, METHOD_NAMES, SPEC_METHODS, confi
 from peagle.config import SpeculativeConfig
 from peagle.model.heads import is_untrained
 
-METHODS = ("baseline", "eagle3", "peagle", "ngram", "suffix", "hybrid", "transformers", "transformers-pld")
+METHODS = ("baseline", "eagle3", "peagle", "ngram", "suffix", "hybrid", "default", "transformers",
+           "transformers-pld")
 DEFAULT_METHODS = "baseline,eagle3,peagle,transformers,transformers-pld"
 ADAPTIVE = "adaptive"
 ADAPTIVE_DEFAULT_MAX_K = 7  # the most drafts `--k adaptive` verifies when no fixed K is listed beside it
@@ -51,12 +52,15 @@ class Config:
     k: int = 0  # the K of a fixed policy; the largest K of the adaptive one
     head: str | None = None
     policy: str = "fixed"  # the engine's speculation policy (speculative methods only)
+    resolved: SpeculativeConfig | None = None  # method "default": the config resolved for the model
 
     @property
     def label(self) -> str:
         return config_label(self.method, self.k, self.policy)
 
     def speculative_config(self) -> SpeculativeConfig | None:
+        if self.method == "default":
+            return self.resolved
         if self.method in AUTO_METHODS:
             return auto_config(self.method, self.head)
         if self.method not in SPEC_METHODS:
@@ -262,9 +266,24 @@ def _local_configs(args, methods: list[str], ks: list[int], adaptive_k: int | No
                 heads.setdefault("peagle", {"path": str(path), "untrained": untrained})
                 head = str(path)
             configs.append(Config(m, auto_config(m, head).max_draft_tokens, head, ADAPTIVE))
+        elif m == "default":
+            configs.append(_default_config(args))
         else:
             configs.append(Config(m))
     return configs, heads
+
+
+def _default_config(args) -> Config:
+    """What `peagle serve` runs for the model when no config is given, resolved as it resolves it."""
+    from peagle.config import SpeculativeConfigError
+    from peagle.model.speculation import resolve_speculation
+
+    try:
+        chosen = resolve_speculation(args.model, policy=ADAPTIVE)
+    except (SpeculativeConfigError, FileNotFoundError) as e:
+        raise BenchError(f"default: {e}") from None
+    head = str(chosen.head_path) if chosen.head_path is not None else None
+    return Config("default", chosen.num_speculative_tokens, head, ADAPTIVE, chosen.config)
 
 
 def _encode(tokenizer, prompt, chat: bool) -> list[int]:

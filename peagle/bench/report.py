@@ -9,7 +9,8 @@ from pathlib import Path
 
 from peagle.bench.metrics import METHOD_NAMES, SPEC_METHODS, RunMetrics, best_k, config_label, ratio
 
-METHOD_ORDER = ("baseline", "eagle3", "peagle", "ngram", "suffix", "hybrid", "transformers", "transformers-pld")
+METHOD_ORDER = ("baseline", "eagle3", "peagle", "ngram", "suffix", "hybrid", "default", "transformers",
+                "transformers-pld")
 # The speed this project aims for (P-EAGLE's published ratios), measured on HumanEval with `peagle bench` (not in
 # tests).
 TARGETS = (

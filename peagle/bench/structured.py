@@ -39,13 +39,12 @@ def response_format(name: str, schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
 
 
-def iter_structured() -> Iterator:
-    from peagle.bench.datasets import BenchPrompt
-
+def iter_structured() -> Iterator[tuple[str, str, str, dict]]:
+    """(id, prompt, category, response_format) of every task."""
     for task_id, text, schema in TASKS:
+        category = task_id.split("-")[0]
         prompt = INSTRUCTION.format(fields=", ".join(schema["properties"]), text=text)
-        yield BenchPrompt(task_id, prompt, category=task_id.split("-")[0],
-                          response_format=response_format(task_id.split("-")[0], schema))
+        yield task_id, prompt, category, response_format(category, schema)
 
 
 def constraint_of(response_format: dict | None):

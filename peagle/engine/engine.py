@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from peagle.config import SpeculativeConfig
+from peagle.config import Speculation, SpeculativeConfig
 from peagle.engine.detokenize import IncrementalDetokenizer
 from peagle.engine.grammar import GrammarCompiler, count_forced, stack_bias
 from peagle.engine.errors import RequestError
@@ -177,19 +177,26 @@ class LLMEngine:
 
     # -- construction ------------------------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, model: str | None = None, speculative_config: SpeculativeConfig | str | dict | None = None,
+    def from_pretrained(cls, model: Speculation | str | None = None,
+                        speculative_config: SpeculativeConfig | str | dict | None = None,
                         max_num_seqs: int = 8, max_model_len: int | None = None, device: str | None = None,
                         dtype: str | torch.dtype | None = None, speculation_policy: str = DEFAULT_POLICY,
                         quantization: str | None = None, **options) -> "LLMEngine":
-        """A target (None: the embedded SmolLM2; a .gguf file runs its block-quantized weights as they are) and
-        optionally a head named by the speculative config. `quantization` (q4_0, q4_1, q8_0) quantizes a float
-        target's matrices at load, as vLLM's --quantization does. `options`: the constructor's prefill options."""
-        from peagle.model.heads import resolve_head
+        """The engine for a resolved `Speculation` (peagle.model.speculation.resolve_speculation: its target, head
+        and policy are loaded as they are, nothing is resolved again), or for a model name (None: the embedded
+        SmolLM2; a .gguf file runs its block-quantized weights as they are) with `speculative_config` (None: no
+        speculation) and `speculation_policy`, resolved here by that same function. `quantization` (q4_0, q4_1,
+        q8_0) quantizes a float target's matrices at load, as vLLM's --quantization does. `options`: the
+        constructor's prefill options."""
         from peagle.model.checkpoint import load_head
-        from peagle.model.loading import config_dir, is_gguf, load_tokenizer, resolve_model, torch_dtype
+        from peagle.model.loading import config_dir, is_gguf, load_tokenizer, torch_dtype
         from peagle.model.quant import drafter_quantization
+        from peagle.model.speculation import resolve_speculation
 
-        path = resolve_model(model)
+        chosen = model if isinstance(model, Speculation) else resolve_speculation(
+            model, speculative_config if speculative_config is not None else "none", source="speculative_config",
+            policy=speculation_policy)
+        path = chosen.model_path
         device = device or ("cpu" if is_gguf(path) or quantization else
                             "cuda" if torch.cuda.is_available() else "cpu")
         dtype = torch_dtype(dtype)
@@ -197,19 +204,15 @@ class LLMEngine:
         meta = config_dir(path)
         has_tokenizer = any((meta / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
         tokenizer = load_tokenizer(path) if has_tokenizer else None
-        spec = speculative_config
-        if isinstance(spec, (str, dict)):
-            spec = SpeculativeConfig.parse(spec)
-        drafter = None
+        spec, drafter = chosen.config, None
         if spec is not None and spec.uses_head:
-            head_path = resolve_head(spec.model, model, method=spec.head_method)
-            spec = spec.model_copy(update={"model": str(head_path)})
-            drafter = load_head(head_path, target_embeddings=target.input_embeddings(), dtype=dtype, device=device)
+            drafter = load_head(chosen.head_path, target_embeddings=target.input_embeddings(), dtype=dtype,
+                                device=device)
             # the engine never trains it: pack its weights once for the CPU kernels (no-op elsewhere), in 8 bits
             # beside a block-quantized target
             drafter.pack_(drafter_quantization(spec.quantization, target.quantized))
         return cls(target, tokenizer, drafter, spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                   model_name=model or Path(path).name, speculation_policy=speculation_policy, **options)
+                   model_name=chosen.model or Path(path).name, speculation_policy=chosen.policy, **options)
 
     @property
     def method(self) -> str:

@@ -7,22 +7,25 @@ import os
 import sys
 
 from peagle import cli_args
-from peagle.engine.policy import DEFAULT_POLICY, ENV_VAR, POLICIES
+from peagle.config import DEFAULT_SPECULATION_POLICY, SPECULATION_POLICIES, SPECULATION_POLICY_ENV
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a string is a palindrome, and explain it briefly."
 
 
 def register(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, help="the prompt (default: a built-in one)")
-    parser.add_argument("--model", default=None, help="target model folder or cached hub id (default: embedded SmolLM2)")
+    parser.add_argument("--model", default=None,
+                        help="target model folder, .gguf file or cached hub id (default: the embedded SmolLM2)")
     parser.add_argument("--speculative-config", default=None,
                         help='vLLM-style JSON, e.g. \'{"model": HEAD, "method": "eagle3", "num_speculative_tokens": 7, '
-                             '"parallel_drafting": true}\' (default: SM_VLLM_SPECULATIVE_CONFIG, else the bundled P-EAGLE head of the embedded model); "none" '
-                             'decodes without speculation')
+                             '"parallel_drafting": true}\' (default: SM_VLLM_SPECULATIVE_CONFIG, else the hybrid with '
+                             'the bundled head for the embedded weights in any format, suffix drafts for any other '
+                             'model); "none" decodes without speculation')
     parser.add_argument("--no-speculation", action="store_true", help="plain decoding, no drafter")
-    parser.add_argument("--speculation-policy", choices=POLICIES, default=os.environ.get(ENV_VAR, DEFAULT_POLICY),
+    parser.add_argument("--speculation-policy", choices=SPECULATION_POLICIES,
+                        default=os.environ.get(SPECULATION_POLICY_ENV, DEFAULT_SPECULATION_POLICY),
                         help=f"adaptive (default): K is picked every step from 0 up to num_speculative_tokens for the "
-                             f"most tokens/s; fixed: always K, as vLLM does (default from {ENV_VAR})")
+                             f"most tokens/s; fixed: always K, as vLLM does (default from {SPECULATION_POLICY_ENV})")
     parser.add_argument("--max-tokens", type=cli_args.positive_int, default=256)
     parser.add_argument("--max-model-len", type=cli_args.positive_int,
                         help="context length (prompt + output); default: the model's, at most 4096")
@@ -64,18 +67,16 @@ def run(args: argparse.Namespace) -> int:
     from peagle.config import SpeculativeConfigError
     from peagle.engine import LLMEngine, RequestError, SamplingParams
     from peagle.engine.stats import by_proposer, describe_by_proposer
-    from peagle.model.heads import resolve_speculation
+    from peagle.model.speculation import resolve_speculation
 
     try:
-        spec = None
-        if not args.no_speculation:
-            chosen = resolve_speculation(args.speculative_config, args.model)
-            spec = chosen.config
-            if chosen.note:
-                print(f"peagle generate: note: {chosen.note}", file=sys.stderr)
-        engine = LLMEngine.from_pretrained(args.model, spec, max_num_seqs=1, max_model_len=args.max_model_len,
-                                           device=args.device, dtype=args.dtype,
-                                           speculation_policy=args.speculation_policy, quantization=args.quantization)
+        chosen = resolve_speculation(args.model, "none" if args.no_speculation else args.speculative_config,
+                                     source="--no-speculation" if args.no_speculation else "--speculative-config",
+                                     policy=args.speculation_policy)
+        if chosen.note:
+            print(f"peagle generate: note: {chosen.note}", file=sys.stderr)
+        engine = LLMEngine.from_pretrained(chosen, max_num_seqs=1, max_model_len=args.max_model_len,
+                                           device=args.device, dtype=args.dtype, quantization=args.quantization)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, constraint=constraint_of(args))
         chat = args.chat if args.chat is not None else bool(getattr(engine.tokenizer, "chat_template", None))
@@ -99,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
         "num_speculative_tokens": engine.k,
         "speculation_policy": engine.policy.name if engine.spec else None,
         "head": engine.spec.model if engine.spec else None,
+        "speculation_origin": chosen.origin,
+        "what_runs": chosen.describe(),
         **engine.kernels,
         **{k: v for k, v in final.spec.as_dict().items()},
         "proposers": by_proposer(engine.proposer_stats),
@@ -107,9 +110,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result))
     else:
         per_pos = " ".join(f"{x:.2f}" for x in final.spec.acceptance_per_position)
-        k = (f"K={result['num_speculative_tokens']}" if result["speculation_policy"] != "adaptive" else
-             f"adaptive K<={result['num_speculative_tokens']}, mean {result['mean_k']:.2f}")
-        print(f"\n\n[{result['method']} {k}] {result['num_output_tokens']} tokens in "
+        mean_k = f", mean K {result['mean_k']:.2f}" if result["speculation_policy"] == "adaptive" else ""
+        print(f"\n\n[{result['what_runs']}{mean_k}] {result['num_output_tokens']} tokens in "
               f"{result['elapsed_s']:.2f} s: {result['tokens_per_second']:.1f} tok/s, TTFT "
               f"{result['time_to_first_token_s'] * 1000:.0f} ms, mean acceptance length "
               f"{result['mean_acceptance_length']:.2f}" + (f", per-position acceptance {per_pos}" if per_pos else "")

@@ -46,7 +46,7 @@ def _reader(path: Path):
 
 def metadata_dir(path: str | Path) -> Path:
     """A folder with the GGUF's config.json and tokenizer (with its chat template), made once per file."""
-    from peagle.model.loading import _file_lock, peagle_home
+    from peagle.model.home import file_lock, peagle_home
 
     path = Path(path).resolve()
     st = path.stat()
@@ -54,7 +54,7 @@ def metadata_dir(path: str | Path) -> Path:
     if (out / "config.json").exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(out.parent / f".{out.name}.lock"):
+    with file_lock(out.parent / f".{out.name}.lock"):
         if (out / "config.json").exists():
             return out
         _reader(path)  # a clear error for a bad file before transformers' own

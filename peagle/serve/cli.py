@@ -4,8 +4,9 @@ Flags follow `vllm serve`. Every flag can also come from the environment as `SM_
 dashes as underscores: `SM_VLLM_SPECULATIVE_CONFIG`, `SM_VLLM_MAX_NUM_SEQS`, `SM_VLLM_SAGEMAKER=true`, and
 `SM_VLLM_MODEL` for the model), the way SageMaker's vLLM containers map them; a flag on the command line wins.
 
-MODEL is a model folder, a locally cached Hugging Face id, a preset name from `peagle models`, or nothing for the
-embedded SmolLM2-135M-Instruct with its bundled P-EAGLE head.
+MODEL is a model folder, a .gguf file, a locally cached Hugging Face id, a preset name from `peagle models`, or
+nothing for the embedded SmolLM2-135M-Instruct. Without --speculative-config every model speculates
+(peagle/model/speculation.py says how the config is chosen, once); "none" turns it off.
 """
 from __future__ import annotations
 
@@ -16,10 +17,15 @@ import os
 import shlex
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from peagle import cli_args
-from peagle.config import ENV_VAR
+from peagle.config import SPECULATIVE_CONFIG_ENV, Speculation
+
+if TYPE_CHECKING:
+    from peagle.serve.catalog import Preset
 
 
 ENV_PREFIX = "SM_VLLM_"
@@ -48,7 +54,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help='vLLM\'s speculative config, e.g. \'{"method": "eagle3", "model": HEAD, '
                              '"num_speculative_tokens": 7, "parallel_drafting": true}\', \'{"method": "suffix"}\' or '
                              '\'{"method": "ngram", "prompt_lookup_max": 4}\' (methods: peagle, eagle3, ngram, suffix, '
-                             'hybrid; default: the hybrid for the embedded model); "none" turns speculation off')
+                             'hybrid; default: the hybrid with the bundled head for the embedded weights in any '
+                             'format, suffix drafts for any other model); "none" turns speculation off')
     from peagle.engine.policy import DEFAULT_POLICY, POLICIES
 
     parser.add_argument("--speculation-policy", choices=POLICIES, default=DEFAULT_POLICY,
@@ -166,86 +173,57 @@ def _fail(msg: str, code: int = 2) -> int:
 # ------------------------------------------------------------------------------------------------------------
 
 
-def resolve(args) -> dict:
-    """Turn arguments into what to serve: model, speculative config (its head resolved to a folder here, once,
-    unless it is a hub id that vLLM fetches), names, address. Raises ServeError."""
+@dataclass(frozen=True)
+class ServePlan:
+    """What `peagle serve` serves, decided before anything heavy loads."""
+    speculation: Speculation  # the target, its head and policy, resolved once; the engine loads them as they are
+    preset: "Preset | None"  # the preset the model name chose, if any
+    host: str
+    port: int
+    served: tuple[str, ...]  # the names clients use in "model"
+    notes: tuple[str, ...] = ()  # printed at start-up
+
+
+def resolve(args) -> ServePlan:
+    """Turn arguments into what to serve: the speculation (model, head, config, policy: resolved here, once),
+    preset, names, address. Raises ServeError."""
     from peagle.config import SpeculativeConfigError
-    from peagle.model.heads import resolve_head, resolve_speculation
-    from peagle.model.loading import EMBEDDED_MODEL, is_embedded
+    from peagle.model.loading import EMBEDDED_MODEL
+    from peagle.model.speculation import resolve_speculation
     from peagle.serve import catalog
 
     name = args.model_tag or args.model
     if args.sagemaker and name is None and (ml_root() / "model" / "config.json").exists():
         name = str(ml_root() / "model")
     preset = catalog.find(name) if name is not None and not Path(name).expanduser().exists() else None
-    model = preset.model if preset else name
     if preset is not None and preset.engine == "vllm" and args.engine != "vllm":
         raise ServeError(f"preset {preset.name} ({preset.model}) is a large GPU model that peagle's engine does not "
                          f"run; serve it with vLLM: `peagle serve {preset.name} --engine vllm`")
     try:
-        chosen = resolve_speculation(args.speculative_config, model,
-                                     source="--speculative-config" if _from_cli("--speculative-config") else ENV_VAR,
-                                     preset=preset.speculative_config if preset and preset.model is not None else None)
-    except SpeculativeConfigError as e:
+        speculation = resolve_speculation(
+            preset.model if preset else name, args.speculative_config,
+            source=_speculative_config_source(args.speculative_config),
+            preset=preset.speculative_config if preset and preset.model is not None else None,
+            channels=ml_root() / "additional-model-data-sources" if args.sagemaker else None,
+            policy=args.speculation_policy, local=args.engine == "peagle")
+    except (SpeculativeConfigError, FileNotFoundError) as e:
         raise ServeError(str(e)) from None
-    spec = chosen.config
-    notes = [f"note: {chosen.note}"] if chosen.note else []
-    if chosen.origin == "preset" and not preset.verified:
+    notes = [f"note: {speculation.note}"] if speculation.note else []
+    if speculation.origin == "preset" and not preset.verified:
         notes.append(f"warning: preset {preset.name}'s head id {preset.head!r} is unverified ({preset.notes})")
-
-    if args.engine == "peagle" and not is_embedded(model):
-        from peagle.model.loading import resolve_model
-
-        try:  # fail before loading anything heavy
-            resolve_model(model)
-        except FileNotFoundError as e:
-            raise ServeError(str(e))
-
-    head_dir = None  # a local head's folder, found here once; what the engine (or vLLM) is given
-    if spec is not None and spec.uses_head and (preset is None or preset.engine == "peagle"):
-        spec = spec.model_copy(update={"model": _sagemaker_channel(spec.model, args.sagemaker)})
-        try:
-            head_dir = resolve_head(spec.model, model, method=spec.head_method)
-        except FileNotFoundError as e:
-            if args.engine == "peagle":
-                raise ServeError(f"speculative config: {e}") from None
-            # not a local head: a hub id, which vLLM fetches itself
-
     host = args.host or ("0.0.0.0" if args.sagemaker else "127.0.0.1")
     port = args.port or (SAGEMAKER_PORT if args.sagemaker else 8000)
-    served = args.served_model_name or [preset.name if preset else (name or EMBEDDED_MODEL)]
-    return {"model": model, "preset": preset, "spec": spec, "head_dir": head_dir, "host": host, "port": port,
-            "served": served, "notes": notes}
+    served = tuple(args.served_model_name or [preset.name if preset else (name or EMBEDDED_MODEL)])
+    return ServePlan(speculation, preset, host, port, served, tuple(notes))
 
 
-def _served_spec(plan: dict):
-    """The plan's speculative config naming its head by the folder `resolve` found (a hub id stays as it is)."""
-    spec = plan["spec"]
-    return spec.model_copy(update={"model": str(plan["head_dir"])}) if plan["head_dir"] is not None else spec
-
-
-def _sagemaker_channel(head: str | None, sagemaker: bool) -> str | None:
-    """A head named by its SageMaker channel (a folder under additional-model-data-sources), or, with --sagemaker and
-    no head named, the only channel there is."""
-    from peagle.model.heads import bundled_heads
-
-    channels_dir = ml_root() / "additional-model-data-sources"
-    if head is not None:
-        if Path(head).expanduser().exists() or head in bundled_heads():
-            return head
-        channel = channels_dir / head.strip("/").split("/")[-1]
-        return str(channel) if (channel / "config.json").exists() else head
-    if not sagemaker:
-        return None
-    channels = sorted(p for p in channels_dir.glob("*") if (p / "config.json").exists())
-    if len(channels) > 1:
-        raise ServeError(f"several heads under additional-model-data-sources ({', '.join(c.name for c in channels)})"
-                         ": name one in the speculative config's \"model\"")
-    return str(channels[0]) if channels else None
-
-
-def _from_cli(flag: str) -> bool:
-    return any(a == flag or a.startswith(flag + "=") for a in sys.argv)
+def _speculative_config_source(text: str | None) -> str:
+    """Where --speculative-config's value came from, to name it in errors: the environment when apply_env_defaults
+    put it there (the variable holds it and the command line does not give the flag), else the flag."""
+    flag = "--speculative-config"
+    on_command_line = any(a == flag or a.startswith(flag + "=") for a in sys.argv)
+    from_env = text is not None and text == os.environ.get(SPECULATIVE_CONFIG_ENV) and not on_command_line
+    return SPECULATIVE_CONFIG_ENV if from_env else flag
 
 
 def run(args) -> int:
@@ -254,7 +232,7 @@ def run(args) -> int:
         plan = resolve(args)
     except ServeError as e:
         return _fail(str(e))
-    for n in plan["notes"]:
+    for n in plan.notes:
         print(f"peagle serve: {n}", file=sys.stderr, flush=True)
     if args.engine == "vllm":
         return exec_vllm(args, plan)
@@ -277,10 +255,8 @@ def build_server(args, plan):
     from peagle.serve.metrics import Metrics
 
     try:
-        engine = LLMEngine.from_pretrained(plan["model"], speculative_config=_served_spec(plan),
-                                           max_num_seqs=args.max_num_seqs or 8, max_model_len=args.max_model_len,
-                                           device=args.device, dtype=args.dtype,
-                                           speculation_policy=args.speculation_policy,
+        engine = LLMEngine.from_pretrained(plan.speculation, max_num_seqs=args.max_num_seqs or 8,
+                                           max_model_len=args.max_model_len, device=args.device, dtype=args.dtype,
                                            quantization=args.quantization, **engine_options(args))
     except (SpeculativeConfigError, FileNotFoundError, ValueError) as e:
         raise ServeError(str(e)) from None
@@ -290,10 +266,11 @@ def build_server(args, plan):
                              max_model_len=engine.max_model_len, model_name=engine.model_name,
                              # it serves only "speculation": false requests: a quarter of the cache's memory
                              **{**engine_options(args), "prefix_cache_gb": args.prefix_cache_gb / 4})
-    metrics = Metrics(plan["served"][0], engine.k)
+    metrics = Metrics(plan.served[0], engine.k, speculation=plan.speculation)
     aengine = AsyncEngine(engine, baseline, max_waiting=args.max_waiting, metrics=metrics)
-    model_path = str(plan["model"]) if plan["model"] else engine.model_name
-    app = build_app(aengine, plan["served"], api_key=args.api_key, model_path=model_path,
+    model = plan.speculation.model
+    app = build_app(aengine, list(plan.served), api_key=args.api_key, model_path=model or engine.model_name,
+                    speculation=plan.speculation,
                     drain_timeout=args.drain_timeout, max_body_bytes=args.max_request_bytes,
                     protect_metrics=args.protect_metrics, sagemaker=args.sagemaker,
                     allowed_origins=args.allowed_origins, body_timeout=args.body_timeout)
@@ -310,13 +287,10 @@ def serve(args, plan) -> int:
     except ServeError as e:
         return _fail(str(e))
     engine = aengine.engine
-    spec = engine.spec
-    how = (f"{engine.method} ({engine.policy.name} K{'<=' if engine.policy.name == 'adaptive' else '='}{engine.k}, "
-           f"head {spec.model})" if spec is not None else "no speculation")
-    url = f"http://{'127.0.0.1' if plan['host'] in ('0.0.0.0', '::') else plan['host']}:{plan['port']}"
-    print(f"peagle serve: {', '.join(plan['served'])} with {how}, max_model_len {engine.max_model_len}, "
-          f"max_num_seqs {engine.max_num_seqs}", file=sys.stderr, flush=True)
-    print(f"peagle serve: listening on http://{plan['host']}:{plan['port']}  (playground: {url}/)", file=sys.stderr,
+    url = f"http://{'127.0.0.1' if plan.host in ('0.0.0.0', '::') else plan.host}:{plan.port}"
+    print(f"peagle serve: {', '.join(plan.served)} with {plan.speculation.describe()}, max_model_len "
+          f"{engine.max_model_len}, max_num_seqs {engine.max_num_seqs}", file=sys.stderr, flush=True)
+    print(f"peagle serve: listening on http://{plan.host}:{plan.port}  (playground: {url}/)", file=sys.stderr,
           flush=True)
 
     class Server(uvicorn.Server):
@@ -335,7 +309,7 @@ def serve(args, plan) -> int:
             self.should_exit = True
 
     # Streams have ended by the time uvicorn shuts down; what is left is idle connections.
-    config = uvicorn.Config(app, host=plan["host"], port=plan["port"], log_level=args.log_level,
+    config = uvicorn.Config(app, host=plan.host, port=plan.port, log_level=args.log_level,
                             access_log=not args.disable_uvicorn_access_log, timeout_graceful_shutdown=5,
                             timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.max_connections)
     server = Server(config)
@@ -347,17 +321,18 @@ def serve(args, plan) -> int:
 # --engine vllm
 
 
-def vllm_command(args, plan) -> list[str]:
-    from peagle.model.loading import is_embedded, resolve_model
+def vllm_command(args, plan: ServePlan) -> list[str]:
+    from peagle.model.loading import is_embedded
 
-    model = plan["model"]
-    if is_embedded(model):
-        model = str(resolve_model(None))
+    chosen = plan.speculation
+    model = chosen.model_path if is_embedded(chosen.model) else chosen.model
     cmd = ["vllm", "serve", str(model)]
-    if plan["spec"] is not None:
-        cmd += ["--speculative-config", _served_spec(plan).for_vllm().to_json()]
-    cmd += ["--host", plan["host"], "--port", str(plan["port"])]
-    preset_args = list(plan["preset"].vllm_args) if plan["preset"] is not None else []
+    # peagle's model-free default is not vLLM's (its suffix method needs another package): vLLM gets a config
+    # only where one was asked for or a head drafts
+    if chosen.config is not None and (chosen.origin != "default" or chosen.config.uses_head):
+        cmd += ["--speculative-config", chosen.config.for_vllm().to_json()]
+    cmd += ["--host", plan.host, "--port", str(plan.port)]
+    preset_args = list(plan.preset.vllm_args) if plan.preset is not None else []
     if args.max_model_len:
         cmd += ["--max-model-len", str(args.max_model_len)]
         preset_args = _drop_flag(preset_args, "--max-model-len")

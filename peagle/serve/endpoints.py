@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from peagle import cli_args
-from peagle.model.loading import peagle_home
+from peagle.model.home import peagle_home
 
 
 def endpoints_dir() -> Path:
@@ -156,7 +156,7 @@ def _spec_from_args(target: str, serve_args: list[str]) -> dict | None:
     """The speculative config the server will run, for display, decided as `peagle serve` decides it (its own log
     is authoritative). Raises SpeculativeConfigError for a config the server would refuse."""
     from peagle.config import SpeculativeConfigError
-    from peagle.model.heads import resolve_speculation
+    from peagle.model.speculation import resolve_speculation
     from peagle.serve import catalog
 
     text = None
@@ -168,7 +168,9 @@ def _spec_from_args(target: str, serve_args: list[str]) -> dict | None:
         elif a.startswith("--speculative-config="):
             text = a.split("=", 1)[1]
     preset = catalog.find(target)
-    spec = resolve_speculation(text, target, preset=preset.speculative_config if preset else None).config
+    has_model = preset is not None and preset.model is not None
+    spec = resolve_speculation(preset.model if preset else target, text,
+                               preset=preset.speculative_config if has_model else None, local=False).config
     return spec.to_dict() if spec is not None else None
 
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, disable_created_metrics, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
 
+from peagle.config import Speculation
 from peagle.engine.stats import SpecDecodeStats
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -28,11 +29,16 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 
 class Metrics:
-    def __init__(self, model_name: str, num_speculative_tokens: int = 0):
+    def __init__(self, model_name: str, num_speculative_tokens: int = 0, speculation: Speculation | None = None):
+        """`speculation`: what the server runs, shown as the labels of `peagle:speculation_info` (a constant 1)."""
         disable_created_metrics()  # no `*_created` series (as vLLM)
         self.registry = r = CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]
+        if speculation is not None:
+            shown = {k: "" if v is None else str(v) for k, v in speculation.as_dict().items()}
+            Info("peagle:speculation", "What speculation the server runs.", registry=r).info(
+                {"model_name": model_name, **shown})
         self.num_drafts = Counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", labels,
                                   registry=r)
         self.num_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", labels,

@@ -595,6 +595,8 @@ class ModelCard(BaseModel):
     max_model_len: int | None = None
     # peagle extensions: how this model decodes, and which kernels run its forward.
     speculative_config: dict | None = None
+    # what runs: method, K, policy, head, where the config came from, and all that in words (`what_runs`)
+    speculation: dict | None = None
     # engine-wide since start, per drafter (the hybrid has two): drafts, draft and accepted tokens, acceptance
     proposers: dict | None = None
     kernels: dict | None = None

