@@ -183,7 +183,7 @@ def write_gguf(path, tensors: dict, arch: str = "llama") -> None:
     writer.close()
 
 
-CONFIG = {"num_attention_heads": 2, "num_key_value_heads": 1}
+CONFIG = {"model_type": "llama", "num_attention_heads": 2, "num_key_value_heads": 1}
 
 
 def test_gguf_blocks_read_back_bit_for_bit(tmp_path):
