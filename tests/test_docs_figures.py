@@ -33,6 +33,14 @@ def test_readme_figures_are_generated_from_the_committed_results():
         "README.md's figures differ from their result files: python3 benchmarks/update_docs.py --readme README.md"
 
 
+def test_readme_figures_are_short():
+    rows = [r for r in _update_docs().readme_figures(ROOT).splitlines() if r.startswith("| ") and "---" not in r]
+    for row in rows[1:]:
+        cells = [c.strip() for c in row.strip("|").split(" | ")]
+        assert len(cells) == 3 and all(len(c) <= 100 for c in cells[:2]), f"a README figure's cell is long: {row}"
+        assert cells[2].startswith("[") and "](docs/" in cells[2], f"a README figure without its doc's link: {row}"
+
+
 def test_readme_figures_link_to_sections_that_exist():
     ud = _update_docs()
     for doc, heading in ud.OWNERS.values():
