@@ -1,4 +1,5 @@
-"""Building blocks shared by the target and the drafter: RMSNorm, RoPE, a per-row KV cache, attention, MLP.
+"""Building blocks shared by the target and the drafter: RMSNorm, RoPE, a per-row KV cache, attention, MLP, and the
+decoder blocks made of them (Llama's, and Gemma's with norms on both sides of attention and MLP).
 
 Every forward works on a batch of B rows with T query tokens each. Row b lives in cache slot `slots[b]`, and its
 query i sits at `positions[b, i]`; the cache index of a token *is* its position, so a query attends to every cache
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +24,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            packed: "kernels.PackedWeight | None" = None) -> torch.Tensor:
     """F.linear, or peagle's batch-invariant kernel over `packed` (the same weight packed once, see kernels.py) when
     it applies: bf16 on a CPU where a native path runs, no gradients needed."""
-    y = kernels.packed_linear(x, packed) if packed is not None else None
+    if isinstance(packed, StackedBlocks):
+        y = packed(x)
+    else:
+        y = kernels.packed_linear(x, packed) if packed is not None else None
     if y is None:
         if weight is None:  # block-quantized: only the packed form exists
             raise RuntimeError(f"a {packed.format} matrix takes bf16 CPU input without gradients; got "
@@ -44,11 +50,27 @@ class RMSNorm(nn.Module):
         return self.weight * torch.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
 
 
-def rope_inv_freq(rope_parameters: dict, head_dim: int, hf_config=None) -> tuple[torch.Tensor, float]:
+class UnitOffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: scales by (1 + weight), in fp32, and rounds once at the end (transformers' Gemma3RMSNorm, op
+    for op; each row reduced on its own, so a row's bits never depend on the rows beside it)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__(dim, eps)
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def rope_inv_freq(rope_parameters: dict, head_dim: int, hf_config=None,
+                  layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention scaling for a model's RoPE settings.
 
     Non-default RoPE types (llama3, yarn, linear, ...) are computed by transformers' own init functions from the
-    Hugging Face config, so scaled RoPE matches the reference exactly.
+    Hugging Face config, so scaled RoPE matches the reference exactly (`layer_type`: the layer kind whose settings
+    they read, for a config that keeps settings per kind).
     """
     rope_type = rope_parameters.get("rope_type", "default")
     if rope_type == "default":
@@ -59,7 +81,7 @@ def rope_inv_freq(rope_parameters: dict, head_dim: int, hf_config=None) -> tuple
     if hf_config is None or rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
     with torch.device("cpu"):  # also when called while building a model on the meta device
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu", layer_type=layer_type)
     return inv_freq.float(), float(scaling)
 
 
@@ -88,14 +110,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int
 
 
 class KVCache(nn.Module):
-    """Keys and values for `num_slots` sequences of up to `max_len` positions, one pair of tensors per layer."""
+    """Keys and values for `num_slots` sequences of up to `max_len` positions, one pair of tensors per layer.
+
+    The layers in `windowed` (sliding-window attention) keep `max_len` spare entries after their last slot, so that
+    the attention kernel can read a window through a view starting anywhere in a slot (window_attention)."""
 
     def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype, device: torch.device | str = "cpu", windowed: frozenset[int] = frozenset()):
         super().__init__()
         shape = (num_slots, num_kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+        def buffer(layer: int) -> torch.Tensor:
+            spare = max_len * head_dim if layer in windowed else 0
+            return torch.zeros(math.prod(shape) + spare, dtype=dtype, device=device)[:math.prod(shape)].view(shape)
+
+        self.k = [buffer(i) for i in range(num_layers)]
+        self.v = [buffer(i) for i in range(num_layers)]
         self.num_slots, self.max_len = num_slots, max_len
 
 
@@ -129,6 +159,21 @@ class BatchLayout:
         keys = torch.arange(self.kv_len, device=self.positions.device)
         return (keys[None, None, :] <= self.positions[:, :, None])[:, None]
 
+    def window_mask(self, window: int | None) -> torch.Tensor:
+        """`mask`, less the keys `window` or more positions before the query (sliding-window attention)."""
+        if window is None:
+            return self.mask
+        if window not in self._window_masks:
+            keys = self.positions if self.dense_mask is not None else torch.arange(self.kv_len,
+                                                                                   device=self.positions.device)
+            recent = keys.expand(self.positions.shape[0], -1)[:, None, :] > self.positions[:, :, None] - window
+            self._window_masks[window] = self.mask & recent[:, None]
+        return self._window_masks[window]
+
+    @cached_property
+    def _window_masks(self) -> dict:
+        return {}
+
     @cached_property
     def contiguous(self) -> bool:
         """slots == 0..B-1: the cache can be read as a view, no gather."""
@@ -138,15 +183,18 @@ class BatchLayout:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout, cache_k: torch.Tensor | None,
-           cache_v: torch.Tensor | None) -> torch.Tensor:
+           cache_v: torch.Tensor | None, window: int | None = None, scale: float | None = None) -> torch.Tensor:
     """Causal attention for q [B, T, nh, D] and this step's k, v [B, T, nkv, D] -> [B, T, nh, D]. With a cache, k and
-    v are first written into each row's slot at its positions, and each query reads its slot up to its position.
+    v are first written into each row's slot at its positions, and each query reads its slot up to its position
+    (with a `window`: only its last `window` keys, its own included). `scale`: of the scores (default 1/sqrt(D)).
 
     peagle's kernel computes every row on its own, so a verify window computes each token exactly as a one-row
     decode step does and speculation stays token-for-token lossless; PyTorch's flash attention (the fallback: GPUs,
-    training, CPUs without a native path) rounds one query row differently from several."""
+    training, CPUs without a native path, a scale other than the kernel's) rounds one query row differently from
+    several."""
+    native_scale = scale is None or scale == q.shape[-1] ** -0.5
     if cache_k is not None:
-        out = kernels.attention_bf16(q, k, v, cache_k, cache_v, layout.slots, layout.positions)
+        out = window_attention(q, k, v, cache_k, cache_v, layout, window) if native_scale else None
         if out is not None:
             return out
         B, T = layout.positions.shape
@@ -160,24 +208,51 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayou
             k, v = cache_k[layout.slots, :, :L], cache_v[layout.slots, :, :L]
     else:
         k, v = k.transpose(1, 2), v.transpose(1, 2)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=layout.mask,
-                                         enable_gqa=k.shape[1] != q.shape[2])
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=layout.window_mask(window),
+                                         enable_gqa=k.shape[1] != q.shape[2], scale=scale)
     return out.transpose(1, 2)
+
+
+def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                     layout: BatchLayout, window: int | None) -> torch.Tensor | None:
+    """peagle's attention kernel over each query's last `window` keys (None: all its keys), or None where the kernel
+    does not apply. The kernel reads keys 0..position of a slot; a query whose window starts at key s > 0 runs alone,
+    on a view of the cache moved s keys on (KVCache keeps room for it), at position - s. Every query is computed on its
+    own either way, so the bits never depend on the rows beside it."""
+    positions, slots = layout.positions, layout.slots
+    if window is None or int(positions.max()) < window:  # no query has keys outside its window yet
+        return kernels.attention_bf16(q, k, v, cache_k, cache_v, slots, positions)
+    B, T = positions.shape
+    out = torch.empty_like(q)
+    for b in range(B):
+        for t in range(T):
+            start = max(0, int(positions[b, t]) - window + 1)
+            moved = [torch.as_strided(c, c.shape, c.stride(), c.storage_offset() + start * c.shape[-1])
+                     for c in (cache_k, cache_v)]
+            row = kernels.attention_bf16(q[b:b + 1, t:t + 1], k[b:b + 1, t:t + 1], v[b:b + 1, t:t + 1], *moved,
+                                         slots[b:b + 1], positions[b:b + 1, t:t + 1] - start)
+            if row is None:  # the kernel does not apply here (then it did not for the first row either)
+                return None
+            out[b, t] = row[0, 0]
+    return out
 
 
 class Attention(nn.Module):
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, in_dim: int | None = None,
-                 bias: bool = False, qk_norm_eps: float | None = None):
+                 bias: bool = False, qk_norm_eps: float | None = None, norm: type[RMSNorm] = RMSNorm,
+                 window: int | None = None, scale: float | None = None):
+        """`window`: sliding-window attention over that many keys; `scale`: of the scores (default 1/sqrt(D))."""
         super().__init__()
         in_dim = in_dim or hidden
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.window, self.scale = window, scale
         self.q_proj = nn.Linear(in_dim, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(in_dim, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(in_dim, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
-        # Qwen3 normalises queries and keys per head before RoPE.
-        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps else None
-        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps else None
+        # Qwen3 and Gemma 3 normalise queries and keys per head before RoPE.
+        self.q_norm = norm(head_dim, qk_norm_eps) if qk_norm_eps else None
+        self.k_norm = norm(head_dim, qk_norm_eps) if qk_norm_eps else None
         self.qkv = FusedLinear(self.q_proj, self.k_proj, self.v_proj)
         self.o_packed = None  # set by pack_()
 
@@ -198,7 +273,7 @@ class Attention(nn.Module):
             qkv = torch.cat([self.q_norm(qkv[:, :, :nh]), self.k_norm(qkv[:, :, nh:nh + nkv]), qkv[:, :, nh + nkv:]], 2)
         qkv = apply_rope(qkv, *rope, heads=nh + nkv)  # queries and keys in one call
         q, k, v = qkv.split([nh, nkv, nkv], dim=2)
-        out = attend(q, k, v, layout, cache_k, cache_v)
+        out = attend(q, k, v, layout, cache_k, cache_v, self.window, self.scale)
         return linear(out.reshape(B, T, -1), self.o_proj.weight, self.o_proj.bias, self.o_packed)
 
 
@@ -217,7 +292,7 @@ class FusedLinear(nn.Module):
     def pack_(self, path: str | None = None, blocks: dict | None = None, names: list[str] | None = None) -> None:
         """`blocks` and the parts' `names` in it: when the parts are block-quantized, their blocks are fused."""
         if blocks and names and names[0] in blocks:
-            self.packed = fuse_blocks([blocks[n] for n in names], names)
+            self.packed = fuse_blocks([blocks[n] for n in names], self.parts[0].in_features)
             for p in self.parts:
                 p.weight = None
             if self.parts[0].bias is not None:
@@ -252,20 +327,54 @@ def pack_matrix(module: nn.Linear, path: str | None, blocks: dict | None, name: 
     return kernels.PackedWeight.pack(module.weight, path)
 
 
-def fuse_blocks(parts: list[tuple[str, torch.Tensor]], names: list[str]):
-    """Block-quantized matrices of one input, stacked by output rows into one (q/k/v, gate/up)."""
-    formats = {fmt for fmt, _ in parts}
-    if len(formats) > 1:
-        raise ValueError(f"peagle runs {', '.join(names)} as one matrix, so they must share a block format; this "
-                         f"file has {', '.join(f'{n} {f}' for n, (f, _) in zip(names, parts))}")
+def fuse_blocks(parts: list[tuple[str, torch.Tensor]], in_features: int):
+    """Block-quantized matrices of one input (q/k/v, gate/up), stacked by output rows into one matrix; matrices in
+    different formats (a K-quant mix's v beside its q and k) stay apart as StackedBlocks."""
+    if len({fmt for fmt, _ in parts}) > 1:
+        return StackedBlocks(tuple(quant.QuantWeight.from_blocks(d, fmt, d.shape[0], in_features) for fmt, d in parts))
     data = torch.cat([d for _, d in parts])
-    in_features = data.shape[1] // quant.FORMATS[parts[0][0]][1] * quant.BLOCK
     return quant.QuantWeight.from_blocks(data, parts[0][0], data.shape[0], in_features)
 
 
+class StackedBlocks:
+    """Block-quantized matrices of one input in different formats: one product each, outputs side by side (each
+    product gives its own matrix's bits)."""
+
+    def __init__(self, parts: tuple):
+        self.parts = parts
+        self.format = "+".join(dict.fromkeys(p.format for p in parts))  # as stats name it: "q5_0+q8_0"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        ys = [kernels.packed_linear(x, p) for p in self.parts]
+        return None if any(y is None for y in ys) else torch.cat(ys, dim=-1)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [..., 2I] = [gate, up]."""
+    act = kernels.silu_mul_bf16(gate_up)  # one call instead of three ops
+    if act is None:
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate) * up
+    return act
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate) * up with GELU's tanh approximation (Gemma), rounding like transformers' ops."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+GATED_ACTIVATIONS = {"silu": silu_mul, "gelu_tanh": gelu_tanh_mul}
+
+
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False, activation: str = "silu"):
         super().__init__()
+        self.activation = GATED_ACTIVATIONS[activation]
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
@@ -279,11 +388,7 @@ class MLP(nn.Module):
         self.down_packed = pack_matrix(self.down_proj, path, blocks, prefix + "down_proj.weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up(x)
-        act = kernels.silu_mul_bf16(gate_up)  # one call instead of three ops
-        if act is None:
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate) * up
+        act = self.activation(self.gate_up(x))
         return linear(act, self.down_proj.weight, self.down_proj.bias, self.down_packed)
 
 
@@ -302,3 +407,24 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, rope, layout: BatchLayout, cache_k, cache_v) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, layout, cache_k, cache_v)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SandwichDecoderLayer(nn.Module):
+    """Gemma's block: x += norm(attn(norm(x))); x += norm(mlp(norm(x))), under transformers' Gemma 3 names, with a
+    family's norm, activation, and this layer's attention window and scale (TargetModel builds it from the config)."""
+
+    def __init__(self, hidden: int, intermediate: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                 norm: type[RMSNorm], activation: str, window: int | None, scale: float | None):
+        super().__init__()
+        self.self_attn = Attention(hidden, num_heads, num_kv_heads, head_dim, qk_norm_eps=eps, norm=norm,
+                                   window=window, scale=scale)
+        self.mlp = MLP(hidden, intermediate, activation=activation)
+        self.input_layernorm = norm(hidden, eps)
+        self.post_attention_layernorm = norm(hidden, eps)
+        self.pre_feedforward_layernorm = norm(hidden, eps)
+        self.post_feedforward_layernorm = norm(hidden, eps)
+
+    def forward(self, x: torch.Tensor, rope, layout: BatchLayout, cache_k, cache_v) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x), rope, layout, cache_k, cache_v)
+        x = x + self.post_attention_layernorm(attn)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))

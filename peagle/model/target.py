@@ -1,4 +1,4 @@
-"""The target model: a plain-PyTorch Llama-family decoder that runs batched rows over a per-row KV cache.
+"""The target model: a plain-PyTorch decoder (Llama family, Gemma 3) that runs batched rows over a per-row KV cache.
 
 One forward returns logits for the last `num_logits` query rows of every row and the three feature layers the
 drafter reads (the residual stream entering layers `feature_layer_ids`, i.e. Hugging Face `hidden_states[id]`).
@@ -13,11 +13,13 @@ import torch
 from torch import nn
 
 from peagle.model import kernels, quant
-from peagle.model.layers import BatchLayout, DecoderLayer, KVCache, RMSNorm, RotaryEmbedding, linear, rope_inv_freq
-
+from peagle.model.family import Family, family_of
+from peagle.model.layers import (BatchLayout, DecoderLayer, KVCache, RMSNorm, RotaryEmbedding, SandwichDecoderLayer,
+                                 UnitOffsetRMSNorm, linear, rope_inv_freq)
 from peagle.model.quant import QuantEmbedding, QuantWeight
 
-SUPPORTED_ARCHITECTURES = {"llama": "Llama 2/3, SmolLM2", "mistral": "Mistral", "qwen2": "Qwen2/2.5", "qwen3": "Qwen3"}
+FULL_ATTENTION = "full_attention"  # transformers' layer_types names
+SLIDING_ATTENTION = "sliding_attention"
 
 
 def default_feature_layer_ids(num_layers: int) -> tuple[int, int, int]:
@@ -42,17 +44,28 @@ class TargetConfig:
     attention_bias: bool
     qk_norm: bool
     eos_token_ids: tuple[int, ...]
+    # Per layer: its attention kind (FULL_ATTENTION, or SLIDING_ATTENTION over the last `sliding_window` keys), each
+    # kind with its own RoPE settings (`rope_parameters` is the full-attention layers', the one a drafter takes).
+    layer_types: tuple[str, ...]
+    sliding_window: int | None
+    layer_rope: dict[str, dict]
+    query_pre_attn_scalar: float | None  # attention scale 1 / sqrt(this) (default: head_dim)
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "TargetConfig":
         model_type = cfg.get("model_type")
-        if model_type not in SUPPORTED_ARCHITECTURES:
-            names = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_ARCHITECTURES.items())
-            raise ValueError(f"model_type {model_type!r} is not supported by peagle's engine; supported: {names}. "
-                             "Training (`peagle train`) accepts any transformers causal LM.")
+        family = family_of(model_type)
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if cfg.get(key) is not None:
+                raise ValueError(f"{key} = {cfg[key]} is not supported by peagle's engine (Gemma 3 has none)")
+        layer_types = tuple(cfg.get("layer_types") or [FULL_ATTENTION] * cfg["num_hidden_layers"])
+        unknown = set(layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+        if unknown or (SLIDING_ATTENTION in layer_types and not cfg.get("sliding_window")):
+            raise ValueError(f"layer_types {sorted(set(layer_types))} with sliding_window {cfg.get('sliding_window')}: "
+                             f"peagle's engine runs {FULL_ATTENTION} and {SLIDING_ATTENTION} layers (with a window)")
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -66,26 +79,56 @@ class TargetConfig:
             rope_parameters=rope_parameters_of(cfg),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
-            qk_norm=model_type == "qwen3",
+            attention_bias=cfg.get("attention_bias", family.attention_bias),
+            qk_norm=family.qk_norm,
             eos_token_ids=eos,
+            layer_types=layer_types,
+            sliding_window=cfg.get("sliding_window") if SLIDING_ATTENTION in layer_types else None,
+            layer_rope=layer_rope_parameters(cfg, set(layer_types)),
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
         )
+
+    @property
+    def family(self) -> Family:
+        return family_of(self.model_type)
 
     @property
     def feature_layer_ids(self) -> tuple[int, int, int]:
         return default_feature_layer_ids(self.num_layers)
 
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def window_of(self, layer: int) -> int | None:
+        """How many keys (the query's own included) layer `layer` attends to; None: all before it."""
+        return self.sliding_window if self.layer_types[layer] == SLIDING_ATTENTION else None
+
 
 def rope_parameters_of(cfg: dict) -> dict:
-    """RoPE settings from a config in either the transformers 5 (`rope_parameters`) or 4 (`rope_theta`/`rope_scaling`) form."""
-    if cfg.get("rope_parameters"):
-        return dict(cfg["rope_parameters"])
+    """RoPE settings from a config in either the transformers 5 (`rope_parameters`) or 4 (`rope_theta`/`rope_scaling`)
+    form; for a model whose layer kinds have RoPE settings of their own (Gemma 3), the full-attention layers'."""
+    return layer_rope_parameters(cfg, {FULL_ATTENTION})[FULL_ATTENTION]
+
+
+def layer_rope_parameters(cfg: dict, kinds: set[str]) -> dict[str, dict]:
+    """The RoPE settings of each layer kind in `kinds`. transformers 5 keeps them per kind in `rope_parameters`
+    (Gemma 3) or one dict for all; the 4 form has `rope_theta`/`rope_scaling`, and `rope_local_base_freq` for
+    Gemma 3's sliding layers."""
+    given = cfg.get("rope_parameters")
+    if given and all(isinstance(v, dict) for v in given.values()):
+        return {kind: dict(given[kind]) for kind in kinds}
+    if given:
+        return {kind: dict(given) for kind in kinds}
     params = dict(cfg.get("rope_scaling") or {})
     if "type" in params and "rope_type" not in params:
         params["rope_type"] = params.pop("type")
     params.setdefault("rope_type", "default")
     params["rope_theta"] = cfg.get("rope_theta", 10000.0)
-    return params
+    out = {kind: dict(params) for kind in kinds}
+    if SLIDING_ATTENTION in kinds and "rope_local_base_freq" in cfg:
+        out[SLIDING_ATTENTION] = {"rope_type": "default", "rope_theta": cfg["rope_local_base_freq"]}
+    return out
 
 
 @dataclass
@@ -99,13 +142,12 @@ class TargetModel(nn.Module):
         super().__init__()
         c = self.config = config
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,
-                         attention_bias=c.attention_bias, qk_norm=c.qk_norm)
-            for _ in range(c.num_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        # sqrt(hidden) rounded to the model's dtype, as transformers' Gemma scales its embeddings
+        self.embed_scale = c.hidden_size ** 0.5 if c.family.scaled_embeddings else None
+        self.layers = nn.ModuleList(decoder_layer(c, i) for i in range(c.num_layers))
+        self.norm = norm_class(c.family)(c.hidden_size, c.rms_norm_eps)
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(*rope_inv_freq(c.rope_parameters, c.head_dim, hf_config))
+        self.rotaries = rotaries(c, hf_config)  # one per layer kind (Gemma 3's sliding layers have their own base)
         self.feature_layer_ids = c.feature_layer_ids
         self.lm_head_packed = None  # set by pack_() where peagle's CPU kernels run
         self.native_layers = None  # set by pack_(): each layer in one native call (kernels.NativeDecoderLayer)
@@ -154,9 +196,9 @@ class TargetModel(nn.Module):
         return self.lm_head_packed.dequantize().to(torch.bfloat16)
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
-        p = self.norm.weight
-        return KVCache(self.config.num_layers, num_slots, max_len, self.config.num_kv_heads, self.config.head_dim,
-                       p.dtype, p.device)
+        p, c = self.norm.weight, self.config
+        windowed = frozenset(i for i in range(c.num_layers) if c.window_of(i) is not None)
+        return KVCache(c.num_layers, num_slots, max_len, c.num_kv_heads, c.head_dim, p.dtype, p.device, windowed)
 
     @property
     def feature_dim(self) -> int:
@@ -187,7 +229,9 @@ class TargetModel(nn.Module):
     def trunk(self, tokens: torch.Tensor, layout: BatchLayout, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [B, T] -> (the last layer's hidden states [B, T, H] before the final norm, features [B, T, 3H])."""
         h = self.embed_tokens(tokens)
-        rope = self.rotary(layout.positions, h.dtype)
+        if self.embed_scale is not None:
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        ropes = {kind: rotary(layout.positions, h.dtype) for kind, rotary in self.rotaries.items()}
         native = self.native_layers is not None and h.dtype == torch.bfloat16 and h.is_cpu
         if native:  # the whole layer in one call; the same bits as the modules below
             slots, positions = layout.slots.to(torch.int64).contiguous(), layout.positions.to(torch.int64).contiguous()
@@ -195,6 +239,7 @@ class TargetModel(nn.Module):
         for i, layer in enumerate(self.layers):
             if i in self.feature_layer_ids:
                 feats[i] = h
+            rope = ropes[self.config.layer_types[i]]
             if native:
                 h = self.native_layers[i](h, *rope, cache.k[i], cache.v[i], slots, positions)
             else:
@@ -237,8 +282,8 @@ class TargetModel(nn.Module):
         from transformers import AutoConfig
 
         config = TargetConfig.from_hf(raw)
-        rope_type = config.rope_parameters.get("rope_type", "default")
-        hf_config = AutoConfig.from_pretrained(config_dir) if rope_type != "default" else None
+        scaled = any(p.get("rope_type", "default") != "default" for p in config.layer_rope.values())
+        hf_config = AutoConfig.from_pretrained(config_dir) if scaled else None
         with torch.device("meta"):
             model = cls(config, hf_config)
         if config.tie_word_embeddings:
@@ -256,7 +301,7 @@ class TargetModel(nn.Module):
         if missing or unexpected:
             raise ValueError(f"the model's tensors do not match its config: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]}")
-        model.rotary = RotaryEmbedding(*rope_inv_freq(config.rope_parameters, config.head_dim, hf_config)).to(device)
+        model.rotaries = rotaries(config, hf_config).to(device)
         model = model.eval().requires_grad_(False).pack_(blocks=blocks)
         if blocks:
             del blocks, state
@@ -284,9 +329,32 @@ class TargetModel(nn.Module):
         else:
             self.lm_head_packed = kernels.PackedWeight.pack(self.lm_head_weight, path)
         c = self.config
-        self.native_layers = None if c.attention_bias or c.qk_norm else kernels.NativeDecoderLayer.for_layers(
+        llama = c.family.llama_block and not c.attention_bias
+        self.native_layers = None if not llama else kernels.NativeDecoderLayer.for_layers(
             list(self.layers), c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps)
         return self
+
+
+def norm_class(family: Family) -> type[RMSNorm]:
+    return UnitOffsetRMSNorm if family.norm_unit_offset else RMSNorm
+
+
+def decoder_layer(c: TargetConfig, i: int) -> nn.Module:
+    """Layer i as its family builds it: Llama's block, or Gemma's with norms around attention and MLP."""
+    if not c.family.sandwich_norms:
+        return DecoderLayer(c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                            c.rms_norm_eps, attention_bias=c.attention_bias, qk_norm=c.qk_norm)
+    return SandwichDecoderLayer(c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                                c.rms_norm_eps, norm_class(c.family), c.family.activation, c.window_of(i),
+                                c.attention_scale)
+
+
+def rotaries(c: TargetConfig, hf_config=None) -> nn.ModuleDict:
+    """RoPE for each layer kind of the model, from that kind's settings."""
+    per_kind = len(c.layer_rope) > 1
+    return nn.ModuleDict({kind: RotaryEmbedding(*rope_inv_freq(params, c.head_dim, hf_config,
+                                                                kind if per_kind else None))
+                          for kind, params in c.layer_rope.items()})
 
 
 def quantize_state(state: dict[str, torch.Tensor], fmt: str, tied: bool,
