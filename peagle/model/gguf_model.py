@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from peagle.model.family import family_of
+
 BLOCK_FORMATS = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}  # GGUF type -> peagle.model.quant format
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _LAYER_NAMES = {
@@ -64,14 +66,35 @@ def metadata_dir(path: str | Path) -> Path:
         t0 = time.time()
         tmp = out.with_name(out.name + ".tmp")
         tmp.mkdir(exist_ok=True)
-        AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name).to_dict()
         for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
             cfg.pop(key, None)
+        _complete_config(cfg, tokenizer)
+        tokenizer.save_pretrained(tmp)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         tmp.rename(out)
         print(f"peagle: done in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     return out
+
+
+def _complete_config(cfg: dict, tokenizer) -> None:
+    """What a file of a known family leaves out: its family's chat template when the file has none (Gemma 3 270M
+    ships without), its end-of-turn tokens among the config's EOS ids (a reply ends there), and the attention scale
+    llama.cpp gives it."""
+    from peagle.model.family import FAMILIES
+
+    family = FAMILIES.get(cfg.get("model_type"))
+    if family is None:
+        return  # refused with its name when the model is built
+    if family.gguf_query_scalar_is_head_dim:
+        cfg["query_pre_attn_scalar"] = cfg["head_dim"]
+    if not tokenizer.chat_template and family.chat_template:
+        tokenizer.chat_template = family.chat_template
+    eos = cfg.get("eos_token_id")
+    eos = list(eos) if isinstance(eos, list) else ([eos] if eos is not None else [])
+    vocab = tokenizer.get_vocab()
+    cfg["eos_token_id"] = eos + [vocab[t] for t in family.end_of_turn if t in vocab and vocab[t] not in eos]
 
 
 def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
@@ -88,13 +111,15 @@ def read_tensors(path: str | Path, config: dict) -> dict[str, torch.Tensor | tup
     reader = _reader(path)
     field = reader.fields["general.architecture"]
     arch = bytes(field.parts[field.data[0]]).decode()
+    family = family_of(config.get("model_type"))
+    layer_names = {**_LAYER_NAMES, **family.gguf_layer_names}
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     out, unsupported = {}, []
     for t in reader.tensors:
         if t.name in _SKIPPED:
             continue
         m = re.fullmatch(r"blk\.(\d+)\.(.+)", t.name)
-        name = f"layers.{m.group(1)}.{_LAYER_NAMES.get(m.group(2), m.group(2))}" if m else _TOP_NAMES.get(t.name, t.name)
+        name = f"layers.{m.group(1)}.{layer_names.get(m.group(2), m.group(2))}" if m else _TOP_NAMES.get(t.name, t.name)
         kind = t.tensor_type.name
         shape = [int(s) for s in reversed(t.shape)]  # GGUF lists dimensions innermost first
         if kind in BLOCK_FORMATS:
@@ -113,7 +138,10 @@ def read_tensors(path: str | Path, config: dict) -> dict[str, torch.Tensor | tup
             if kind == "BF16":
                 value = torch.from_numpy(data.view(np.int16)).view(torch.bfloat16).reshape(shape)
             else:
-                value = torch.from_numpy(data).reshape(shape).to(torch.bfloat16)
+                value = torch.from_numpy(data).reshape(shape)
+            if family.gguf_norm_shift and t.name.endswith("norm.weight"):  # stored as 1 + w (Gemma)
+                value = value.float() - family.gguf_norm_shift
+            value = value.to(torch.bfloat16)
         else:
             unsupported.append(f"{t.name} ({kind})")
             continue
