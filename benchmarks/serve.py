@@ -1,0 +1,421 @@
+"""What the server costs, measured through a real `peagle serve` process on 127.0.0.1 (the embedded SmolLM2 and what
+`peagle serve` speculates with by default, unless --model / --speculative-config say otherwise), one subcommand each
+(docs/serving.md):
+
+    python3 benchmarks/serve.py http [--concurrency 1 8 32]   # HTTP against the same engine driven directly
+    python3 benchmarks/serve.py hostile --random 100           # hostile and careless requests beside a stream
+    python3 benchmarks/serve.py gap                            # a running stream while a huge body is refused
+    python3 benchmarks/serve.py gap --limit 4194304 --sizes 5000000 600000      # the default body limit
+    python3 benchmarks/serve.py logprobs --rounds 2            # tokens/s with and without logprobs
+
+http: requests/s and output tokens/s at each concurrency through the server (streamed chat completions, as `vllm
+bench serve` sends them) and through the same engine configuration in this process, greedy with ignore_eos so the
+work is identical, N clients each sending their next request when the last ends, rounds interleaved; and the HTTP
+side's CPU (the server's event loop plus this client) as a share of the engine's.
+hostile: lone UTF-16 surrogates in every string field, token ids out of range, every body type a web page can send
+cross-site, garbage bytes, bad JSON, deep nesting, missing API keys, bodies that declare more than they send (cut at
+--body-timeout), then seeded random mutations of valid bodies, each sent while a long stream runs: the answers by
+status code, any 5xx, and the longest gap the stream saw against its median (one decode step).
+gap: the longest pause a running stream sees while the server refuses a large request: by default a 5 MB one under
+the body limit (--limit; the prompt length check refuses it before tokenising: 400) and one over it (413), with
+/health latency meanwhile.
+logprobs: output tokens/s at each concurrency with and without `logprobs` + `top_logprobs` (streamed chat, greedy,
+ignore_eos), interleaved rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import json
+import os
+import random
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+PROMPTS = ["Explain how a rainbow forms.", "Write a short poem about autumn leaves.", "Why is the sky blue?",
+           "Give three tips for learning a new language.", "Describe the water cycle in simple terms.",
+           "What causes the seasons on Earth?", "How do vaccines work?", "What is photosynthesis?"]
+API_KEY = "bench-key"
+
+
+def speculative_json(args) -> str | None:
+    """The speculative config as `peagle serve` resolves the flag (None: no speculation)."""
+    from peagle.model.speculation import resolve_speculation
+
+    spec = resolve_speculation(args.model, args.speculative_config).config
+    return spec.to_json() if spec is not None else None
+
+
+@contextlib.contextmanager
+def server(args, max_num_seqs: int = 8, extra: list[str] | None = None):
+    """`peagle serve` in its own process, its log in a temporary folder; yields it (`.url`, `.proc`)."""
+    from peagle.bench.loadgen import ServerProcess
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with ServerProcess(args.model, speculative_json(args), max_num_seqs, Path(tmp) / "serve.log",
+                           max_model_len=getattr(args, "max_model_len", None), extra_args=extra,
+                           threads=args.threads) as proc:
+            yield proc
+
+
+def chat_body(i: int, max_tokens: int, **extra) -> dict:
+    return {"messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **extra}
+
+
+async def clients(url: str, concurrency: int, total: int, max_tokens: int, **extra) -> tuple[float, int]:
+    """(wall seconds, output tokens) with `concurrency` clients each sending the next request when one ends."""
+    counter, tokens = iter(range(total)), 0
+
+    async def client(http: httpx.AsyncClient):
+        nonlocal tokens
+        for i in counter:
+            async with http.stream("POST", url + "/v1/chat/completions", json=chat_body(i, max_tokens, **extra),
+                                   headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {") and '"usage":{' in line:
+                        tokens += json.loads(line[6:])["usage"]["completion_tokens"]
+
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(http) for _ in range(concurrency)))
+        return time.perf_counter() - t0, tokens
+
+
+class Stream:
+    """A long streamed answer in a thread, the arrival time of every event recorded, until stopped."""
+
+    def __init__(self, url: str, headers: dict | None = None):
+        self.times: list[float] = []
+        self.done = threading.Event()
+        body = {"messages": [{"role": "user", "content": "Write a long story about a lighthouse keeper."}],
+                "max_tokens": 3000, "temperature": 0, "ignore_eos": True, "stream": True}
+        self.thread = threading.Thread(target=self._run, args=(url, body, headers or {}), daemon=True)
+        self.thread.start()
+        while len(self.times) < 20:  # past the prefill: one decode step per event
+            time.sleep(0.05)
+
+    def _run(self, url: str, body: dict, headers: dict) -> None:
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=headers, timeout=600) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    self.times.append(time.perf_counter())
+                if self.done.is_set():
+                    return
+
+    def stop(self) -> list[float]:
+        """The gaps between events."""
+        self.done.set()
+        self.thread.join(timeout=60)
+        return [b - a for a, b in zip(self.times, self.times[1:])]
+
+
+# ---- http
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of a process, from /proc."""
+    ticks, out = os.sysconf("SC_CLK_TCK"), {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            raw = (task / "stat").read_text()
+            fields = raw[raw.rindex(")") + 2:].split()
+            out[int(task.name)] = (int(fields[11]) + int(fields[12])) / ticks
+    return out
+
+
+def run_direct(engine, concurrency: int, total: int, max_tokens: int) -> tuple[float, int]:
+    """(wall seconds, output tokens) with `concurrency` requests in flight on the engine itself, stepped in a worker
+    thread as the server steps it (torch's intra-op threading behaves differently in the main thread)."""
+    from peagle.engine import SamplingParams
+
+    def work():
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        sent = done = tokens = 0
+        t0 = time.perf_counter()
+        while sent < min(concurrency, total):
+            engine.add_request(chat_body(sent, max_tokens)["messages"], params, chat=True)
+            sent += 1
+        while done < total:
+            for out in engine.step():
+                if out.finished:
+                    done, tokens = done + 1, tokens + out.num_output_tokens
+                    if sent < total:
+                        engine.add_request(chat_body(sent, max_tokens)["messages"], params, chat=True)
+                        sent += 1
+        result.append((time.perf_counter() - t0, tokens))
+
+    result: list[tuple[float, int]] = []
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+def http_level(engine, proc, c: int, args) -> dict:
+    """One concurrency: direct and HTTP rounds interleaved, alternating which goes first."""
+    n = args.requests or max(4, 2 * c)
+    direct, http, cpu = [], [], []
+    for r in range(args.rounds):
+        for mode in ("direct", "http") if r % 2 == 0 else ("http", "direct"):
+            if mode == "direct":
+                wall, toks = run_direct(engine, c, n, args.max_tokens)
+                direct.append((n / wall, toks / wall))
+                continue
+            before, client0 = thread_cpu(proc.proc.pid), time.process_time()
+            wall, toks = asyncio.run(clients(proc.url, c, n, args.max_tokens))
+            delta = {t: s - before.get(t, 0.0) for t, s in thread_cpu(proc.proc.pid).items()}
+            loop = delta.pop(proc.proc.pid, 0.0)  # the main thread runs the event loop; the rest is the engine
+            engine_cpu = sum(delta.values())
+            http.append((n / wall, toks / wall))
+            cpu.append(((loop + time.process_time() - client0) / engine_cpu * 100, loop / engine_cpu * 100))
+    (d_req, d_tok), (h_req, h_tok) = ([statistics.median(x) for x in zip(*runs)] for runs in (direct, http))
+    cpu_total, cpu_loop = (statistics.median(x) for x in zip(*cpu))
+    return {"concurrency": c, "requests": n, "rounds": args.rounds, "direct_req_s": d_req, "direct_tok_s": d_tok,
+            "http_req_s": h_req, "http_tok_s": h_tok,  # paired: each round's runs ran back to back
+            "http_cost_pct": statistics.median((d[1] - h[1]) / d[1] * 100 for d, h in zip(direct, http)),
+            "http_cpu_pct": cpu_total, "loop_cpu_pct": cpu_loop}
+
+
+def http(args) -> list[dict]:
+    import torch
+
+    from peagle.engine import LLMEngine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = []
+    with server(args, args.max_num_seqs, ["--dtype", args.dtype, "--max-waiting", "1000"]) as proc:
+        engine = LLMEngine.from_pretrained(args.model, speculative_json(args), max_num_seqs=args.max_num_seqs,
+                                           max_model_len=args.max_model_len, device="cpu", dtype=args.dtype)
+        run_direct(engine, 2, 2, 4)  # warm-up
+        asyncio.run(clients(proc.url, 2, 2, 4))
+        for c in args.concurrency:
+            rows.append(http_level(engine, proc, c, args))
+            print(json.dumps(rows[-1]), flush=True)
+    print("\n| concurrency | requests | direct req/s | HTTP req/s | direct tok/s | HTTP tok/s | HTTP cost (wall) "
+          "| HTTP CPU / engine CPU |\n|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['concurrency']} | {r['requests']} | {r['direct_req_s']:.3f} | {r['http_req_s']:.3f} | "
+              f"{r['direct_tok_s']:.1f} | {r['http_tok_s']:.1f} | {r['http_cost_pct']:+.1f}% | "
+              f"{r['http_cpu_pct']:.1f}% (loop {r['loop_cpu_pct']:.1f}%) |")
+    return rows
+
+
+# ---- hostile
+
+def hostile_cases() -> list[tuple[str, str, dict, bytes]]:
+    """(name, path, headers, raw body)."""
+    auth, js, msg, chat = {"Authorization": f"Bearer {API_KEY}"}, {"Content-Type": "application/json"}, \
+        [{"role": "user", "content": "hi"}], "/v1/chat/completions"
+    out = []
+    for field, body in [("content", {"messages": [{"role": "user", "content": "a\ud800b"}]}),
+                        ("content part", {"messages": [{"role": "user", "content": [{"type": "text",
+                                                                                     "text": "\udfff"}]}]}),
+                        ("name", {"messages": [{"role": "user", "content": "hi", "name": "\ud83d"}]}),
+                        ("stop", {"messages": msg, "stop": "\ud800"}),
+                        ("stop list", {"messages": msg, "stop": ["\ud800"]}),
+                        ("model", {"messages": msg, "model": "\udc00"}), ("user", {"messages": msg, "user": "\ud800"}),
+                        ("key", {"messages": msg, "\ud800": 1})]:
+        out.append((f"surrogate in {field} (chat)", chat, {**auth, **js},
+                    json.dumps({**body, "max_tokens": 2}).encode()))
+    for path in ("/v1/completions", "/invocations"):
+        out.append((f"surrogate in prompt ({path})", path, {**auth, **js}, b'{"prompt": "x\\ud800", "max_tokens": 2}'))
+    for field, value in [("prompt ids", {"prompt": [-1]}), ("prompt ids", {"prompt": [10 ** 9]}),
+                         ("prompt id lists", {"prompt": [[1], [49152]]}),
+                         ("stop_token_ids", {"prompt": "hi", "stop_token_ids": [-1]}),
+                         ("stop_token_ids", {"prompt": "hi", "stop_token_ids": [10 ** 9]}),
+                         ("stop_token_ids", {"prompt": "hi", "stop_token_ids": [2 ** 70]}),
+                         ("prompt [[]]", {"prompt": [[]]}), ("prompt mixed", {"prompt": [1, "a"]})]:
+        out.append((f"{field} out of range or malformed", "/v1/completions", {**auth, **js},
+                    json.dumps({**value, "max_tokens": 2}).encode()))
+    valid = json.dumps({"messages": msg, "max_tokens": 2}).encode()
+    for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", "text/html"):
+        for path in (chat, "/v1/completions", "/invocations"):
+            out.append((f"Content-Type {kind.split(';')[0]} on {path}", path, {**auth, "Content-Type": kind}, valid))
+    for name, raw in [("garbage bytes", b"\xff\xfe\x00garbage\x81"), ("bad JSON", b'{"messages": [}'),
+                      ("empty body", b""), ("JSON array", b"[1, 2]"), ("deep nesting", b"[" * 5000 + b"]" * 5000),
+                      ("messages [5]", b'{"messages": [5]}'), ("null content", b'{"messages": [{"role": "user"}]}'),
+                      ("n huge", b'{"messages": [{"role": "user", "content": "x"}], "n": 100000}'),
+                      ("max_tokens negative", b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}')]:
+        for path in (chat, "/invocations"):
+            out.append((f"{name} ({path})", path, {**auth, **js}, raw))
+    for path in (chat, "/v1/completions", "/v1/models", "/invocations"):
+        out.append((f"no API key on {path}", path, dict(js), valid))
+    return out
+
+
+def mutated(rng: random.Random) -> bytes:
+    """A valid body with one to three fields replaced by something hostile."""
+    body = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 3, "temperature": 0.5}
+    fields = ["messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "n",
+              "stream", "logprobs", "top_logprobs", "model", "response_format"]
+    junk = [None, -1, 0, 2 ** 64, -2 ** 70, 1e308, "", "\ud800", [], {}, [[[]]], "x" * 10000, [10 ** 9], True,
+            [{"role": "user"}], [{"role": "x", "content": 1}], {"type": "json_object"}]
+    for _ in range(rng.randint(1, 3)):
+        body[rng.choice(fields)] = rng.choice(junk)
+    return json.dumps(body).encode()
+
+
+def trickle(url: str, timeout: float) -> int:
+    """Headers that promise 10,000 bytes, 10 sent: the status the server answers (it must cut the connection)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + API_KEY.encode() +
+                  b"\r\nContent-Type: application/json\r\nContent-Length: 10000\r\n\r\n{\"message")
+        s.settimeout(timeout + 20)
+        head = s.recv(64)
+    return int(head.split()[1]) if head.startswith(b"HTTP/1.1") else -1
+
+
+def hostile(args) -> list[dict]:
+    rng, counts, fives = random.Random(0), collections.Counter(), []
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    todo = hostile_cases() + [(f"random {i}", "/v1/chat/completions", headers, mutated(rng))
+                              for i in range(args.random)]
+    with server(args, extra=["--api-key", API_KEY, "--body-timeout", str(args.body_timeout)]) as proc:
+        stream = Stream(proc.url, {"Authorization": f"Bearer {API_KEY}"})
+        with httpx.Client(timeout=120) as c:
+            for name, path, headers, raw in todo:
+                method = "GET" if path == "/v1/models" else "POST"
+                r = c.request(method, proc.url + path, content=raw if method == "POST" else None, headers=headers)
+                counts[r.status_code] += 1
+                if r.status_code >= 500:
+                    fives.append((name, r.status_code, r.text[:200]))
+        for _ in range(3):
+            code = trickle(proc.url, args.body_timeout)
+            counts[code] += 1
+            if code >= 500 or code < 0:
+                fives.append(("trickling body", code, ""))
+        gaps = stream.stop()
+    step = statistics.median(gaps)
+    print(f"{sum(counts.values())} requests beside a running stream: "
+          + ", ".join(f"{n} x {code}" for code, n in sorted(counts.items())))
+    print(f"5xx: {len(fives)}" + "".join(f"\n  {f}" for f in fives))
+    print(f"running stream: {len(gaps)} tokens, median gap {step * 1e3:.1f} ms (one decode step), longest "
+          f"{max(gaps) * 1e3:.1f} ms ({max(gaps) / step:.1f} steps)")
+    return [{"status_counts": dict(counts), "fives": fives, "median_gap_s": step, "max_gap_s": max(gaps)}]
+
+
+# ---- gap
+
+def refused_gap(url: str, size: int) -> dict:
+    """Send a `size`-character chat body beside a running stream; the stream's gaps before and during it."""
+    stream = Stream(url)
+    time.sleep(2.0)
+    raw = json.dumps({"messages": [{"role": "user", "content": "x" * size}], "max_tokens": 8}).encode()
+    health: list[float] = []
+    done = threading.Event()
+
+    def poll_health():
+        while not done.is_set():
+            s = time.perf_counter()
+            httpx.get(url + "/health", timeout=30)
+            health.append(time.perf_counter() - s)
+            time.sleep(0.02)
+
+    poller = threading.Thread(target=poll_health)
+    poller.start()
+    start = time.perf_counter()
+    r = httpx.post(url + "/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"},
+                   timeout=300)
+    answered = time.perf_counter()
+    time.sleep(1.0)
+    done.set()
+    poller.join()
+    stream.stop()
+    t = stream.times
+    before = [b - a for a, b in zip(t, t[1:]) if b < start]
+    during = [b - a for a, b in zip(t, t[1:]) if b >= start and a <= answered]
+    return {"body_bytes": len(raw), "status": r.status_code, "error": r.json()["error"]["message"][:90],
+            "answered_s": round(answered - start, 3), "median_gap_before_s": round(statistics.median(before), 3),
+            "max_gap_before_s": round(max(before), 3), "max_gap_during_s": round(max(during, default=0.0), 3),
+            "max_health_s": round(max(health), 3)}
+
+
+def gap(args) -> list[dict]:
+    rows = []
+    with server(args, extra=["--max-request-bytes", str(args.limit)]) as proc:
+        for size in args.sizes or (5_000_000, args.limit + 1_000_000):
+            rows.append(refused_gap(proc.url, size))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+# ---- logprobs
+
+def logprobs(args) -> list[dict]:
+    rows = []
+    with server(args) as proc:
+        asyncio.run(clients(proc.url, 1, 1, 4, logprobs=True, top_logprobs=5))  # warm-up
+        for c in args.concurrency:
+            total, tps = max(2, 2 * c), {False: [], True: []}
+            for r in range(args.rounds):
+                for lp in (False, True) if r % 2 == 0 else (True, False):
+                    extra = {"logprobs": True, "top_logprobs": 5} if lp else {}
+                    wall, tokens = asyncio.run(clients(proc.url, c, total, args.max_tokens, **extra))
+                    tps[lp].append(tokens / wall)
+            plain, with_lp = statistics.median(tps[False]), statistics.median(tps[True])
+            rows.append({"concurrency": c, "requests": total, "max_tokens": args.max_tokens,
+                         "tok_s_plain": round(plain, 2), "tok_s_logprobs": round(with_lp, 2),
+                         "overhead_pct": round(100 * (plain / with_lp - 1), 1),
+                         "rounds_plain": [round(x, 2) for x in tps[False]],
+                         "rounds_logprobs": [round(x, 2) for x in tps[True]]})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    def command(name: str, fn, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help)
+        p.add_argument("--model", help="target (default: the embedded SmolLM2-135M-Instruct)")
+        p.add_argument("--speculative-config", help="JSON, or 'none' [what `peagle serve` picks]")
+        p.add_argument("--threads", type=int, default=None, help="torch threads of the server (and of http's engine)")
+        p.add_argument("--out", help="also write the results as JSON here")
+        p.set_defaults(run=fn)
+        return p
+
+    p = command("http", http, "HTTP against the same engine driven directly")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--requests", type=int, help="requests per level (default: max(4, 2 x concurrency))")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per level; medians are reported")
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--dtype", default="bfloat16")
+    p = command("hostile", hostile, "hostile and careless requests beside a running stream")
+    p.add_argument("--random", type=int, default=100, help="random mutated bodies after the fixed cases")
+    p.add_argument("--body-timeout", type=float, default=3.0)
+    p = command("gap", gap, "a running stream while the server refuses a large body")
+    p.add_argument("--limit", type=int, default=8_000_000, help="the server's --max-request-bytes")
+    p.add_argument("--sizes", type=int, nargs="+", help="chat bodies to send, in characters of content "
+                   "(default: 5 MB and 1 MB over the limit)")
+    p = command("logprobs", logprobs, "output tokens/s with and without logprobs")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--rounds", type=int, default=2)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    rows = args.run(args)
+    if args.out:
+        given = {k: v for k, v in vars(args).items() if k != "run"}
+        Path(args.out).write_text(json.dumps({"args": given, "results": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
