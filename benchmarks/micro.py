@@ -112,7 +112,11 @@ def quant(args) -> None:
     print("|---|---:|---:|---:|---:|---:|---:|")
     groups_blocks = -(-N // q.QCOLS) * (K // q.BLOCK)
     for fmt in args.formats:
-        blocks = q.quantize_blocks(torch.randn(N, K), fmt)
+        if fmt in q.QUANTIZATIONS:
+            blocks = q.quantize_blocks(torch.randn(N, K), fmt)
+        else:  # no quantizer (K-quants, Q5): random bytes, each byte pair a normal fp16 (the cost is the same)
+            f = q.FORMATS[fmt]
+            blocks = torch.randint(0x10, 0x3C, (N, K // f.inputs * f.block_bytes), dtype=torch.uint8)
         one = q.QuantWeight.from_blocks(blocks, fmt, N, K, path=args.path)
         pool = [q.QuantWeight.from_blocks(blocks, fmt, N, K, path=args.path)  # the same bytes in distinct memory
                 for _ in range(max(2, args.pool_mb * 2 ** 20 // one.nbytes))]
@@ -231,7 +235,8 @@ def prefill(models: dict, n: int, clock: Callable[[], float]) -> None:
     """One forward of an n-token prompt into an empty cache (logits for the last row only, as serving does)."""
     from peagle.model.layers import BatchLayout
 
-    prompt = torch.randint(100, 40000, (1, n), generator=torch.Generator().manual_seed(1))
+    vocab = min(m.config.vocab_size for m in models.values())
+    prompt = torch.randint(100, vocab, (1, n), generator=torch.Generator().manual_seed(1))
     layout = BatchLayout.build(torch.tensor([0]), torch.arange(n)[None])
 
     def run(m):
@@ -312,7 +317,7 @@ def verify(args) -> None:
     def best(fn) -> float:
         return min(interleaved({"x": fn}, args.repeats, clock)["x"]) * 1e3
 
-    plain, results = best(padded(list(range(B)), 1), []), []
+    plain, results = best(padded(list(range(B)), 1)), []
     for w in args.windows:
         a, rest = padded(list(range(half)), w + 1), padded(list(range(half, B)), 1)
         r = {"window": w, "one_forward_ms": best(padded(list(range(B)), w + 1)),
