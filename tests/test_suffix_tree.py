@@ -165,7 +165,7 @@ def exact_memory_bytes(cache):
                                     dict(max_cached_bytes=400_000)])
 def test_eviction_bounds_memory(bounds):
     """A stream of 1,000 requests (under 3 keys) through small bounds: each holds after every request, and the
-    memory stays flat (benchmarks/suffix_lookup.py runs 10,000 at the default bounds)."""
+    memory stays flat (`benchmarks/micro.py suffix` runs 10,000 at the default bounds)."""
     rng = random.Random(3)
     cache = SuffixCache(max_tree_depth=12, **bounds)
     peak_early = peak_late = 0

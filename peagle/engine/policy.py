@@ -42,7 +42,7 @@ PROBE_AFTER_MAX = 256  # ... a wait that doubles after every probe that does not
 # ... but where one draft is expected to come within PROBE_NEAR of a plain step's tokens per second, a probe costs
 # little and its verdict matters: probe after PROBE_AFTER_NEAR plain steps, without doubling. Otherwise an estimate
 # that a few early rejections put just below the break-even point would stay there, since only drafting steps
-# correct it (on a head that pays 1.1x at K = 1, the policy then ran at plain speed: benchmarks/policy_sim.py).
+# correct it (on a head that pays 1.1x at K = 1, the policy then ran at plain speed in simulation).
 PROBE_NEAR = 0.95
 PROBE_AFTER_NEAR = 4
 # A window must promise this much more than a plain step to be chosen: estimates and timings are noisy, and a wrong

@@ -129,7 +129,7 @@ def fastest_dtype(device: torch.device, hidden: int, intermediate: int) -> str:
 
     Whether bf16 pays on a CPU depends on its matrix unit: AMX tiles exist for bf16 products, while on an Intel Xeon
     with AVX-512 BF16 but no AMX PyTorch's fp32 products run 1.6x faster than its bf16 ones
-    (benchmarks/matmul_dtypes.py). A 0.1 s probe decides instead of a table of CPUs."""
+    (benchmarks/micro.py matmul). A 0.1 s probe decides instead of a table of CPUs."""
     if device.type != "cpu":
         return "bf16"
     x, w = torch.randn(512, hidden), torch.randn(intermediate, hidden)
