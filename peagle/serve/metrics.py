@@ -29,16 +29,13 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 
 class Metrics:
+    """One server's metrics; `speculation`, what the server runs, shows as the labels of `peagle:speculation_info`."""
+
     def __init__(self, model_name: str, num_speculative_tokens: int = 0, speculation: Speculation | None = None):
-        """`speculation`: what the server runs, shown as the labels of `peagle:speculation_info` (a constant 1)."""
         disable_created_metrics()  # no `*_created` series (as vLLM)
         self.registry = r = CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]
-        if speculation is not None:
-            shown = {k: "" if v is None else str(v) for k, v in speculation.as_dict().items()}
-            Info("peagle:speculation", "What speculation the server runs.", registry=r).info(
-                {"model_name": model_name, **shown})
         self.num_drafts = Counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", labels,
                                   registry=r)
         self.num_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", labels,
@@ -98,8 +95,24 @@ class Metrics:
                                       labels, registry=r)
         self.rejected = Counter("peagle:requests_rejected", "Requests refused before reaching the engine.",
                                 labels + ["reason"], registry=r)
-        m = model_name
-        # Create every labelled series up front so a scrape shows zeros rather than nothing.
+        self._create_series(num_speculative_tokens)
+        self._show(speculation)
+        self._seen = SpecDecodeStats(num_speculative_tokens)
+        self._seen_by_proposer: dict[str, SpecDecodeStats] = {}
+        self._seen_prefix: dict[int, tuple[int, int]] = {}  # per prefix cache (the baseline engine has its own)
+        self._last_token_at: dict[str, float] = {}
+
+    def _show(self, speculation: Speculation | None) -> None:
+        """`peagle:speculation_info`, a constant 1 whose labels say what runs (method, K, policy, head, origin)."""
+        if speculation is None:
+            return
+        shown = {k: "" if v is None else str(v) for k, v in speculation.as_dict().items()}
+        Info("peagle:speculation", "What speculation the server runs.", registry=self.registry).info(
+            {"model_name": self.model_name, **shown})
+
+    def _create_series(self, num_speculative_tokens: int) -> None:
+        """Every labelled series up front, so that a scrape shows zeros rather than nothing."""
+        m = self.model_name
         for c in (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.prompt_tokens,
                   self.generation_tokens, self.prefix_cache_queries, self.prefix_cache_hits):
             c.labels(model_name=m)
@@ -107,10 +120,6 @@ class Metrics:
             self.accepted_per_pos.labels(model_name=m, position=str(pos))
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name=m, finished_reason=reason)
-        self._seen = SpecDecodeStats(num_speculative_tokens)
-        self._seen_by_proposer: dict[str, SpecDecodeStats] = {}
-        self._seen_prefix: dict[int, tuple[int, int]] = {}  # per prefix cache (the baseline engine has its own)
-        self._last_token_at: dict[str, float] = {}
 
     # -- called from the engine thread after each step -------------------------------------------------------
     def record_spec(self, stats: SpecDecodeStats, by_proposer: dict[str, SpecDecodeStats] | None = None) -> None:
