@@ -68,58 +68,57 @@ def make_engine(method: str, k: int, concurrency: int):
                                      enable_prefix_caching=False)
 
 
+def answers(engine, prompts, concurrency: int, params_for) -> tuple[dict[int, tuple[str, str, int]], float]:
+    """Every prompt through the engine, `concurrency` at a time: (text, finish reason, output tokens) per prompt
+    index, and the wall seconds."""
+    pending, active, done = list(range(len(prompts))), {}, {}
+    t0 = time.perf_counter()
+    while pending or active:
+        while pending and len(active) < concurrency:
+            i = pending.pop(0)
+            active[engine.add_request(prompts[i].chat_messages(), params_for(i), chat=True)] = i
+        for out in engine.step():
+            if out.finished:
+                done[active.pop(out.request_id)] = (out.text, out.finish_reason, out.num_output_tokens)
+    return done, time.perf_counter() - t0
+
+
 def run(engine, prompts, concurrency: int, max_tokens: int | list[int], constrained: bool,
         clock: GrammarClock) -> dict:
     """One pass over the prompts; `max_tokens` per prompt when a list (then ignore_eos: exactly that many)."""
     import jsonschema
 
-    from peagle.bench.loadgen import run_offline
-    from peagle.engine import SamplingParams, SpecDecodeStats
+    from peagle.bench.structured import constraint_of
+    from peagle.engine import SamplingParams
 
-    before = engine.stats.copy()
-    grammar_before = clock.seconds
-    cpu = time.process_time()
-    shaped = prompts if constrained else [type(p)(p.id, p.text, p.messages, p.category) for p in prompts]
-    texts: dict[str, tuple[str, str, int]] = {}
-    real_step = engine.step
-
-    def step(*a, **kw):  # keep each answer's text, to validate it
-        outs = real_step(*a, **kw)
-        for o in outs:
-            if o.finished:
-                texts[o.request_id] = (o.text, o.finish_reason, o.num_output_tokens)
-        return outs
-
-    engine.step = step
-    try:
+    def params_for(i: int) -> SamplingParams:
         exact = isinstance(max_tokens, list)
-        results, wall = run_offline(engine, shaped, concurrency, lambda i: SamplingParams(
-            max_tokens=max_tokens[i] if exact else max_tokens, ignore_eos=exact))
-    finally:
-        engine.step = real_step
+        params = SamplingParams(max_tokens=max_tokens[i] if exact else max_tokens, ignore_eos=exact)
+        params.constraint = constraint_of(prompts[i].response_format) if constrained else None
+        return params
+
+    before, grammar_before, cpu = engine.stats.copy(), clock.seconds, time.process_time()
+    texts, wall = answers(engine, prompts, concurrency, params_for)
     cpu = time.process_time() - cpu
-    stats = SpecDecodeStats().merge(engine.stats)
-    for field in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_forced_tokens"):
-        setattr(stats, field, getattr(stats, field) - getattr(before, field))
-    tokens = sum(r.output_tokens for r in results)
+    s = engine.stats
+    drafts = s.num_drafts - before.num_drafts
+    tokens = sum(n for _, _, n in texts.values())
     valid = 0
-    if constrained:
-        for rid, (text, reason, _) in texts.items():
-            index = int(rid.split("-")[1])
-            schema = prompts[index].response_format["json_schema"]["schema"]
-            try:
-                jsonschema.validate(json.loads(text), schema)
-                valid += 1
-            except (json.JSONDecodeError, jsonschema.ValidationError):
-                pass
-    return {"answers": len(results), "output_tokens": tokens, "wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
+    for i, (text, _, _) in texts.items() if constrained else ():
+        try:
+            jsonschema.validate(json.loads(text), prompts[i].response_format["json_schema"]["schema"])
+            valid += 1
+        except (json.JSONDecodeError, jsonschema.ValidationError):
+            pass
+    return {"answers": len(texts), "output_tokens": tokens, "wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
             "tokens_per_s": round(tokens / wall, 2), "tokens_per_cpu_s": round(tokens / cpu, 2),
-            "mean_acceptance_length": round(stats.mean_acceptance_length, 3),
-            "forced_per_answer": round(stats.num_forced_tokens / len(results), 2),
+            "mean_acceptance_length": round(1 + (s.num_accepted_tokens - before.num_accepted_tokens) / drafts, 3)
+            if drafts else 1.0,
+            "forced_per_answer": round((s.num_forced_tokens - before.num_forced_tokens) / len(texts), 2),
             "grammar_us_per_token": round((clock.seconds - grammar_before) * 1e6 / max(tokens, 1), 1),
             "valid_answers": valid if constrained else None,
             "finished_stop": sum(1 for _, r, _ in texts.values() if r == "stop"),
-            "lengths": [n for _, (_, _, n) in sorted(texts.items(), key=lambda kv: int(kv[0].split("-")[1]))]}
+            "lengths": [texts[i][2] for i in range(len(prompts))]}
 
 
 def main() -> None:
@@ -128,6 +127,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3, help="K for eagle3 and peagle; the most K for adaptive")
     ap.add_argument("--concurrency", default="1,4")
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--num-prompts", type=int, default=None, help="the workload's first N prompts [all]")
     ap.add_argument("--out", default="bench-out/structured")
     args = ap.parse_args()
     import torch
@@ -135,7 +135,7 @@ def main() -> None:
     torch.set_num_threads(1)
     from peagle.bench.datasets import load_dataset
 
-    prompts = load_dataset("structured")
+    prompts = load_dataset("structured", args.num_prompts)
     clock = GrammarClock()
     rows = []
     for c in [int(x) for x in args.concurrency.split(",")]:
