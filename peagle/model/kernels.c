@@ -1237,7 +1237,7 @@ static inline __attribute__((always_inline)) void NAME(const int format, const i
             mnl[0] = _mm256_and_si256(s1, m6);                                                                   \
             mnl[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(s2, 4), low4),                           \
                                      _mm256_and_si256(_mm256_srli_epi32(s1, 2), top2));                          \
-            for (int j = 0; j < 8; j++) { /* sub-block j: inputs 32j.., low (j even) or high nibbles */          \
+            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) { /* sub-block j: 32j.., low or high nibbles */ \
                 const __m256i scale = KQ_SCALE_U(scl[j / 4], j % 4);                                             \
                 _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) {                                            \
                     __m256i raw = LOAD32(rec + 32 * (8 * (j / 2) + u));                                          \
@@ -1259,7 +1259,7 @@ static inline __attribute__((always_inline)) void NAME(const int format, const i
                         _mm256_madd_epi16(o, _mm256_set1_epi32(pb[r * QK_PAIRS + 9 + 2 * k]))));                 \
             }                                                                                                    \
         } else {                                                                                                 \
-            for (int k = 0; k < 16; k++) { /* sub-block k: inputs 16k.. = 128 n + 32 quarter + 4 u */            \
+            _Pragma("GCC unroll 16") for (int k = 0; k < 16; k++) { /* sub-block k: 16k.. = 128 n + 32 quarter + 4 u */ \
                 const int n = k / 8, quarter = (k % 8) / 2;                                                      \
                 const __m256i scale = KQ_SCALE_S(LOAD32(sc + 32 * (k / 4)), k % 4);                              \
                 _Pragma("GCC unroll 4") for (int u = 4 * (k % 2); u < 4 * (k % 2) + 4; u++) {                    \
