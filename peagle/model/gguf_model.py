@@ -1,10 +1,11 @@
-"""Reading a GGUF file (llama.cpp's format) as a target: its Q4_0 / Q4_1 / Q8_0 matrices stay in their blocks, bit
-for bit (peagle.model.quant runs them), float tensors become bf16, and the tokenizer, chat template and config come
-from the file's metadata (transformers parses those; peagle keeps them in a small folder under $PEAGLE_HOME so that
-later loads skip the parse).
+"""Reading a GGUF file (llama.cpp's format) as a target: its block-quantized matrices (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
+and the K-quants Q4_K, Q5_K, Q6_K) stay in their blocks, bit for bit (peagle.model.quant runs them), float tensors
+become bf16 (under Hugging Face's names and conventions: a family's own tensor names and norm offsets, family.py),
+and the tokenizer, chat template and config come from the file's metadata (transformers parses those; peagle keeps
+them in a small folder under $PEAGLE_HOME so that later loads skip the parse).
 
-Any other tensor type (the K-quants, the IQ types, ...) is refused with its name: peagle never dequantizes weights
-behind the user's back.
+Any other tensor type (Q2_K, Q3_K, the IQ and ternary types, ...) is refused with its name: peagle never dequantizes
+weights behind the user's back.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch
 
 from peagle.model.family import family_of
 
-BLOCK_FORMATS = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}  # GGUF type -> peagle.model.quant format
+BLOCK_FORMATS = {t: t.lower() for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")}  # -> quant
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -127,6 +128,9 @@ def read_tensors(path: str | Path, config: dict) -> dict[str, torch.Tensor | tup
 
             block, nbytes = GGML_QUANT_SIZES[t.tensor_type]
             expected = shape[0] * (shape[-1] // block) * nbytes if len(shape) == 2 else -1
+            if len(shape) == 2 and shape[-1] % block:
+                raise ValueError(f"{path}: tensor {t.name} has rows of {shape[-1]} weights, not whole {kind} blocks "
+                                 f"of {block} (a corrupt file: re-quantize it with llama-quantize)")
             if t.data.size != expected:
                 raise ValueError(f"{path}: tensor {t.name} holds {t.data.size} bytes where a {kind} "
                                  f"{shape[0]}x{shape[-1]} matrix has {expected} (truncated or corrupt file)")
@@ -153,6 +157,6 @@ def read_tensors(path: str | Path, config: dict) -> dict[str, torch.Tensor | tup
         raise ValueError(
             f"{path.name}: peagle's kernels have no {', '.join(sorted({u.split('(')[1][:-1] for u in unsupported}))} "
             f"(tensors {shown}). Supported tensor types: {', '.join(BLOCK_FORMATS)} and {', '.join(FLOAT_TYPES)}; "
-            "make such a file with `llama-quantize --pure` (for example to Q4_0 or Q8_0), or pass the original "
-            "safetensors model with `--quantization q4_0`")
+            "re-quantize the file with `llama-quantize` to one of those (for example Q4_K_M, or with `--pure` Q8_0), "
+            "or pass the original safetensors model with `--quantization q4_0`")
     return out
