@@ -24,10 +24,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            packed: "kernels.PackedWeight | None" = None) -> torch.Tensor:
     """F.linear, or peagle's batch-invariant kernel over `packed` (the same weight packed once, see kernels.py) when
     it applies: bf16 on a CPU where a native path runs, no gradients needed."""
-    if isinstance(packed, StackedBlocks):
-        y = packed(x)
-    else:
-        y = kernels.packed_linear(x, packed) if packed is not None else None
+    y = kernels.packed_linear(x, packed) if packed is not None else None
     if y is None:
         if weight is None:  # block-quantized: only the packed form exists
             raise RuntimeError(f"a {packed.format} matrix takes bf16 CPU input without gradients; got "
@@ -329,28 +326,8 @@ def pack_matrix(module: nn.Linear, path: str | None, blocks: dict | None, name: 
 
 def fuse_blocks(parts: list[tuple[str, torch.Tensor]], in_features: int):
     """Block-quantized matrices of one input (q/k/v, gate/up), stacked by output rows into one matrix; matrices in
-    different formats (a K-quant mix's v beside its q and k) stay apart as StackedBlocks."""
-    if len({fmt for fmt, _ in parts}) > 1:
-        return StackedBlocks(tuple(quant.QuantWeight.from_blocks(d, fmt, d.shape[0], in_features) for fmt, d in parts))
-    data = torch.cat([d for _, d in parts])
-    return quant.QuantWeight.from_blocks(data, parts[0][0], data.shape[0], in_features)
-
-
-class StackedBlocks:
-    """Block-quantized matrices of one input in different formats: one product each, outputs side by side (each
-    product gives its own matrix's bits)."""
-
-    def __init__(self, parts: tuple):
-        self.parts = parts
-        self.format = "+".join(dict.fromkeys(p.format for p in parts))  # as stats name it: "q5_0+q8_0"
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
-        ys = [kernels.packed_linear(x, p) for p in self.parts]
-        return None if any(y is None for y in ys) else torch.cat(ys, dim=-1)
+    different formats (a K-quant mix's v beside its q and k) run as one quant.QuantStack."""
+    return quant.fuse(parts, in_features)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -169,21 +169,17 @@ class QuantStack:
         return whole if rows is None else whole[rows]
 
 
-def fuse(parts: list[tuple[str, torch.Tensor]], names: list[str]) -> "QuantWeight | QuantStack":
-    """Block-quantized matrices of one input, (format, GGUF rows) as read from a file under `names`, stacked by
-    output rows into one: a QuantWeight where neighbours share a format, a QuantStack of those runs otherwise."""
-    widths = {n: d.shape[1] // FORMATS[f].block_bytes * FORMATS[f].inputs for n, (f, d) in zip(names, parts)}
-    if len(set(widths.values())) > 1:
-        raise ValueError(f"{', '.join(names)} must have the same number of inputs; this file has "
-                         f"{', '.join(f'{n} {k}' for n, k in widths.items())}")
+def fuse(parts: list[tuple[str, torch.Tensor]], in_features: int) -> "QuantWeight | QuantStack":
+    """Block-quantized matrices of one input (format, GGUF rows as read from a file) stacked by output rows into one:
+    a QuantWeight where neighbours share a format, a QuantStack of those runs otherwise (a K-quant mix's q/k/v)."""
     runs: list[tuple[str, list[torch.Tensor]]] = []
     for fmt, data in parts:
         if runs and runs[-1][0] == fmt:
             runs[-1][1].append(data)
         else:
             runs.append((fmt, [data]))
-    K = next(iter(widths.values()))
-    weights = [QuantWeight.from_blocks(torch.cat(ds), fmt, sum(d.shape[0] for d in ds), K) for fmt, ds in runs]
+    weights = [QuantWeight.from_blocks(torch.cat(ds), fmt, sum(d.shape[0] for d in ds), in_features)
+               for fmt, ds in runs]
     return weights[0] if len(weights) == 1 else QuantStack(weights)
 
 
