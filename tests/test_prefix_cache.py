@@ -97,7 +97,7 @@ def test_a_cache_hit_brings_the_drafters_entries(target, method):
     eng.add_request(ps[1], PARAMS)
     eng._take_incoming({})  # the first part of a step: admission and prefill, before any draft
     eng._admit()
-    eng._prefill_step()
+    eng.prefill.step(eng.running)
     (req,) = eng.running
     assert req.num_cached_tokens == (len(ps[1]) - 1) // BLOCK_SIZE * BLOCK_SIZE
     assert req.backlog.start == req.num_cached_tokens  # the drafter's cache holds every cached position

@@ -114,9 +114,9 @@ def test_chunks_sized_by_a_random_clock_change_no_output(target, method):
     eng = engine(target, method, max_step_time_ms=30, max_num_batched_tokens=96)
     eng.step_budget.clock = RandomClock(seed=3)
     chunks, slices = [], []
-    prefill, run_backlog = eng._prefill_chunks, eng._run_backlog
-    eng._prefill_chunks = lambda batch: chunks.append([n for _, n in batch]) or prefill(batch)
-    eng._run_backlog = lambda req, rows=None: slices.append(rows) or run_backlog(req, rows)
+    prefill, run_backlog = eng.prefill.run_chunks, eng.catch_up.run
+    eng.prefill.run_chunks = lambda batch: chunks.append([n for _, n in batch]) or prefill(batch)
+    eng.catch_up.run = lambda req, rows: slices.append(rows) or run_backlog(req, rows)
     got = outputs(run(eng, prompts, [SamplingParams(**vars(p)) for p in params]))
     assert got == want
     sizes = {n for batch in chunks for n in batch}

@@ -1,0 +1,75 @@
+"""One decode step as data (docs/design.md, "Decoding step"). The engine plans a step as one `Window` per decoding
+request and carries the `StepPlan` through every phase, each filling in its part:
+
+    plan     the proposer's model-free draft (`draft`) and the policy's number of drafts (`k`)
+    catch up a head that is still behind after its slice of the drafter's backlog gets k = 0
+    draft    the window's tokens: the head's drafts or the model-free draft, cut to k
+    grammar  under a constraint, the tokens the grammar allowed (`drafted` of them) and the forced ones after them
+    verify   every window [x_n, tokens...] in one target forward
+    commit   each window's `Outcome`, the one record every statistic and estimate is derived from
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from peagle.engine.acceptance import Draft
+    from peagle.engine.request import Request
+
+
+@dataclass(eq=False)
+class Window:
+    """One request's part of a step: what it verifies after its newest token x_n."""
+    request: Request
+    k: int  # drafts the policy gave it (0: a plain step for this request)
+    draft: Draft | None = None  # the model-free draft made before the policy chose (None: the head's, if k)
+    tokens: list[int] = field(default_factory=list)  # verified after x_n: its drafts, then any forced tokens
+    drafted: int = 0  # how many of `tokens` were drafted (the rest are the only tokens a grammar allowed)
+
+    @property
+    def by_head(self) -> bool:
+        """Whether the head drafts this window (one drafter forward for all such windows)."""
+        return self.k > 0 and self.draft is None
+
+    def outcome(self, emitted: list[int], forced: int, head: str | None) -> Outcome:
+        """What this window came to: `emitted` the tokens verification gave (accepted drafts and the target's
+        own), `forced` the committed tokens the grammar forced, `head` the name of the head's proposer."""
+        proposer = self.draft.proposer if self.draft is not None else head
+        return Outcome(self.request, self.draft, proposer, self.drafted, min(len(emitted) - 1, self.drafted), forced)
+
+
+@dataclass
+class StepPlan:
+    windows: list[Window]
+
+    @property
+    def head_windows(self) -> list[Window]:
+        return [w for w in self.windows if w.by_head]
+
+    @property
+    def head_k(self) -> int:
+        """The widest window the head drafts: its one forward drafts this many tokens for every head window."""
+        return max((w.k for w in self.windows if w.by_head), default=0)
+
+    @property
+    def rows(self) -> int:
+        """Rows of the verify forward: x_n and the window's tokens, per request."""
+        return sum(1 + len(w.tokens) for w in self.windows)
+
+    @property
+    def verifies_forced_tokens(self) -> bool:
+        """Whether some window verifies tokens past its drafts (a grammar's forced run)."""
+        return any(len(w.tokens) > w.drafted for w in self.windows)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one window fared. The request's and the engine's statistics, its proposer's, and what the policy or the
+    proposer learn are all derived from this one record (`LLMEngine._record`)."""
+    request: Request
+    draft: Draft | None  # the model-free draft it was offered, verified or not (its proposer learns either way)
+    proposer: str | None  # who drafted (None: no drafter ran)
+    drafted: int  # drafts verified: forced tokens verified after them do not count
+    accepted: int  # the first `accepted` of them matched the target
+    forced: int  # committed tokens that were the only one the grammar allowed
