@@ -136,3 +136,17 @@ def test_generate_says_what_runs_and_no_speculation_turns_it_off(tiny, capsys):
     off = json.loads(capsys.readouterr().out)
     assert off["method"] == "none" and off["what_runs"] == "no speculation, from the flag"
     assert off["text"] == on["text"]  # greedy: speculation changes nothing in the output
+
+
+def test_bench_measures_the_default_beside_no_speculation(tiny_chat_llama, tmp_path, one_thread):
+    from peagle.cli import main
+
+    out = tmp_path / "bench"
+    assert main(["bench", "--model", str(tiny_chat_llama), "--offline", "--methods", "baseline,default",
+                 "--num-prompts", "2", "--max-tokens", "6", "--concurrency", "1", "--threads", "1", "--no-progress",
+                 "--out", str(out)]) == 0
+    runs = {r["method"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
+    default = resolve_speculation(str(tiny_chat_llama))
+    assert set(runs) == {"baseline", "default"} and runs["default"]["policy"] == "adaptive"
+    assert runs["default"]["k"] == default.num_speculative_tokens
+    assert "peagle's default adaptive K<=" in (out / "results.md").read_text()
