@@ -276,14 +276,21 @@ def real_target(real_gguf) -> TargetModel:
 
 
 @needs_native_kernels
-def test_real_gemma3_answers_a_chat_question(real_gguf, real_target):
+def test_real_gemma3_completes_text_coherently_and_chats_in_its_turn_format(real_gguf, real_target):
+    """The file is the pretrained (base) Gemma 3 270M: it completes text; asked in chat turns it echoes the question,
+    as transformers' Gemma 3 on the same weights does, so the chat half checks the template and the stop token."""
     from peagle.model.loading import load_tokenizer
 
     tokenizer = load_tokenizer(real_gguf)
+    engine = LLMEngine(real_target, tokenizer, max_model_len=128)
+    text = engine.generate(["The Eiffel Tower is located in the city of"], SamplingParams(max_tokens=4),
+                           chat=False)[0].text
+    assert text.startswith(" Paris"), text
     chat = [{"role": "user", "content": "What is the capital of France?"}]
-    out = LLMEngine(real_target, tokenizer, max_model_len=256).generate([chat], SamplingParams(max_tokens=16))[0]
-    assert "Paris" in tokenizer.decode(out.token_ids)
-    assert out.token_ids[-1] in real_target.config.eos_token_ids  # the reply ends at <end_of_turn>
+    ids = engine.encode_prompt(chat)
+    assert tokenizer.decode(ids) == "<bos><start_of_turn>user\nWhat is the capital of France?<end_of_turn>\n" \
+                                    "<start_of_turn>model\n"
+    assert tokenizer.convert_tokens_to_ids("<end_of_turn>") in real_target.config.eos_token_ids
 
 
 @needs_native_kernels
