@@ -28,6 +28,7 @@ _LAYER = {  # peagle / vLLM layer-0 tensor -> llama.cpp's
 _TOP = {"fc.weight": "fc.weight", "norm.weight": "output_norm.weight", "lm_head.weight": "output.weight",
         "embed_tokens.weight": "token_embd.weight"}
 _FLOAT_TYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+_FILE_TYPES = {"BF16": 32, "F16": 1, "F32": 0}  # general.file_type: gguf.LlamaFileType MOSTLY_BF16, MOSTLY_F16, ALL_F32
 
 
 class DraftExportError(ValueError):
@@ -96,7 +97,7 @@ def _field_value(field):
 
 
 def target_metadata(target_gguf: Path) -> tuple[dict, list]:
-    """(the target's architecture hparams by key suffix, its `tokenizer.*` fields as (key, value, type, subtype))."""
+    """(the target's width and layer count, its `tokenizer.*` fields as (key, value, type, subtype))."""
     from gguf import GGUFReader
 
     if not target_gguf.is_file():
@@ -106,9 +107,8 @@ def target_metadata(target_gguf: Path) -> tuple[dict, list]:
     except Exception as e:  # noqa: BLE001 - gguf raises ValueError, IndexError, struct errors... on a bad file
         raise DraftExportError(f"{target_gguf} is not a readable GGUF file: {type(e).__name__}: {e}") from None
     arch = reader.fields["general.architecture"].contents()
-    hparams = {k.removeprefix(arch + "."): f.contents() for k, f in reader.fields.items()
-               if k.startswith(arch + ".") and not k.endswith("_token_ids")}
-    hparams["arch"] = arch
+    hparams = {key: reader.fields[f"{arch}.{key}"].contents() for key in ("embedding_length", "block_count")
+               if f"{arch}.{key}" in reader.fields}
     vocab = [(k, *_field_value(f)) for k, f in reader.fields.items() if k.startswith("tokenizer.")]
     if not any(k == "tokenizer.ggml.tokens" for k, *_ in vocab):
         raise DraftExportError(f"{target_gguf} has no tokenizer (tokenizer.ggml.tokens): point --target at the GGUF "
@@ -160,9 +160,7 @@ def write_draft_gguf(drafter, target_gguf: str | Path, out: str | Path, name: st
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
-    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_BF16 if tensors["fc.weight"][1] == "BF16"
-                        else gguf.LlamaFileType.MOSTLY_F16 if tensors["fc.weight"][1] == "F16"
-                        else gguf.LlamaFileType.ALL_F32))
+    w.add_file_type(int(_FILE_TYPES[tensors["fc.weight"][1]]))
     w.add_vocab_size(c.vocab_size)
     w.add_rope_dimension_count(c.head_dim)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
