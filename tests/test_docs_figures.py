@@ -81,8 +81,12 @@ def test_the_manual_stays_a_manual():
 
 
 def test_every_tool_the_docs_name_is_there():
-    """A script the manual tells a reader to run exists (one only in git history is named with `git show REV:`)."""
+    """A script or module the manual names exists (one only in git history is named with `git show REV:`)."""
+    ours = {p.name for p in ROOT.rglob("*") if p.suffix in (".py", ".sh") and ".git" not in p.parts}
+    others = {"convert_hf_to_gguf.py"}  # llama.cpp's
     for doc in [ROOT / "README.md", *DOCS]:
         text = re.sub(r"git show [0-9a-f]+:\S+", "", doc.read_text())
         for path in sorted(set(re.findall(r"\b(?:benchmarks|scripts)/[\w./-]+\.(?:py|sh)\b", text))):
             assert (ROOT / path).is_file(), f"{doc.name} names {path}, which is not in the repository"
+        for name in sorted(set(re.findall(r"\b[\w-]+\.(?:py|sh)\b", text)) - others):
+            assert name in ours, f"{doc.name} names {name}, which is not in the repository"
