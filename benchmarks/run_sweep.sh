@@ -22,7 +22,7 @@ for DATASET in ${DATASETS:-humaneval mtbench}; do
     --concurrency 1,4,8 --k 3,7,adaptive --methods baseline,eagle3,peagle \
     --threads "$THREADS" --out "$OUT" "$@" 2>&1 | tee "$OUT.log"
   cp "$OUT"/results.md "$OUT"/results.json "$OUT"/*.png "$DOCS"/
-  python3 benchmarks/update_docs.py "$DOCS/results.json" docs/benchmarks.md "$DATASET"
 done
 python3 benchmarks/update_docs.py --summary docs/benchmarks.md humaneval mtbench counting
-echo "docs/benchmarks.md updated; revise its reading of the results by hand."
+python3 benchmarks/update_docs.py --readme README.md
+echo "docs/benchmarks.md and README.md updated; revise the reading of the results by hand."
