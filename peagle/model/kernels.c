@@ -1259,11 +1259,12 @@ static inline __attribute__((always_inline)) void NAME(const int format, const i
                         _mm256_madd_epi16(o, _mm256_set1_epi32(pb[r * QK_PAIRS + 9 + 2 * k]))));                 \
             }                                                                                                    \
         } else {                                                                                                 \
-            _Pragma("GCC unroll 16") for (int k = 0; k < 16; k++) { /* sub-block k: 16k.. = 128 n + 32 quarter + 4 u */ \
+            _Pragma("GCC unroll 16") for (int k = 0; k < 16; k++) { /* sub-block k: 128 n + 32 quarter + 4 u */  \
                 const int n = k / 8, quarter = (k % 8) / 2;                                                      \
                 const __m256i scale = KQ_SCALE_S(LOAD32(sc + 32 * (k / 4)), k % 4);                              \
                 _Pragma("GCC unroll 4") for (int u = 4 * (k % 2); u < 4 * (k % 2) + 4; u++) {                    \
-                    __m256i raw = LOAD32(rec + 32 * (16 * n + 8 * (quarter % 2) + u)), h = LOAD32(hb + 32 * (8 * n + u)); \
+                    __m256i raw = LOAD32(rec + 32 * (16 * n + 8 * (quarter % 2) + u));                           \
+                    __m256i h = LOAD32(hb + 32 * (8 * n + u));                                                   \
                     h = quarter < 2 ? _mm256_slli_epi16(h, 4 - 2 * quarter) : _mm256_srli_epi16(h, 2 * quarter - 4); \
                     __m256i q = _mm256_or_si256(_mm256_and_si256(quarter / 2 ? _mm256_srli_epi16(raw, 4) : raw, low4), \
                                                 _mm256_and_si256(h, top2));                                      \

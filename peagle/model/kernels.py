@@ -424,7 +424,8 @@ class NativeDecoderLayer:
     @staticmethod
     def applies(packed: list, head_dim: int, intermediate: int) -> bool:
         """Whether the native layer can run these (bias-free, all packed for one native call each) weights."""
-        return all(getattr(p, "gemm_ptr", None) for p in packed) and head_dim % 8 == 0 and head_dim <= 256 and intermediate % 8 == 0
+        return (all(getattr(p, "gemm_ptr", None) for p in packed) and head_dim % 8 == 0 and head_dim <= 256
+                and intermediate % 8 == 0)
 
     @classmethod
     def for_layers(cls, layers: list, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int,
