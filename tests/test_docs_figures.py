@@ -91,3 +91,10 @@ def test_every_tool_the_docs_name_is_there():
             assert (ROOT / path).is_file(), f"{doc.name} names {path}, which is not in the repository"
         for name in sorted(set(re.findall(r"\b[\w-]+\.(?:py|sh)\b", text)) - others):
             assert name in ours, f"{doc.name} names {name}, which is not in the repository"
+
+
+def test_relative_links_resolve():
+    for doc in [ROOT / "README.md", *DOCS]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text()):
+            if not target.startswith(("http://", "https://")):
+                assert (doc.parent / target).exists(), f"{doc.name} links to {target}, which is not there"
