@@ -45,7 +45,7 @@ def teacher_forced_logits(target: TargetModel, ids: list[int]) -> torch.Tensor:
                          ids=["greedy", "sampled-top-k"])
 @pytest.mark.parametrize("k", [0, 3])
 def test_logprobs_are_the_targets_processed_distribution(target, params, k, monkeypatch):
-    monkeypatch.setattr("peagle.engine.engine.PROMPT_LOGPROB_ROWS", 4)  # prompt rows in several blocks
+    monkeypatch.setattr("peagle.engine.logprobs.PROMPT_LOGPROB_ROWS", 4)  # prompt rows in several blocks
     outs = engine(target, k).generate(PROMPTS, params)
     for prompt, out in zip(PROMPTS, outs):
         assert len(out.logprobs) == len(out.token_ids) == 20
