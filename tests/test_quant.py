@@ -173,7 +173,7 @@ def write_gguf(path, tensors: dict, arch: str = "llama") -> None:
 
     writer = gguf.GGUFWriter(path, arch)
     for name, (data, kind) in tensors.items():
-        if kind in ("F32", "BF16"):
+        if kind == "F32" or (kind == "BF16" and data.dtype != np.uint8):
             writer.add_tensor(name, data)
         else:
             writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType[kind])
@@ -203,6 +203,17 @@ def test_gguf_blocks_read_back_bit_for_bit(tmp_path):
         assert torch.equal(qw.dequantize(), _gguf_dequantize(blocks[fmt], fmt, 64, 96))
     assert torch.equal(got["layers.0.input_layernorm.weight"],
                        torch.linspace(0, 1, 96, dtype=torch.float32).to(torch.bfloat16))
+
+
+def test_bf16_tensors_read_back_as_llama_cpp_writes_them(tmp_path):
+    """llama.cpp's converter writes BF16 as raw 2-byte values, which the gguf reader hands out as bytes."""
+    import gguf
+
+    values = torch.randn(8, 96).to(torch.bfloat16)
+    raw = gguf.quants.quantize(values.float().numpy(), gguf.GGMLQuantizationType.BF16)
+    write_gguf(tmp_path / "b.gguf", {"blk.0.ffn_up.weight": (raw, "BF16")})
+    got = read_tensors(tmp_path / "b.gguf", CONFIG)["layers.0.mlp.up_proj.weight"]
+    assert got.dtype == torch.bfloat16 and torch.equal(got, values)
 
 
 def _gguf_dequantize(blocks: torch.Tensor, fmt: str, n: int, k: int) -> torch.Tensor:

@@ -137,6 +137,8 @@ def read_tensors(path: str | Path, config: dict) -> dict[str, torch.Tensor | tup
             value = torch.from_numpy(np.array(t.data).reshape(shape[0], -1))
         elif kind in FLOAT_TYPES:
             data = np.array(t.data)
+            if kind == "BF16" and data.dtype == np.uint8:  # gguf's reader hands BF16 out as raw bytes
+                data = data.reshape(-1).view(np.int16)
             if data.size != int(np.prod(shape)):
                 raise ValueError(f"{path}: tensor {t.name} is short (truncated or corrupt file)")
             if kind == "BF16":
