@@ -83,13 +83,15 @@ def _f(x: float | None) -> str:
 # record its command line; docs/engine.md gives it.
 ENGINE_DECODE = "docs/engine_decode.json"
 ACCEPTANCE = "docs/heads/acceptance.json"
+VS_LLAMA_CPP = "docs/benchmarks/vs_llama_cpp.json"
 SWEEPS = {"humaneval": "docs/benchmarks/humaneval/results.json", "mtbench": "docs/benchmarks/mtbench/results.json"}
-README_SOURCES = (ENGINE_DECODE, ACCEPTANCE, *SWEEPS.values())
+README_SOURCES = (ENGINE_DECODE, ACCEPTANCE, VS_LLAMA_CPP, *SWEEPS.values())
 DATASET_TITLES = {"humaneval": "HumanEval", "mtbench": "MT-Bench"}
 # (doc, section heading) that owns each row's run; tests/test_docs_figures.py checks that every heading exists
 OWNERS = {"plain": ("docs/engine.md", "Plain decoding"), "drafting": ("docs/engine.md", "Drafting cost against K"),
           "acceptance": ("docs/heads.md", "Acceptance"),
-          "sweep": ("docs/benchmarks.md", "The adaptive policy against fixed K and no speculation")}
+          "sweep": ("docs/benchmarks.md", "The adaptive policy against fixed K and no speculation"),
+          "llama.cpp": ("docs/performance.md", "Against llama.cpp's speculative decoding")}
 
 
 def anchor(heading: str) -> str:
@@ -108,7 +110,7 @@ def readme_figures(root: Path) -> str:
     rows = ["Generated from the committed result files by `python3 benchmarks/update_docs.py --readme README.md`; "
             "each link leads to the run's command, machine and reading.", "",
             "| measured | result | run |", "|---|---|---|"]
-    rows += _engine_rows(root) + _acceptance_rows(root)
+    rows += _engine_rows(root) + _acceptance_rows(root) + _llama_cpp_rows(root)
     for dataset, path in SWEEPS.items():
         rows += _sweep_rows(root, dataset, path)
     return "\n".join(rows)
@@ -134,6 +136,15 @@ def _acceptance_rows(root: Path) -> list[str]:
                     + ", ".join(f"{METHOD_NAMES[m]} {at_k[m]:.2f}" for m in ("peagle", "eagle3") if m in at_k)
                     + f" | {_link('acceptance')} |")
     return rows
+
+
+def _llama_cpp_rows(root: Path) -> list[str]:
+    """peagle's default and its EAGLE-3 against llama-server's speculation on the same GGUF file."""
+    ratios = json.loads((root / VS_LLAMA_CPP).read_text())["ratios"]
+    default = ", ".join(f"{w} {ratios[w]['default_vs_best_llama_cpp']:.2f}x" for w in ("code-edit", "fresh-chat"))
+    eagle3 = [ratios[w]["eagle3_vs_llama_cpp_eagle3"] for w in ratios]
+    return [f"| speculation against llama-server's, same Q4_0 file, 1 thread | default over llama.cpp's best: "
+            f"{default}; same EAGLE-3 head {min(eagle3):.2f}-{max(eagle3):.2f}x | {_link('llama.cpp')} |"]
 
 
 def _sweep_rows(root: Path, dataset: str, path: str) -> list[str]:
