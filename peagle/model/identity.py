@@ -40,8 +40,8 @@ def is_embedded_model(name: str | None, path: Path | None = None) -> bool:
     reference = _embedded_fingerprint()
     if reference is None:
         return False
-    shape = _shape(path)
-    return shape is not None and shape == reference[0] and _vocabulary_hash(path) == reference[1]
+    shape, tokens = _shape(path)
+    return shape is not None and shape == reference[0] and _vocabulary_hash(path, tokens) == reference[1]
 
 
 @lru_cache(maxsize=1)
@@ -51,11 +51,14 @@ def _embedded_fingerprint() -> tuple[tuple, str] | None:
         path = embedded_gguf_path()
     except FileNotFoundError:
         return None
-    return _shape(path), _vocabulary_hash(path)
+    shape, tokens = _shape(path)
+    return shape, _vocabulary_hash(path, tokens)
 
 
-def _shape(path: Path) -> tuple | None:
-    """(architecture, vocabulary size, hidden, intermediate, layers, heads, kv heads), or None when unknown."""
+def _shape(path: Path) -> tuple[tuple | None, list[str] | None]:
+    """(architecture, vocabulary size, hidden, intermediate, layers, heads, kv heads), or None when unknown; and a
+    GGUF's token strings, read in the same pass (a folder's come from tokenizer.json only if the shape matches)."""
+    tokens = None
     try:
         if is_gguf(path):
             arch = read_gguf_metadata(path, {"general.architecture"}).get("general.architecture")
@@ -68,16 +71,15 @@ def _shape(path: Path) -> tuple | None:
             cfg.setdefault("num_key_value_heads", cfg.get("num_attention_heads"))
             shape = (cfg.get("model_type"), cfg.get("vocab_size"), *(cfg.get(k) for k in _HF_SHAPE))
     except (OSError, ValueError):
-        return None
-    return None if None in shape else shape
+        return None, None
+    return (None, None) if None in shape else (shape, tokens)
 
 
-def _vocabulary_hash(path: Path) -> str | None:
-    """SHA-256 of the token strings in id order (a GGUF's tokenizer.ggml.tokens, a folder's tokenizer.json)."""
+def _vocabulary_hash(path: Path, tokens: list[str] | None = None) -> str | None:
+    """SHA-256 of the token strings in id order (`tokens`, a GGUF's as _shape read them, or a folder's
+    tokenizer.json)."""
     try:
-        if is_gguf(path):
-            tokens = read_gguf_metadata(path, {_TOKENS}).get(_TOKENS)
-        else:
+        if tokens is None and not is_gguf(path):
             tok = json.loads((Path(path) / "tokenizer.json").read_text(encoding="utf-8"))
             by_id = {i: t for t, i in tok["model"]["vocab"].items()}
             by_id.update((a["id"], a["content"]) for a in tok.get("added_tokens", []))
