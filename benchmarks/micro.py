@@ -483,41 +483,57 @@ MEMORY_CHILD = r"""
 import json, sys
 import torch
 torch.set_num_threads(1)
+import gguf, safetensors.torch  # noqa: F401 - the loaders' code, imported before the baseline as the engine's is
+from peagle.engine import LLMEngine, SamplingParams
 from peagle.model import kernels
-from peagle.engine import LLMEngine
-import transformers  # noqa: F401
+from peagle.model.heads import resolve_head
+from peagle.model.loading import load_tokenizer, resolve_model
 
-def rss_mb():
+def rss_mib():
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS")) / 1024
 
-kernels.library()
-base = rss_mb()
 model, head = sys.argv[1], sys.argv[2]
+path = resolve_model(None if model == "bf16" else model)
+kernels.library()
+tokenizers = [load_tokenizer(path)]  # its code and allocator arenas in the baseline
+before_tokenizer = rss_mib()
+tokenizers.append(load_tokenizer(path))  # one more copy: what the engine's own holds (its data)
+tokenizer = rss_mib() - before_tokenizer
+base = rss_mib()
 spec = {"model": head, "method": "eagle3", "num_speculative_tokens": 3, "parallel_drafting": True}
 engine = LLMEngine.from_pretrained(None if model == "bf16" else model, spec if head != "none" else None,
                                    max_num_seqs=1, max_model_len=1024, speculation_policy="fixed")
-print(json.dumps({"weights": engine.kernels["weights"], "mb": round(rss_mb() - base)}))
+engine.generate(["Write a haiku about memory."], SamplingParams(max_tokens=16, temperature=0))
+caches = [c for c in (engine.target_cache, engine.drafter_cache) if c is not None]
+for t in [t for c in caches for t in c.k + c.v]:
+    t.add_(0)  # every KV page resident, as once a sequence fills max_model_len
+total = rss_mib() - base
+files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+files += sorted(resolve_head(head).glob("*.safetensors")) if head != "none" else []
+print(json.dumps({"weights": engine.kernels["weights"], "total": total, "tokenizer": tokenizer,
+                  "file": sum(f.stat().st_size for f in files) / 2**20,
+                  "kv": sum(t.nbytes for c in caches for t in c.k + c.v) / 2**20, "process": rss_mib()}))
 """
 
 
 def memory(args) -> None:
-    """Each configuration loads in a fresh process; the figure is its resident set (VmRSS) after loading, less what
-    it held once torch, transformers and the kernels were imported (the same for every format)."""
-    rows = {}
+    """Each configuration loads in a fresh process, answers one request and has its whole KV cache written. The
+    model's figure is the growth of the resident set (VmRSS) over a baseline holding the code (torch, the GGUF
+    reader, peagle's kernels, the tokenizer's code by loading one first), less the engine's own tokenizer (its
+    data: one more copy, measured before the baseline). It is compared with the weight file(s) plus the KV cache of one slot of
+    max_model_len 1024 (and, with a head, the head's file and KV cache). "process" is the whole resident set."""
+    print("| model | speculation | weights | files MiB | KV MiB | model resident MiB | / (files + KV) | tokenizer MiB "
+          "| process MiB |\n|---|---|---|---:|---:|---:|---:|---:|---:|", flush=True)
     for model in args.models:
         for head in ("none", args.head):
             out = subprocess.run([sys.executable, "-c", MEMORY_CHILD, model, head], capture_output=True, text=True,
                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
             if out.returncode:
                 raise SystemExit(f"{model} with head {head}: {out.stderr[-2000:]}")
-            rows[model, head] = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"{model:>14} {'target only' if head == 'none' else 'with ' + head:>26}: "
-                  f"{rows[model, head]['mb']} MB ({rows[model, head]['weights']})", flush=True)
-    first = args.models[0]
-    for model in args.models[1:]:
-        for head in ("none", args.head):
-            print(f"{model}, {'target only' if head == 'none' else 'with the head'}: "
-                  f"{rows[model, head]['mb'] / rows[first, head]['mb']:.0%} of {first}'s memory")
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            resident = r["total"] - r["tokenizer"]
+            print(f"| {Path(model).name} | {head} | {r['weights']} | {r['file']:.1f} | {r['kv']:.1f} | {resident:.1f} "
+                  f"| {resident / (r['file'] + r['kv']):.2f} | {r['tokenizer']:.1f} | {r['process']:.0f} |", flush=True)
 
 
 # ---- the entry

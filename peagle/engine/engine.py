@@ -52,6 +52,7 @@ from peagle.engine.request import Request, RequestOutput
 from peagle.engine.sampling import SamplingParams, target_logprobs, target_probs
 from peagle.engine.stats import SpecDecodeStats
 from peagle.engine.step_budget import StepBudget
+from peagle.model.quant import release_freed_memory
 from peagle.engine.step_plan import Outcome, StepPlan, Window
 from peagle.engine.timing import step_clock
 from peagle.engine.verify import verify_greedy, verify_sampled
@@ -179,6 +180,7 @@ class LLMEngine:
         self.prefix_reuse = PrefixReuse(self.prefix_cache, self.target_cache, self.drafter_cache, self.catch_up)
         self.prefill = Prefill(self.target, self.target_cache, self.step_budget, self.catch_up, self.prefix_reuse,
                                self.proposer, max_num_batched_tokens, enable_chunked_prefill, self._first_token)
+        release_freed_memory()  # calibration's scratch activations (a full prefill chunk's) are freed but kept
 
     # -- construction ------------------------------------------------------------------------------------------
     @classmethod

@@ -550,8 +550,83 @@ void peagle_silu_mul_bf16(const uint16_t *gate_up, uint16_t *y, int rows, int I)
    AVX-512 BF16: `vdpbf16ps` adds both products of a bf16 pair into one fp32 lane */
 
 #ifndef PEAGLE_NO_AVX512
+#ifdef PEAGLE_EMULATE_AVX512
+/* Tests only (kernels.py, emulated_library): the two AVX-512 sections compiled against SIMDe's portable definitions
+   of the intrinsics instead of the instructions, so that their logic runs, and is checked against AVX2, on CPUs
+   without AVX-512. The whole file is then built with -mavx2 -mfma -mf16c: SIMDe's 512-bit operations use AVX2
+   underneath and the AVX2 types stay the real ones. The seven intrinsics SIMDe 0.7.4 lacks are defined here, lane by
+   lane as Intel's manual defines them (masked-off lanes are never read or written). */
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+#define EMULATED_LANES(T, n, v) T v[n]
+static inline __m512i emulated_zextsi256_si512(__m256i a) {
+    return _mm512_inserti64x4(_mm512_setzero_si512(), a, 0);
+}
+static inline __m512 emulated_cvtph_ps(__m256i a) {
+    EMULATED_LANES(uint16_t, 16, h);
+    EMULATED_LANES(float, 16, f);
+    memcpy(h, &a, sizeof h);
+    for (int i = 0; i < 16; i++) f[i] = _cvtsh_ss(h[i]);
+    __m512 r;
+    memcpy(&r, f, sizeof r);
+    return r;
+}
+static inline __m512 emulated_cvtepi32_ps(__m512i a) { /* rounds to nearest even, as vcvtdq2ps does */
+    EMULATED_LANES(int32_t, 16, v);
+    EMULATED_LANES(float, 16, f);
+    memcpy(v, &a, sizeof v);
+    for (int i = 0; i < 16; i++) f[i] = (float)v[i];
+    __m512 r;
+    memcpy(&r, f, sizeof r);
+    return r;
+}
+static inline __m256i emulated_cvtepi32_epi16(__m512i a) { /* truncates, as vpmovdw does */
+    EMULATED_LANES(int32_t, 16, v);
+    EMULATED_LANES(int16_t, 16, t);
+    memcpy(v, &a, sizeof v);
+    for (int i = 0; i < 16; i++) t[i] = (int16_t)v[i];
+    __m256i r;
+    memcpy(&r, t, sizeof r);
+    return r;
+}
+static inline __m512i emulated_maskz_loadu_epi16(__mmask32 k, const void *p) {
+    EMULATED_LANES(uint16_t, 32, v);
+    for (int i = 0; i < 32; i++) {
+        v[i] = 0;
+        if (k >> i & 1) memcpy(v + i, (const char *)p + 2 * i, 2);
+    }
+    __m512i r;
+    memcpy(&r, v, sizeof r);
+    return r;
+}
+static inline __m512 emulated_maskz_loadu_ps(__mmask16 k, const void *p) {
+    EMULATED_LANES(float, 16, v);
+    for (int i = 0; i < 16; i++) {
+        v[i] = 0.0f;
+        if (k >> i & 1) memcpy(v + i, (const char *)p + 4 * i, 4);
+    }
+    __m512 r;
+    memcpy(&r, v, sizeof r);
+    return r;
+}
+static inline void emulated_mask_storeu_epi16(void *p, __mmask16 k, __m256i a) {
+    EMULATED_LANES(uint16_t, 16, v);
+    memcpy(v, &a, sizeof v);
+    for (int i = 0; i < 16; i++)
+        if (k >> i & 1) memcpy((char *)p + 2 * i, v + i, 2);
+}
+#define _mm512_zextsi256_si512 emulated_zextsi256_si512
+#define _mm512_cvtph_ps emulated_cvtph_ps
+#define _mm512_cvtepi32_epi16 emulated_cvtepi32_epi16
+#define _mm512_cvtepi32_ps emulated_cvtepi32_ps
+#define _mm512_maskz_loadu_epi16 emulated_maskz_loadu_epi16
+#define _mm512_maskz_loadu_ps emulated_maskz_loadu_ps
+#define _mm256_mask_storeu_epi16 emulated_mask_storeu_epi16
+#endif /* PEAGLE_EMULATE_AVX512 */
 #pragma GCC push_options
+#ifndef PEAGLE_EMULATE_AVX512
 #pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")
+#endif
 
 /* 16 floats to 16 bf16, rounding exactly like f2bf. */
 static inline __m256i f32x16_to_bf16(__m512 f) {
@@ -1481,7 +1556,9 @@ void peagle_quantize_rows_q8(const uint16_t *x, long ldx, int M, int K, int kqua
    (AVX-512 VL) with vpdpbusd, 8 rows a register block. */
 #ifndef PEAGLE_NO_AVX512
 #pragma GCC push_options
+#ifndef PEAGLE_EMULATE_AVX512 /* emulated: SIMDe, included before the AVX-512 BF16 section */
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+#endif
 
 /* 32 bytes of group g's record (and of group g + 1's, at gstride further, in the upper half when two). */
 static inline __m512i load_groups(const uint8_t *p, size_t gstride, const int two) {

@@ -39,10 +39,20 @@ def transformers_source(path: Path) -> dict:
 
 
 def load_tokenizer(path: Path):
-    """The tokenizer (and chat template) of a resolved model folder or GGUF file."""
-    from transformers import AutoTokenizer
+    """The tokenizer (and chat template) of a resolved model folder or GGUF file.
 
-    return AutoTokenizer.from_pretrained(config_dir(path))
+    AutoTokenizer picks the class from the model's config; left to load that config itself, it imports the
+    model's whole transformers stack (torch.distributed, accelerate, sympy: ~65 MB that stays resident in a
+    server). The facts it reads from the config (model type, name, tokenizer class) are handed over instead."""
+    from transformers import AutoTokenizer, PretrainedConfig
+
+    folder = config_dir(path)
+    raw = json.loads((folder / "config.json").read_text()) if (folder / "config.json").exists() else {}
+    if "model_type" not in raw:
+        return AutoTokenizer.from_pretrained(folder)
+    config = PretrainedConfig(name_or_path=str(folder), tokenizer_class=raw.get("tokenizer_class"))
+    config.model_type = raw["model_type"]
+    return AutoTokenizer.from_pretrained(folder, config=config)
 
 
 def has_embedded_weights(name: str | None) -> bool:

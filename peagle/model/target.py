@@ -138,16 +138,18 @@ class TargetOutput:
 
 
 class TargetModel(nn.Module):
-    def __init__(self, config: TargetConfig, hf_config=None):
+    def __init__(self, config: TargetConfig, rope: nn.ModuleDict):
         super().__init__()
         c = self.config = config
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        # _build makes this on the meta device and load_state_dict fills it. An explicit empty weight skips
+        # nn.Embedding's random init: any op on a meta tensor imports torch._dynamo and sympy (~60 MB resident)
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, _weight=torch.empty(c.vocab_size, c.hidden_size))
         # sqrt(hidden) rounded to the model's dtype, as transformers' Gemma scales its embeddings
         self.embed_scale = c.hidden_size ** 0.5 if c.family.scaled_embeddings else None
         self.layers = nn.ModuleList(decoder_layer(c, i) for i in range(c.num_layers))
         self.norm = norm_class(c.family)(c.hidden_size, c.rms_norm_eps)
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-        self.rotaries = rotaries(c, hf_config)  # one per layer kind (Gemma 3's sliding layers have their own base)
+        self.rotaries = rope  # one per layer kind (Gemma 3's sliding layers have their own base)
         self.feature_layer_ids = c.feature_layer_ids
         self.lm_head_packed = None  # set by pack_() where peagle's CPU kernels run
         self.native_layers = None  # set by pack_(): each layer in one native call (kernels.NativeDecoderLayer)
@@ -284,8 +286,9 @@ class TargetModel(nn.Module):
         config = TargetConfig.from_hf(raw)
         scaled = any(p.get("rope_type", "default") != "default" for p in config.layer_rope.values())
         hf_config = AutoConfig.from_pretrained(config_dir) if scaled else None
+        rope = rotaries(config, hf_config).to(device)  # computed, so not on the meta device
         with torch.device("meta"):
-            model = cls(config, hf_config)
+            model = cls(config, rope)
         if config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         blocks = {name: v for name, v in state.items() if isinstance(v, tuple)}
@@ -301,7 +304,6 @@ class TargetModel(nn.Module):
         if missing or unexpected:
             raise ValueError(f"the model's tensors do not match its config: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]}")
-        model.rotaries = rotaries(config, hf_config).to(device)
         model = model.eval().requires_grad_(False).pack_(blocks=blocks)
         if blocks:
             del blocks, state
