@@ -213,11 +213,12 @@ class LLMEngine:
         tokenizer = load_tokenizer(path) if has_tokenizer else None
         spec, drafter = chosen.config, None
         if spec is not None and spec.uses_head:
-            drafter = load_head(chosen.head_path, target_embeddings=target.input_embeddings(), dtype=dtype,
-                                device=device)
+            # the head looks its token rows up through the target's embedding: no copy of the table
+            drafter = load_head(chosen.head_path, target_embeddings=target.embed_tokens, dtype=dtype, device=device)
             # the engine never trains it: pack its weights once for the CPU kernels (no-op elsewhere), in 8 bits
             # beside a block-quantized target
             drafter.pack_(drafter_quantization(spec.quantization, target.quantized))
+            release_freed_memory()  # loading's float copies, before the caches are allocated above them
         return cls(target, tokenizer, drafter, spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                    model_name=chosen.model or Path(path).name, speculation_policy=chosen.policy, **options)
 

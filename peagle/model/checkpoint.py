@@ -10,9 +10,10 @@ import json
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from peagle.config import DEFAULT_NUM_SPECULATIVE_TOKENS
-from peagle.model.drafter import Drafter, DrafterConfig
+from peagle.model.drafter import Drafter, DrafterConfig, SharedEmbedding, lookup_device
 from peagle.model.heads import UNTRAINED_KEY
 from peagle.model.target import TargetConfig
 
@@ -38,8 +39,10 @@ def save_head(drafter: Drafter, out: str | Path, layout: str = "vllm", verifier:
     c = drafter.config
     if include_embeddings is None:
         include_embeddings = c.parallel_capable or layout == "speculators"
-    state = {}
-    for name, t in drafter.state_dict().items():
+    state, tensors = {}, drafter.state_dict()
+    if isinstance(drafter.embed_tokens, SharedEmbedding):  # an engine's head: the table it looks up, as its own
+        tensors["embed_tokens.weight"] = drafter.embed_tokens.table()
+    for name, t in tensors.items():
         if name.startswith("embed_tokens.") and not include_embeddings:
             if c.parallel_capable:
                 # Compact form (the bundled heads): keep only the learned mask-token row; loading takes every other
@@ -117,9 +120,12 @@ def _rename(name: str) -> str:
     return name
 
 
-def load_head(path: str | Path, target_embeddings: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16,
-              device: str | torch.device = "cpu") -> Drafter:
-    """Load a head in any accepted layout. `target_embeddings` fills `embed_tokens` when the checkpoint has none."""
+def load_head(path: str | Path, target_embeddings: torch.Tensor | nn.Module | None = None,
+              dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> Drafter:
+    """Load a head in any accepted layout. `target_embeddings` fills `embed_tokens` when the checkpoint has none:
+    a table [V, H] is copied into the head's own nn.Embedding (a head to train or export); the target's embedding
+    module (TargetModel.embed_tokens) is shared, looked up as the target looks it up (an engine's head: the same
+    drafts with no copy of the table, which a block-quantized target would have to dequantize whole)."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -153,15 +159,19 @@ def load_head(path: str | Path, target_embeddings: torch.Tensor | None = None, d
     if config.mask_token_id is not None and "mask_hidden" not in state:
         raise ValueError(f"{path}: config.json names a mask token ({config.mask_token_id}) but the weights have no "
                          "mask_hidden, so this is not a P-EAGLE head")
-    drafter = Drafter(config)
+    shared = None
     if "embed_tokens.weight" not in state:
         if target_embeddings is None:
             raise ValueError(f"{path} has no embed_tokens.weight; pass the target's embeddings")
-        embed = target_embeddings
-        if MASK_ROW in state:  # compact P-EAGLE head: the target's table with the learned mask row put back
-            embed = target_embeddings.detach().clone()
-            embed[config.mask_token_id] = state.pop(MASK_ROW)[0].to(embed.dtype)
-        state["embed_tokens.weight"] = embed
+        if isinstance(target_embeddings, nn.Module):
+            shared = _shared_embedding(path, config, target_embeddings, state.pop(MASK_ROW, None), dtype)
+        else:
+            embed = target_embeddings
+            if MASK_ROW in state:  # compact P-EAGLE head: the target's table with the learned mask row put back
+                embed = target_embeddings.detach().clone()
+                embed[config.mask_token_id] = state.pop(MASK_ROW)[0].to(embed.dtype)
+            state["embed_tokens.weight"] = embed
+    drafter = Drafter(config, embed_tokens=shared)
     if "mask_hidden" in state:
         state["mask_hidden"] = state["mask_hidden"].reshape(1, 1, -1)
     state.setdefault("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
@@ -172,6 +182,19 @@ def load_head(path: str | Path, target_embeddings: torch.Tensor | None = None, d
     drafter.d2t = drafter.d2t.long()
     drafter.t2d = drafter.t2d.bool()
     return _cast(drafter, dtype, device)
+
+
+def _shared_embedding(path: Path, config: DrafterConfig, lookup: nn.Module, mask_row: torch.Tensor | None,
+                      dtype: torch.dtype) -> SharedEmbedding:
+    """The target's embedding module shared by a head, with a compact P-EAGLE head's learned mask row [1, H]."""
+    if (lookup.num_embeddings, lookup.embedding_dim) != (config.vocab_size, config.hidden_size):
+        raise ValueError(f"{path} is a head for a vocabulary of {config.vocab_size} and width {config.hidden_size}, but "
+                         f"the target's embedding is {lookup.num_embeddings} x {lookup.embedding_dim}: pass the "
+                         "head trained for this target")
+    if mask_row is not None:  # rounded as a row put into the target's table would be (load_head's copy)
+        probe = lookup(torch.tensor([config.mask_token_id], device=lookup_device(lookup)))
+        mask_row = mask_row[0].to(probe.dtype).clone()  # not a view: it would keep the whole file mapped
+    return SharedEmbedding(lookup, dtype, config.mask_token_id if mask_row is not None else None, mask_row)
 
 
 def _cast(drafter: Drafter, dtype: torch.dtype, device) -> Drafter:

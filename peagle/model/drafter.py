@@ -156,12 +156,44 @@ class FusionLayer(DecoderLayer):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class SharedEmbedding(nn.Module):
+    """The target's token embedding, looked up through the target's own module, with the head's learned row at
+    P-EAGLE's mask token. No copy of the table exists: a float table is the target's tensor, and a block-quantized
+    one stays in its blocks (QuantEmbedding returns each row with the bits its dequantized table would hold), so
+    the drafts are those of a head holding the table itself. For inference: a head in training owns its table."""
+
+    def __init__(self, lookup: nn.Module, dtype: torch.dtype, mask_token_id: int | None = None,
+                 mask_row: torch.Tensor | None = None):
+        super().__init__()
+        self._target = (lookup,)  # not a submodule: the head's .to(), casts and state_dict leave the target alone
+        self.dtype, self.mask_token_id = dtype, mask_token_id
+        self.num_embeddings, self.embedding_dim = lookup.num_embeddings, lookup.embedding_dim
+        self.register_buffer("mask_row", None if mask_row is None else mask_row.to(dtype), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        e = self._target[0](tokens).to(self.dtype)
+        if self.mask_row is None:
+            return e
+        return torch.where((tokens == self.mask_token_id)[..., None], self.mask_row, e)
+
+    def table(self) -> torch.Tensor:
+        """The whole table [V, H] as a head holding its own would have it (for saving such a head)."""
+        return self(torch.arange(self.num_embeddings, device=lookup_device(self._target[0])))
+
+
+def lookup_device(lookup: nn.Module) -> torch.device:
+    """Where an embedding module looks its rows up (a QuantEmbedding has no float weight: it runs on the CPU)."""
+    weight = getattr(lookup, "weight", None)
+    return weight.device if weight is not None else torch.device("cpu")
+
+
 class Drafter(nn.Module):
-    def __init__(self, config: DrafterConfig):
+    def __init__(self, config: DrafterConfig, embed_tokens: SharedEmbedding | None = None):
+        """`embed_tokens`: the target's table shared (an engine's head); None: the head's own nn.Embedding."""
         super().__init__()
         c = self.config = config
         H = c.hidden_size
-        self.embed_tokens = nn.Embedding(c.vocab_size, H)
+        self.embed_tokens = embed_tokens if embed_tokens is not None else nn.Embedding(c.vocab_size, H)
         self.fc = nn.Linear(3 * c.target_hidden_size, H, bias=False)
         self.midlayer = FusionLayer(c)
         # Keyed by layer id (1..N-1) so checkpoint names read `layers.{1..}.*` as vLLM expects.

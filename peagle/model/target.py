@@ -185,8 +185,9 @@ class TargetModel(nn.Module):
         return total + sum(p.numel() * p.element_size() for p in floats)
 
     def input_embeddings(self) -> torch.Tensor:
-        """The token embedding table as a float tensor (a drafter head shares it); a block-quantized table is
-        dequantized here, once, for the drafter's own copy."""
+        """The token embedding table as a float tensor, for a head that holds its own (training, export); a
+        block-quantized table is dequantized here, whole. An engine's head shares `embed_tokens` instead
+        (checkpoint.load_head), so no copy of the table exists."""
         if isinstance(self.embed_tokens, QuantEmbedding):
             return self.embed_tokens.table()
         return self.embed_tokens.weight
