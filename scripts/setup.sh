@@ -33,6 +33,11 @@ if [ "${1:-}" = "--test" ] && ! command -v chromium >/dev/null 2>&1; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
     || echo "setup: chromium not installed; the playground browser test will be skipped"
 fi
+if [ "${1:-}" = "--test" ] && [ ! -d /usr/include/simde ] && command -v apt-get >/dev/null 2>&1; then
+  # SIMDe's portable AVX-512 intrinsics: tests/test_kernels_emulated.py runs the AVX-512 kernels on AVX2-only CPUs.
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libsimde-dev >/dev/null) \
+    || echo "setup: libsimde-dev not installed; the emulated AVX-512 kernel tests will be skipped"
+fi
 # Convert the embedded model once (about 30 s), so the first command after setup starts fast.
 $PY -c "from peagle.model.loading import embedded_model_dir; embedded_model_dir()"
 echo "setup: done"

@@ -554,17 +554,18 @@ void peagle_silu_mul_bf16(const uint16_t *gate_up, uint16_t *y, int rows, int I)
 /* Tests only (kernels.py, emulated_library): the two AVX-512 sections compiled against SIMDe's portable definitions
    of the intrinsics instead of the instructions, so that their logic runs, and is checked against AVX2, on CPUs
    without AVX-512. The whole file is then built with -mavx2 -mfma -mf16c: SIMDe's 512-bit operations use AVX2
-   underneath and the AVX2 types stay the real ones. The seven intrinsics SIMDe 0.7.4 lacks are defined here, lane by
-   lane as Intel's manual defines them (masked-off lanes are never read or written). */
+   underneath and the AVX2 types stay the real ones. Defined here, lane by lane as Intel's manual defines them: the
+   seven intrinsics SIMDe 0.7.4 lacks (masked-off lanes are never read or written), and vdpbf16ps, whose SIMDe
+   version adds a lane's even product before its odd one, rounds the product and the sum apart and keeps denormals;
+   the manual adds the odd product first, each a fused multiply-add that reads denormals as zero and flushes them. */
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
-#define EMULATED_LANES(T, n, v) T v[n]
 static inline __m512i emulated_zextsi256_si512(__m256i a) {
     return _mm512_inserti64x4(_mm512_setzero_si512(), a, 0);
 }
 static inline __m512 emulated_cvtph_ps(__m256i a) {
-    EMULATED_LANES(uint16_t, 16, h);
-    EMULATED_LANES(float, 16, f);
+    uint16_t h[16];
+    float f[16];
     memcpy(h, &a, sizeof h);
     for (int i = 0; i < 16; i++) f[i] = _cvtsh_ss(h[i]);
     __m512 r;
@@ -572,8 +573,8 @@ static inline __m512 emulated_cvtph_ps(__m256i a) {
     return r;
 }
 static inline __m512 emulated_cvtepi32_ps(__m512i a) { /* rounds to nearest even, as vcvtdq2ps does */
-    EMULATED_LANES(int32_t, 16, v);
-    EMULATED_LANES(float, 16, f);
+    int32_t v[16];
+    float f[16];
     memcpy(v, &a, sizeof v);
     for (int i = 0; i < 16; i++) f[i] = (float)v[i];
     __m512 r;
@@ -581,8 +582,8 @@ static inline __m512 emulated_cvtepi32_ps(__m512i a) { /* rounds to nearest even
     return r;
 }
 static inline __m256i emulated_cvtepi32_epi16(__m512i a) { /* truncates, as vpmovdw does */
-    EMULATED_LANES(int32_t, 16, v);
-    EMULATED_LANES(int16_t, 16, t);
+    int32_t v[16];
+    int16_t t[16];
     memcpy(v, &a, sizeof v);
     for (int i = 0; i < 16; i++) t[i] = (int16_t)v[i];
     __m256i r;
@@ -590,7 +591,7 @@ static inline __m256i emulated_cvtepi32_epi16(__m512i a) { /* truncates, as vpmo
     return r;
 }
 static inline __m512i emulated_maskz_loadu_epi16(__mmask32 k, const void *p) {
-    EMULATED_LANES(uint16_t, 32, v);
+    uint16_t v[32];
     for (int i = 0; i < 32; i++) {
         v[i] = 0;
         if (k >> i & 1) memcpy(v + i, (const char *)p + 2 * i, 2);
@@ -600,7 +601,7 @@ static inline __m512i emulated_maskz_loadu_epi16(__mmask32 k, const void *p) {
     return r;
 }
 static inline __m512 emulated_maskz_loadu_ps(__mmask16 k, const void *p) {
-    EMULATED_LANES(float, 16, v);
+    float v[16];
     for (int i = 0; i < 16; i++) {
         v[i] = 0.0f;
         if (k >> i & 1) memcpy(v + i, (const char *)p + 4 * i, 4);
@@ -610,11 +611,28 @@ static inline __m512 emulated_maskz_loadu_ps(__mmask16 k, const void *p) {
     return r;
 }
 static inline void emulated_mask_storeu_epi16(void *p, __mmask16 k, __m256i a) {
-    EMULATED_LANES(uint16_t, 16, v);
+    uint16_t v[16];
     memcpy(v, &a, sizeof v);
     for (int i = 0; i < 16; i++)
         if (k >> i & 1) memcpy((char *)p + 2 * i, v + i, 2);
 }
+static inline float emulated_daz(float f) { return fabsf(f) < 0x1p-126f ? copysignf(0.0f, f) : f; }
+static inline __m512 emulated_dpbf16_ps(__m512 src, __m512bh a, __m512bh b) {
+    float acc[16];
+    uint16_t x[32], w[32];
+    memcpy(acc, &src, sizeof acc);
+    memcpy(x, &a, sizeof x);
+    memcpy(w, &b, sizeof w);
+    for (int i = 0; i < 16; i++)
+        for (int e = 1; e >= 0; e--)
+            acc[i] = emulated_daz(fmaf(emulated_daz(bf2f(x[2 * i + e])), emulated_daz(bf2f(w[2 * i + e])),
+                                       emulated_daz(acc[i])));
+    __m512 r;
+    memcpy(&r, acc, sizeof r);
+    return r;
+}
+#undef _mm512_dpbf16_ps
+#define _mm512_dpbf16_ps emulated_dpbf16_ps
 #define _mm512_zextsi256_si512 emulated_zextsi256_si512
 #define _mm512_cvtph_ps emulated_cvtph_ps
 #define _mm512_cvtepi32_epi16 emulated_cvtepi32_epi16

@@ -80,15 +80,17 @@ def build_dir() -> Path:
     return Path(os.environ.get("PEAGLE_KERNELS_DIR") or peagle_home() / "kernels")
 
 
-def _build() -> Path | None:
+def _build(variant: tuple[str, ...] = (), sections: tuple[list[str], ...] = _SECTION_FALLBACKS,
+           name: str = "peagle_kernels") -> Path | None:
+    """Compile kernels.c (with `variant`'s extra flags) into build_dir(), once per source, flags and compiler."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         print("peagle: no C compiler found (set CC); using PyTorch's CPU kernels", file=sys.stderr)
         return None
     source = SOURCE.read_text()
-    key = hashlib.sha256((source + " ".join(_FLAGS) + compiler).encode()).hexdigest()[:16]
+    key = hashlib.sha256((source + " ".join([*_FLAGS, *variant]) + compiler).encode()).hexdigest()[:16]
     out_dir = build_dir()
-    target = out_dir / f"peagle_kernels_{key}.so"
+    target = out_dir / f"{name}_{key}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -99,9 +101,9 @@ def _build() -> Path | None:
         lib = Path(tmp) / "kernels.so"
         # With OpenMP the library links libgomp.so.1, which resolves to the copy PyTorch already loaded, so both
         # share one thread pool. Without OpenMP support it still builds, single-threaded.
-        for sections in _SECTION_FALLBACKS:
+        for section_flags in sections:
             for omp in (["-fopenmp"], ["-Wno-unknown-pragmas"]):
-                cmd = [compiler, *_FLAGS, *sections, *omp, str(SOURCE), "-o", str(lib), "-lm"]
+                cmd = [compiler, *_FLAGS, *variant, *section_flags, *omp, str(SOURCE), "-o", str(lib), "-lm"]
                 r = subprocess.run(cmd, capture_output=True, text=True)
                 if r.returncode == 0:
                     if r.stderr.strip():
@@ -180,6 +182,33 @@ def library():
                       f"{', '.join(_paths) or 'none (PyTorch only)'}")
             raise ValueError(_error)
     return _lib
+
+
+# Tests only: the AVX-512 sections compiled against SIMDe's portable intrinsics (kernels.c, PEAGLE_EMULATE_AVX512).
+# -O0 (after _FLAGS' -O3, so it wins): about 25 s to compile instead of over 10 minutes, and the same results (no
+# fast-math, no contraction, no excess precision on x86-64); -Wno-psabi: SIMDe's 512-bit types pass by value.
+_EMULATION_FLAGS = ("-O0", "-mavx2", "-mfma", "-mf16c", "-DPEAGLE_EMULATE_AVX512", "-DPEAGLE_NO_AMX", "-Wno-psabi")
+
+
+@functools.cache
+def emulated_library():
+    """A second build of the kernel library, for tests on CPUs without AVX-512: its AVX-512 VNNI and BF16 sections
+    (the same symbols) run SIMDe's portable definitions of the instructions, so their logic can be checked against
+    AVX2 here. Slow, never used to run a model. None where SIMDe's headers (apt-get install libsimde-dev), a C
+    compiler or AVX2 are missing; RuntimeError when it fails to build for another reason."""
+    if not _CPU_FLAGS_NEEDED["avx2"] <= _cpu_flags():
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    probe = subprocess.run([compiler, "-E", "-x", "c", "-", "-o", os.devnull], input="#include <simde/x86/avx512.h>\n",
+                           capture_output=True, text=True) if compiler else None
+    if probe is None or probe.returncode:
+        return None
+    path = _build(_EMULATION_FLAGS, ([],), "peagle_kernels_emulated")
+    if path is None:
+        raise RuntimeError("the emulated AVX-512 kernels failed to build (the errors are printed above)")
+    lib = ctypes.CDLL(str(path))
+    _declare(lib)
+    return lib
 
 
 def available() -> bool:

