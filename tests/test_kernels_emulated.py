@@ -1,7 +1,8 @@
 """kernels.c's AVX-512 sections run on CPUs without AVX-512: compiled against SIMDe's portable definitions of the
 intrinsics (kernels.emulated_library()), the VNNI block-quantized kernels must give the real AVX2 library's bits for
 every block format, shape and row count (the promise of tests/test_quant.py's "every path gives the same bits", which
-skips on CPUs without VNNI), and the AVX-512 BF16 matrix kernel must keep its own promises (tests/test_kernels.py).
+skips on CPUs without VNNI), and the AVX-512 BF16 matrix and attention kernels must keep their own promises (the
+checks of tests/test_kernels.py, run unchanged on the emulated library).
 
 What this proves is the sections' logic under the instructions' semantics as SIMDe and the shims in kernels.c define
 them (Intel's manual); not the compiler's code for real AVX-512, nor anything about speed."""
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from peagle.model import kernels, quant
+from tests import test_kernels
 from tests.conftest import needs_native_kernels
 from tests.test_kernels import bf16
 from tests.test_kquants import _FP16_AT, _gemma_file, first_tensors_of_each_type, kernel_activations, random_blocks
@@ -121,27 +123,26 @@ def test_vnni_gives_avx2_bits_on_a_real_q4_k_m_file(emulated, one_thread):
         assert_vnni_gives_avx2_bits(emulated, qw, bf16(13, K, seed=3))
 
 
-def bf16_gemm(lib, symbol: str, packed: kernels.PackedWeight, x: torch.Tensor, threads: int = 1) -> torch.Tensor:
-    M, K = x.shape
-    y = torch.empty(M, packed.out_features, dtype=torch.bfloat16)
-    assert getattr(lib, symbol)(x.data_ptr(), x.stride(0), packed.data_ptr, y.data_ptr(), packed.out_features, M,
-                                packed.out_features, K, threads) == 0
-    return y
+@pytest.fixture
+def emulated_in_place(emulated, monkeypatch):
+    """The emulated library in the real one's place, its AVX-512 BF16 path runnable: tests/test_kernels.py's own
+    checks of that path (numerics, batch invariance, threads, attention) then run on it, unchanged."""
+    kernels.library()
+    monkeypatch.setattr(kernels, "_lib", emulated)
+    monkeypatch.setattr(kernels, "_paths", ("avx512-bf16", "avx2"))
 
 
-@pytest.mark.parametrize("N, K", [(960, 576), (33, 101), (130, 96), (7, 40), (1, 2)])
-def test_avx512_bf16_matches_float64_and_is_batch_invariant(emulated, N, K, one_thread):
-    """tests/test_kernels.py's promises for the AVX-512 BF16 path (register blocks of up to 8 rows, odd K): within
-    bf16 rounding and fp32 summation of the exact product, and a row's bits never depend on the rows beside it or
-    the thread count. (Not AVX2's bits: vdpbf16ps adds a pair's odd product first, AVX2 its even one.)"""
-    w, x = bf16(N, K, seed=1), bf16(24, K, seed=2)
-    packed = kernels.PackedWeight.pack(w, "avx2")  # the panels are the same for both paths
-    full = bf16_gemm(emulated, "peagle_gemm_avx512bf16", packed, x)
-    exact = x.double() @ w.double().T
-    terms = x.double().abs() @ w.double().abs().T
-    assert ((full.double() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-5 * terms).all()
-    alone = torch.cat([bf16_gemm(emulated, "peagle_gemm_avx512bf16", packed, x[r:r + 1]) for r in range(24)])
-    assert torch.equal(alone, full)
-    for M in ROW_COUNTS:
-        assert torch.equal(bf16_gemm(emulated, "peagle_gemm_avx512bf16", packed, x[-M:]), full[-M:]), M
-    assert torch.equal(bf16_gemm(emulated, "peagle_gemm_avx512bf16", packed, x, threads=2), full)
+# tests/test_kernels.py's shapes but its 49,152 x 64 (21 s emulated; it adds panels, not arithmetic).
+@pytest.mark.parametrize("N, K", [(960, 576), (576, 1536), (7, 40), (33, 101), (130, 96), (1, 2)])
+def test_avx512_bf16_matmul_keeps_its_promises(emulated_in_place, N, K):
+    """Not AVX2's bits, which this path does not promise: vdpbf16ps adds a pair's odd product first, AVX2 its even
+    one (12 of 116,620 outputs of these shapes differ in the last bit)."""
+    test_kernels.test_packed_linear_matches_float64_and_is_batch_invariant("avx512-bf16", N, K)
+
+
+def test_avx512_bf16_attention_keeps_its_promises(emulated_in_place):
+    test_kernels.test_packed_linear_thread_count_does_not_change_bits("avx512-bf16")
+    test_kernels.test_attention_writes_the_cache_matches_float64_and_is_batch_invariant("avx512-bf16")
+    for D in (8, 48, 128, 256):
+        test_kernels.test_attention_head_sizes(D, "avx512-bf16")
+    test_kernels.test_attention_ignores_stale_cache_entries_past_each_rows_keys("avx512-bf16")
