@@ -10,6 +10,7 @@ import torch
 
 from peagle.config import SpeculativeConfig
 from peagle.engine import LLMEngine, SamplingParams
+from peagle.model import kernels
 from peagle.model.checkpoint import MASK_ROW, load_head, random_head, save_head
 from peagle.model.drafter import Drafter, SharedEmbedding
 from peagle.model.quant import QuantEmbedding
@@ -36,12 +37,10 @@ def head_dir(model_dir, tmp_path_factory):
     return save_head(head, tmp_path_factory.mktemp("head-memory-head"), include_embeddings=False)
 
 
-def heads(target: TargetModel, head_dir, quantization: str | None) -> tuple[Drafter, Drafter]:
-    """(the head with its own table, dequantized as before; the head sharing the target's embedding), packed as the
-    engine packs them."""
-    own = load_head(head_dir, target_embeddings=target.input_embeddings()).pack_(quantization)
-    shared = load_head(head_dir, target_embeddings=target.embed_tokens).pack_(quantization)
-    return own, shared
+def heads(target: TargetModel, head_dir) -> tuple[Drafter, Drafter]:
+    """(the head with its own table, dequantized as before; the head sharing the target's embedding)."""
+    return (load_head(head_dir, target_embeddings=target.input_embeddings()),
+            load_head(head_dir, target_embeddings=target.embed_tokens))
 
 
 def recorded(drafter: Drafter) -> list[torch.Tensor]:
@@ -78,7 +77,8 @@ def test_a_shared_embedding_drafts_as_the_heads_own_table(model_dir, head_dir, q
     on a bf16 one: the same rows, drafts, counters and outputs, and no [V, H] tensor in the sharing head."""
     target = TargetModel.from_pretrained(model_dir, quantization=quantization)
     assert isinstance(target.embed_tokens, QuantEmbedding) == (quantization is not None)
-    own, shared = heads(target, head_dir, "q8_0" if quantization else None)
+    own, shared = (h.pack_("q8_0" if quantization else None) for h in heads(target, head_dir))  # as the engine
+    assert own.lm_head.weight is None and shared.midlayer.mlp.down_proj.weight is None  # the packed copy runs them
     assert isinstance(shared.embed_tokens, SharedEmbedding) and isinstance(own.embed_tokens, torch.nn.Embedding)
     V, H = target.config.vocab_size, target.config.hidden_size
     size = lambda d: sum(t.numel() * t.element_size() for t in d.state_dict().values())  # noqa: E731
@@ -103,13 +103,16 @@ def test_a_head_that_shares_the_table_saves_as_one_that_holds_it(model_dir, head
     from safetensors.torch import load_file
 
     target = TargetModel.from_pretrained(model_dir)
-    own, shared = heads(target, head_dir, None)
+    own, shared = heads(target, head_dir)
     for include in (False, True):
         a = load_file(save_head(own, tmp_path / f"own-{include}", include_embeddings=include) / "model.safetensors")
         b = load_file(save_head(shared, tmp_path / f"shared-{include}", include_embeddings=include) /
                       "model.safetensors")
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         assert (MASK_ROW in a) != include
+    if kernels.matmul_path() is not None:  # where the kernels run, packing releases the floats
+        with pytest.raises(ValueError, match="packed for inference.*before packing"):
+            save_head(shared.pack_(), tmp_path / "packed")
 
 
 def test_a_shared_embedding_of_another_shape_is_refused(head_dir):

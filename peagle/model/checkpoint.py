@@ -34,6 +34,9 @@ def save_head(drafter: Drafter, out: str | Path, layout: str = "vllm", verifier:
         raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     from safetensors.torch import save_file
 
+    if drafter.lm_head.weight is None:
+        raise ValueError("this head was packed for inference (Drafter.pack_), which releases its float weights: save "
+                         "the head as loaded (load_head), before packing it")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     c = drafter.config

@@ -213,8 +213,8 @@ class Drafter(nn.Module):
     @torch.no_grad()
     def pack_(self, quantization: str | None = None) -> "Drafter":
         """For inference with bf16 weights on a CPU with AMX: pack every projection once for peagle's kernel
-        (kernels.py; about 1.5-2x faster drafting). The packed copies do NOT follow later weight updates: call it on
-        a head that will not be trained any more (the engine's), never during training. No-op elsewhere.
+        (kernels.py; about 1.5-2x faster drafting). The packed copies replace the float weights (fc's aside): call it
+        on a head that will not be trained or saved any more (the engine's), never during training. No-op elsewhere.
         `quantization` ("q8_0", ...) puts the layers' projections and the LM head into that block format instead
         (drafts change a little, never the output: the target verifies every one)."""
         blocks = {}
@@ -234,7 +234,27 @@ class Drafter(nn.Module):
         self.native_layers = kernels.NativeDecoderLayer.for_layers(
             [self.midlayer, *self.layers.values()], c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
             c.rms_norm_eps)
+        self._release_packed_floats()
         return self
+
+    def _release_packed_floats(self) -> None:
+        """Drop each projection's float weight where a bf16 packed copy now runs it (a block-quantized one has
+        already gone), as a block-quantized target has none. layers.linear reads the float weight only where
+        kernels.packed_linear refuses the input: not bf16 on the CPU (F.linear would refuse that beside bf16
+        weights too) or needing gradients (training, which never packs). fc keeps its float: callers read its
+        dtype and shape."""
+        for layer in [self.midlayer, *self.layers.values()]:
+            for fused in (layer.self_attn.qkv, layer.mlp.gate_up):
+                if isinstance(fused.packed, kernels.PackedWeight):
+                    fused.weight = None
+                    for part in fused.parts:
+                        part.weight = None
+            for module, packed in ((layer.self_attn.o_proj, layer.self_attn.o_packed),
+                                   (layer.mlp.down_proj, layer.mlp.down_packed)):
+                if isinstance(packed, kernels.PackedWeight):
+                    module.weight = None
+        if isinstance(self.lm_head_packed, kernels.PackedWeight):
+            self.lm_head.weight = None
 
     @property
     def weights(self) -> str:
