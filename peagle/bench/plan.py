@@ -362,7 +362,7 @@ class TargetHolder:
         tok = self.tokenizer(model_path)
         spec, drafter = cfg.speculative_config(), None
         if spec is not None and spec.uses_head:
-            drafter = load_head(cfg.head, target_embeddings=target.input_embeddings(), dtype=torch_dtype(self.dtype),
+            drafter = load_head(cfg.head, target_embeddings=target.embed_tokens, dtype=torch_dtype(self.dtype),
                                 device=target.device).pack_(drafter_quantization(spec.quantization, target.quantized))
             # (as `peagle serve` loads it)
         return LLMEngine(target, tok, drafter, spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
