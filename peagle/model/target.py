@@ -196,6 +196,8 @@ class TargetModel(nn.Module):
         """The LM head as a float tensor [V, H] (a block-quantized one dequantized), for heads that start from it."""
         if self.lm_head_weight is not None:
             return self.lm_head_weight
+        if isinstance(self.lm_head_packed, kernels.PackedWeight):  # pack_ released the float: the same bits
+            return unpacked(self.lm_head_packed)
         return self.lm_head_packed.dequantize().to(torch.bfloat16)
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
@@ -314,13 +316,15 @@ class TargetModel(nn.Module):
     @torch.no_grad()
     def pack_(self, path: str | None = None, blocks: dict | None = None) -> "TargetModel":
         """Inference layout (from_pretrained does it): q/k/v and gate/up projections each become one matrix (the
-        original parameters become views, so memory and state_dict names are unchanged), and where peagle's CPU
-        kernels run, every projection and the LM head are also packed once for them (kernels.py; a packed copy of
-        the weights, so the model takes twice the weight memory). The frozen target never changes after. `path`
-        picks a matrix path of kernels.PATHS (default: the machine's fastest). `blocks` holds the block-quantized
-        matrices by name, (format, GGUF blocks): those are regrouped for the quantized kernels instead, and no
-        float copy of them exists."""
+        original parameters become views of it), and where peagle's CPU kernels run, every projection and the LM
+        head are packed once for them (kernels.py) and the packed bf16 copy replaces the float weight (the
+        embedding table stays: lookups read it), so the weights are held once and state_dict() lacks them. The
+        frozen target never changes after. `path` picks a matrix path of kernels.PATHS (default: the machine's
+        fastest); packing again unpacks the released weights first, bit for bit. `blocks` holds the block-quantized
+        matrices by name, (format, GGUF blocks): those are regrouped for the quantized kernels instead, and no float
+        copy of them exists."""
         blocks = blocks or {}
+        self._restore_released_floats()
         for i, layer in enumerate(self.layers):
             layer.self_attn.pack_(path, blocks, f"layers.{i}.self_attn.")
             layer.mlp.pack_(path, blocks, f"layers.{i}.mlp.")
@@ -331,11 +335,73 @@ class TargetModel(nn.Module):
             self.lm_head_packed = self.embed_tokens.quant  # tied: the LM head reads the embedding's blocks
         else:
             self.lm_head_packed = kernels.PackedWeight.pack(self.lm_head_weight, path)
+        self._release_packed_floats()  # before the native layers take the norms' pointers
         c = self.config
         llama = c.family.llama_block and not c.attention_bias
         self.native_layers = None if not llama else kernels.NativeDecoderLayer.for_layers(
             list(self.layers), c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps)
         return self
+
+    def _float_copies(self) -> list[tuple[kernels.PackedWeight, list[nn.Module]]]:
+        """Each bf16 packed matrix with the modules holding its float weight (a fused one's parts hold views of
+        it). layers.linear reads a float weight only where kernels.packed_linear refuses the input: not bf16 on
+        the CPU (F.linear would refuse that beside bf16 weights too) or needing gradients (the frozen target never
+        does); NativeDecoderLayer reads only the packed copies and the norms."""
+        out = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            out += [(attn.qkv.packed, [attn.qkv, *attn.qkv.parts]), (attn.o_packed, [attn.o_proj]),
+                    (mlp.gate_up.packed, [mlp.gate_up, *mlp.gate_up.parts]), (mlp.down_packed, [mlp.down_proj])]
+        if self.lm_head is not None:  # a tied LM head is packed from the embedding table, which stays
+            out.append((self.lm_head_packed, [self.lm_head]))
+        return [(packed, holders) for packed, holders in out if isinstance(packed, kernels.PackedWeight)]
+
+    def _release_packed_floats(self) -> None:
+        released = self._float_copies()
+        for _, holders in released:
+            for module in holders:
+                module.weight = None
+        if released:
+            self._copy_out_of_mapped_files()
+
+    def _copy_out_of_mapped_files(self) -> None:
+        """safetensors hands out views of the file it maps (storage that torch did not allocate, so not resizable),
+        and the whole mapping stays resident while any view lives: the tensors kept (embedding table, norms, biases)
+        get memory of their own, so the released matrices' pages go with the mapping."""
+        for module in self.modules():
+            kept = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+            for name, t in kept:
+                if not t.untyped_storage().resizable():
+                    setattr(module, name, nn.Parameter(t.clone(), requires_grad=False)
+                            if isinstance(t, nn.Parameter) else t.clone())
+
+    def _restore_released_floats(self) -> None:
+        """The float weights _release_packed_floats dropped, unpacked from their packed copies (to pack again)."""
+        for packed, (module, *parts) in self._float_copies():
+            if module.weight is not None:
+                continue
+            weight = unpacked(packed)
+            pieces = weight.split([p.out_features for p in parts]) if parts else [weight]
+            for owner, w in zip(parts or [module], pieces):  # FusedLinear.pack_ fuses its parts again
+                owner.weight = nn.Parameter(w, requires_grad=False)
+
+
+def unpacked(packed: kernels.PackedWeight) -> torch.Tensor:
+    """The bf16 weight [N, K] that `packed` was packed from, bit for bit. Packing copies each element to its place
+    and pads with zeros, so packing the elements' own numbers (counted from 1, 16 bits at a time) says where each
+    element went, whatever the path's layout."""
+    N, K = packed.out_features, packed.in_features
+    number = torch.arange(1, N * K + 1, dtype=torch.int64)
+    where = torch.zeros_like(packed.data, dtype=torch.int64)
+    for shift in range(0, (N * K).bit_length(), 16):
+        bits = ((number >> shift) & 0xFFFF).to(torch.int16).view(torch.bfloat16).view(N, K)
+        placed = kernels.PackedWeight.pack(bits, packed.path).data.view(torch.int16).to(torch.int64) & 0xFFFF
+        where |= placed << shift
+    del number
+    element = where.nonzero().squeeze(1)
+    weight = torch.empty(N * K, dtype=torch.bfloat16)
+    weight[where[element] - 1] = packed.data[element]
+    return weight.view(N, K)
 
 
 def norm_class(family: Family) -> type[RMSNorm]:
