@@ -14,7 +14,7 @@ from peagle.model.checkpoint import load_head
 from peagle.model.gguf_model import read_tensors
 from peagle.model.heads import DEFAULT_HEADS, resolve_head
 from peagle.model.loading import config_dir, embedded_gguf_path
-from peagle.model.target import TargetModel, unpacked
+from peagle.model.target import TargetModel
 from tests.conftest import needs_native_kernels
 from tests.test_lossless_smollm2 import CASES, PROMPTS, MAX_TOKENS, run_staggered
 from tests.test_policy import Rotating
@@ -273,9 +273,9 @@ def test_the_embedded_gguf_keeps_its_blocks_and_means_the_embedded_weights(gguf_
     for i in (0, 17, 29):
         a, b = q.layers[i], ref.layers[i]
         # q/k unpermuted
-        assert torch.equal(a.self_attn.qkv.packed.dequantize().bfloat16(), unpacked(b.self_attn.qkv.packed))
-        assert torch.equal(a.mlp.gate_up.packed.dequantize().bfloat16(), unpacked(b.mlp.gate_up.packed))
-        assert torch.equal(a.mlp.down_packed.dequantize().bfloat16(), unpacked(b.mlp.down_packed))
+        assert torch.equal(a.self_attn.qkv.packed.dequantize().bfloat16(), b.self_attn.qkv.packed.unpack())
+        assert torch.equal(a.mlp.gate_up.packed.dequantize().bfloat16(), b.mlp.gate_up.packed.unpack())
+        assert torch.equal(a.mlp.down_packed.dequantize().bfloat16(), b.mlp.down_packed.unpack())
         assert torch.equal(a.input_layernorm.weight, b.input_layernorm.weight)
     assert torch.equal(q.input_embeddings(), ref.embed_tokens.weight)
     weight_bytes = sum(w.nbytes for la in q.layers for w in (la.self_attn.qkv.packed, la.self_attn.o_packed,

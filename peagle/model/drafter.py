@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from peagle.model import kernels
-from peagle.model.layers import (BatchLayout, DecoderLayer, KVCache, RMSNorm, RotaryEmbedding, linear, pack_matrix,
-                                 rope_inv_freq)
+from peagle.model.layers import (BatchLayout, DecoderLayer, KVCache, RMSNorm, RotaryEmbedding, float_copies, linear,
+                                 pack_matrix, release_float_copies, rope_inv_freq)
 from peagle.model.target import TargetConfig, rope_parameters_of
 
 
@@ -234,27 +234,10 @@ class Drafter(nn.Module):
         self.native_layers = kernels.NativeDecoderLayer.for_layers(
             [self.midlayer, *self.layers.values()], c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
             c.rms_norm_eps)
-        self._release_packed_floats()
+        # the float weights the packed copies replace (fc keeps its own: callers read its dtype and shape)
+        release_float_copies([m for la in (self.midlayer, *self.layers.values()) for m in float_copies(la)]
+                             + [(self.lm_head_packed, [self.lm_head])])
         return self
-
-    def _release_packed_floats(self) -> None:
-        """Drop each projection's float weight where a bf16 packed copy now runs it (a block-quantized one has
-        already gone), as a block-quantized target has none. layers.linear reads the float weight only where
-        kernels.packed_linear refuses the input: not bf16 on the CPU (F.linear would refuse that beside bf16
-        weights too) or needing gradients (training, which never packs). fc keeps its float: callers read its
-        dtype and shape."""
-        for layer in [self.midlayer, *self.layers.values()]:
-            for fused in (layer.self_attn.qkv, layer.mlp.gate_up):
-                if isinstance(fused.packed, kernels.PackedWeight):
-                    fused.weight = None
-                    for part in fused.parts:
-                        part.weight = None
-            for module, packed in ((layer.self_attn.o_proj, layer.self_attn.o_packed),
-                                   (layer.mlp.down_proj, layer.mlp.down_packed)):
-                if isinstance(packed, kernels.PackedWeight):
-                    module.weight = None
-        if isinstance(self.lm_head_packed, kernels.PackedWeight):
-            self.lm_head.weight = None
 
     @property
     def weights(self) -> str:

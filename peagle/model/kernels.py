@@ -333,6 +333,23 @@ class PackedWeight:
     def nbytes(self) -> int:
         return self.data.numel() * 2
 
+    def unpack(self) -> torch.Tensor:
+        """The bf16 weight [N, K] this was packed from, bit for bit (for a model that released its floats). Packing
+        copies each element to its place and pads with zeros, so packing the elements' own numbers (counted from 1,
+        16 bits at a time) says where each element went, whatever the path's layout."""
+        N, K = self.out_features, self.in_features
+        number = torch.arange(1, N * K + 1, dtype=torch.int64)
+        where = torch.zeros_like(self.data, dtype=torch.int64)
+        for shift in range(0, (N * K).bit_length(), 16):
+            bits = ((number >> shift) & 0xFFFF).to(torch.int16).view(torch.bfloat16).view(N, K)
+            placed = PackedWeight.pack(bits, self.path).data.view(torch.int16).to(torch.int64) & 0xFFFF
+            where |= placed << shift
+        del number
+        element = where.nonzero().squeeze(1)
+        weight = torch.empty(N * K, dtype=torch.bfloat16)
+        weight[where[element] - 1] = self.data[element]
+        return weight.view(N, K)
+
 
 def packed_linear(x: torch.Tensor, packed) -> torch.Tensor | None:
     """x [..., K] @ W^T for a packed W (a PackedWeight or a quant.QuantWeight), or None when the packed path does

@@ -289,7 +289,7 @@ class FusedLinear(nn.Module):
     def pack_(self, path: str | None = None, blocks: dict | None = None, names: list[str] | None = None) -> None:
         """`blocks` and the parts' `names` in it: when the parts are block-quantized, their blocks are fused."""
         if blocks and names and names[0] in blocks:
-            self.packed = fuse_blocks([blocks[n] for n in names], self.parts[0].in_features)
+            self.packed = quant.fuse([blocks[n] for n in names], self.parts[0].in_features)
             for p in self.parts:
                 p.weight = None
             if self.parts[0].bias is not None:
@@ -324,10 +324,23 @@ def pack_matrix(module: nn.Linear, path: str | None, blocks: dict | None, name: 
     return kernels.PackedWeight.pack(module.weight, path)
 
 
-def fuse_blocks(parts: list[tuple[str, torch.Tensor]], in_features: int):
-    """Block-quantized matrices of one input (q/k/v, gate/up), stacked by output rows into one matrix; matrices in
-    different formats (a K-quant mix's v beside its q and k) run as one quant.QuantStack."""
-    return quant.fuse(parts, in_features)
+def float_copies(layer: nn.Module) -> list[tuple[object, list[nn.Module]]]:
+    """A packed decoder layer's matrices, each with the modules holding its float weight (a fused matrix's parts
+    hold views of it)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return [(attn.qkv.packed, [attn.qkv, *attn.qkv.parts]), (attn.o_packed, [attn.o_proj]),
+            (mlp.gate_up.packed, [mlp.gate_up, *mlp.gate_up.parts]), (mlp.down_packed, [mlp.down_proj])]
+
+
+def release_float_copies(matrices: list[tuple[object, list[nn.Module]]]) -> None:
+    """Drop the float weight of each matrix a bf16 packed copy runs (a block-quantized one has none already), for a
+    model that will not be trained or saved any more. linear() reads a float weight only where
+    kernels.packed_linear refuses the input: not bf16 on the CPU (F.linear would refuse that beside bf16 weights
+    too) or needing gradients. Where nothing was packed (no native kernels, a GPU, fp32) the floats stay."""
+    for packed, holders in matrices:
+        if isinstance(packed, kernels.PackedWeight):
+            for module in holders:
+                module.weight = None
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from torch import nn
 from peagle.model import kernels, quant
 from peagle.model.family import Family, family_of
 from peagle.model.layers import (BatchLayout, DecoderLayer, KVCache, RMSNorm, RotaryEmbedding, SandwichDecoderLayer,
-                                 UnitOffsetRMSNorm, linear, rope_inv_freq)
+                                 UnitOffsetRMSNorm, float_copies, linear, release_float_copies, rope_inv_freq)
 from peagle.model.quant import QuantEmbedding, QuantWeight
 
 FULL_ATTENTION = "full_attention"  # transformers' layer_types names
@@ -197,7 +197,7 @@ class TargetModel(nn.Module):
         if self.lm_head_weight is not None:
             return self.lm_head_weight
         if isinstance(self.lm_head_packed, kernels.PackedWeight):  # pack_ released the float: the same bits
-            return unpacked(self.lm_head_packed)
+            return self.lm_head_packed.unpack()
         return self.lm_head_packed.dequantize().to(torch.bfloat16)
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
@@ -343,24 +343,16 @@ class TargetModel(nn.Module):
         return self
 
     def _float_copies(self) -> list[tuple[kernels.PackedWeight, list[nn.Module]]]:
-        """Each bf16 packed matrix with the modules holding its float weight (a fused one's parts hold views of
-        it). layers.linear reads a float weight only where kernels.packed_linear refuses the input: not bf16 on
-        the CPU (F.linear would refuse that beside bf16 weights too) or needing gradients (the frozen target never
-        does); NativeDecoderLayer reads only the packed copies and the norms."""
-        out = []
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            out += [(attn.qkv.packed, [attn.qkv, *attn.qkv.parts]), (attn.o_packed, [attn.o_proj]),
-                    (mlp.gate_up.packed, [mlp.gate_up, *mlp.gate_up.parts]), (mlp.down_packed, [mlp.down_proj])]
-        if self.lm_head is not None:  # a tied LM head is packed from the embedding table, which stays
+        """Each bf16 packed matrix with the modules holding its float weight; a tied LM head is packed from the
+        embedding table, which stays (lookups read it). NativeDecoderLayer reads only packed copies and norms."""
+        out = [m for layer in self.layers for m in float_copies(layer)]
+        if self.lm_head is not None:
             out.append((self.lm_head_packed, [self.lm_head]))
         return [(packed, holders) for packed, holders in out if isinstance(packed, kernels.PackedWeight)]
 
     def _release_packed_floats(self) -> None:
         released = self._float_copies()
-        for _, holders in released:
-            for module in holders:
-                module.weight = None
+        release_float_copies(released)
         if released:
             self._copy_out_of_mapped_files()
 
@@ -380,28 +372,10 @@ class TargetModel(nn.Module):
         for packed, (module, *parts) in self._float_copies():
             if module.weight is not None:
                 continue
-            weight = unpacked(packed)
+            weight = packed.unpack()
             pieces = weight.split([p.out_features for p in parts]) if parts else [weight]
             for owner, w in zip(parts or [module], pieces):  # FusedLinear.pack_ fuses its parts again
                 owner.weight = nn.Parameter(w, requires_grad=False)
-
-
-def unpacked(packed: kernels.PackedWeight) -> torch.Tensor:
-    """The bf16 weight [N, K] that `packed` was packed from, bit for bit. Packing copies each element to its place
-    and pads with zeros, so packing the elements' own numbers (counted from 1, 16 bits at a time) says where each
-    element went, whatever the path's layout."""
-    N, K = packed.out_features, packed.in_features
-    number = torch.arange(1, N * K + 1, dtype=torch.int64)
-    where = torch.zeros_like(packed.data, dtype=torch.int64)
-    for shift in range(0, (N * K).bit_length(), 16):
-        bits = ((number >> shift) & 0xFFFF).to(torch.int16).view(torch.bfloat16).view(N, K)
-        placed = kernels.PackedWeight.pack(bits, packed.path).data.view(torch.int16).to(torch.int64) & 0xFFFF
-        where |= placed << shift
-    del number
-    element = where.nonzero().squeeze(1)
-    weight = torch.empty(N * K, dtype=torch.bfloat16)
-    weight[where[element] - 1] = packed.data[element]
-    return weight.view(N, K)
 
 
 def norm_class(family: Family) -> type[RMSNorm]:
