@@ -590,31 +590,23 @@ static inline __m256i emulated_cvtepi32_epi16(__m512i a) { /* truncates, as vpmo
     memcpy(&r, t, sizeof r);
     return r;
 }
+/* Lane i of `lanes` lanes of `size` bytes copied where bit i of k is set (the masked loads and store). */
+static inline void emulated_masked_lanes(void *to, const void *from, uint32_t k, int lanes, int size) {
+    for (int i = 0; i < lanes; i++)
+        if (k >> i & 1) memcpy((char *)to + size * i, (const char *)from + size * i, size);
+}
 static inline __m512i emulated_maskz_loadu_epi16(__mmask32 k, const void *p) {
-    uint16_t v[32];
-    for (int i = 0; i < 32; i++) {
-        v[i] = 0;
-        if (k >> i & 1) memcpy(v + i, (const char *)p + 2 * i, 2);
-    }
-    __m512i r;
-    memcpy(&r, v, sizeof r);
+    __m512i r = _mm512_setzero_si512();
+    emulated_masked_lanes(&r, p, k, 32, 2);
     return r;
 }
 static inline __m512 emulated_maskz_loadu_ps(__mmask16 k, const void *p) {
-    float v[16];
-    for (int i = 0; i < 16; i++) {
-        v[i] = 0.0f;
-        if (k >> i & 1) memcpy(v + i, (const char *)p + 4 * i, 4);
-    }
-    __m512 r;
-    memcpy(&r, v, sizeof r);
+    __m512 r = _mm512_setzero_ps();
+    emulated_masked_lanes(&r, p, k, 16, 4);
     return r;
 }
 static inline void emulated_mask_storeu_epi16(void *p, __mmask16 k, __m256i a) {
-    uint16_t v[16];
-    memcpy(v, &a, sizeof v);
-    for (int i = 0; i < 16; i++)
-        if (k >> i & 1) memcpy((char *)p + 2 * i, v + i, 2);
+    emulated_masked_lanes(p, &a, k, 16, 2);
 }
 static inline float emulated_daz(float f) { return fabsf(f) < 0x1p-126f ? copysignf(0.0f, f) : f; }
 static inline __m512 emulated_dpbf16_ps(__m512 src, __m512bh a, __m512bh b) {
