@@ -28,7 +28,7 @@ _LAYER = {  # peagle / vLLM layer-0 tensor -> llama.cpp's
 _TOP = {"fc.weight": "fc.weight", "norm.weight": "output_norm.weight", "lm_head.weight": "output.weight",
         "embed_tokens.weight": "token_embd.weight"}
 _FLOAT_TYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
-_FILE_TYPES = {"BF16": 32, "F16": 1, "F32": 0}  # general.file_type: gguf.LlamaFileType MOSTLY_BF16, MOSTLY_F16, ALL_F32
+_FILE_TYPES = {"BF16": "MOSTLY_BF16", "F16": "MOSTLY_F16", "F32": "ALL_F32"}  # general.file_type: gguf.LlamaFileType
 
 
 class DraftExportError(ValueError):
@@ -160,7 +160,7 @@ def write_draft_gguf(drafter, target_gguf: str | Path, out: str | Path, name: st
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
-    w.add_file_type(int(_FILE_TYPES[tensors["fc.weight"][1]]))
+    w.add_file_type(int(gguf.LlamaFileType[_FILE_TYPES[tensors["fc.weight"][1]]]))
     w.add_vocab_size(c.vocab_size)
     w.add_rope_dimension_count(c.head_dim)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
