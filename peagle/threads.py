@@ -1,0 +1,143 @@
+"""How many threads peagle's processes run, and how their idle OpenMP threads wait (docs/engine.md, "Threads").
+
+PyTorch's OpenMP runtime (libgomp, which peagle's kernels share) reads OMP_NUM_THREADS, OMP_WAIT_POLICY and
+GOMP_SPINCOUNT once, when torch is first imported. `peagle/__init__.py` calls `apply_defaults()` before anything
+imports torch, so that every peagle process (the `peagle` command and `import peagle`) starts with:
+
+  OMP_WAIT_POLICY=PASSIVE  a thread that reaches a barrier first sleeps instead of spinning. libgomp's own default
+                           spins for about 300,000 iterations (milliseconds) first; while other work holds a core,
+                           the spinning thread burns the time the descheduled one needs, and two threads decoded
+                           several times slower than one. Sleeping costs a wake-up per barrier, which measured
+                           nothing on a quiet machine (docs/engine.md has both).
+  OMP_NUM_THREADS=N        N = the cores this process may run on: its CPU affinity (taskset, cpusets), fewer when a
+                           cgroup CPU quota (containers' --cpus) allows less, rounded down, at least 1.
+
+Nothing here overrides a value the user set in the environment; `--threads` on `peagle serve`, `generate` and
+`bench` sets the count after start-up (`set_threads`). Processes peagle starts inherit the values, and the names
+peagle filled in are recorded with their values in PEAGLE_THREAD_DEFAULTS, so a peagle child decides its own
+defaults again instead of taking them for a user's choice (a value changed since, e.g. by `peagle bench --threads`
+for its servers, is a choice).
+
+This module must not import torch at module level: it runs before torch's OpenMP runtime is loaded.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+
+WAIT_POLICY = "PASSIVE"
+DEFAULTS_ENV = "PEAGLE_THREAD_DEFAULTS"  # NAME=VALUE,... that peagle filled in (not the user)
+_VARS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")
+# where cgroup v2 (cpu.max) and v1 (cpu/cpu.cfs_quota_us) keep CPU quotas
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+_state = {"source": None, "torch_first": False, "user": {}}
+
+
+def affinity_cores() -> int:
+    """The CPUs this process may run on (its affinity mask; os.cpu_count() where the OS has no such call)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def cpu_quota(root: Path = _CGROUP_ROOT, proc_cgroup: Path = Path("/proc/self/cgroup")) -> float | None:
+    """CPUs' worth of time the process's cgroup may use per period (a container's --cpus), or None without a
+    quota. Reads cgroup v2's cpu.max, else v1's cpu.cfs_quota_us / cpu.cfs_period_us; a few small files."""
+    candidates: list[Path] = []
+    try:
+        for line in proc_cgroup.read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            rel = path.lstrip("/")
+            if controllers == "":
+                candidates.append(root / rel / "cpu.max")
+            elif "cpu" in controllers.split(","):
+                for mount in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
+                    candidates.append(root / mount / rel / "cpu.cfs_quota_us")
+    except (OSError, ValueError):
+        pass
+    candidates += [root / "cpu.max", root / "cpu" / "cpu.cfs_quota_us", root / "cpu,cpuacct" / "cpu.cfs_quota_us"]
+    for f in candidates:
+        try:
+            if f.name == "cpu.max":
+                quota, period = f.read_text().split()[:2]
+                if quota == "max":
+                    return None
+                return int(quota) / int(period)
+            quota = int(f.read_text())
+            if quota <= 0:  # -1: no quota
+                return None
+            return quota / int(f.with_name("cpu.cfs_period_us").read_text())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def default_threads() -> int:
+    """The thread count peagle starts with: the cores in the affinity mask, fewer if a CPU quota allows fewer
+    (rounded down, at least one)."""
+    cores = affinity_cores()
+    quota = cpu_quota()
+    if quota is not None:
+        cores = min(cores, max(1, math.floor(quota)))
+    return cores
+
+
+def apply_defaults(environ: dict | None = None) -> dict:
+    """Fill in OMP_NUM_THREADS and OMP_WAIT_POLICY where the user has not set them, and return what the user set.
+    A value peagle filled in for a parent process (recorded in PEAGLE_THREAD_DEFAULTS, and still unchanged) is
+    decided again. Call before torch is imported: torch's OpenMP reads the environment once, at its import. Where
+    torch came first, the thread count is still applied (torch.set_num_threads); the wait policy cannot be."""
+    env = os.environ if environ is None else environ
+    inherited = dict(item.split("=", 1) for item in env.get(DEFAULTS_ENV, "").split(",") if "=" in item)
+    user = {v: env[v] for v in _VARS if v in env and inherited.get(v) != env[v]}
+    filled = {}
+    for var, value in (("OMP_NUM_THREADS", str(default_threads())), ("OMP_WAIT_POLICY", WAIT_POLICY)):
+        if var not in user:
+            env[var] = filled[var] = value
+    if filled:
+        env[DEFAULTS_ENV] = ",".join(f"{k}={v}" for k, v in filled.items())
+    else:
+        env.pop(DEFAULTS_ENV, None)
+    if environ is None:
+        _state["user"] = user
+        _state["torch_first"] = "torch" in sys.modules
+        _state["source"] = "OMP_NUM_THREADS" if "OMP_NUM_THREADS" in user else "default"
+        if _state["torch_first"] and "OMP_NUM_THREADS" in filled:
+            sys.modules["torch"].set_num_threads(int(filled["OMP_NUM_THREADS"]))
+    return user
+
+
+def set_threads(n: int, source: str = "--threads") -> None:
+    """Run torch (and peagle's kernels, which ask torch) on `n` threads from now on."""
+    import torch
+
+    torch.set_num_threads(n)
+    _state["source"] = source
+
+
+def summary() -> dict:
+    """The threads facts for stats, /v1/models and logs: the count and where it came from, the wait policy in
+    force, the cores this process may use."""
+    import torch
+
+    user = _state["user"]
+    if _state["torch_first"]:  # torch read the environment before peagle could fill it in
+        policy = user.get("OMP_WAIT_POLICY", "libgomp default (torch imported before peagle)")
+    else:
+        policy = os.environ.get("OMP_WAIT_POLICY", "libgomp default")
+    quota = cpu_quota()
+    return {"threads": torch.get_num_threads(), "threads_from": _state["source"] or "torch default",
+            "omp_wait_policy": policy.upper() if policy.lower() in ("active", "passive") else policy,
+            "cores": affinity_cores(), **({"cpu_quota": round(quota, 2)} if quota is not None else {})}
+
+
+def describe() -> str:
+    """One line for logs: '2 threads (default; OMP_WAIT_POLICY=PASSIVE; 2 cores)'."""
+    s = summary()
+    quota = f", CPU quota {s['cpu_quota']:g}" if "cpu_quota" in s else ""
+    return (f"{s['threads']} thread{'s' if s['threads'] != 1 else ''} ({s['threads_from']}; OMP_WAIT_POLICY "
+            f"{s['omp_wait_policy']}; {s['cores']} cores{quota})")
