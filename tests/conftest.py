@@ -44,6 +44,16 @@ def make_tiny_model(out: Path, model_type: str = "llama", seed: int = 0, **overr
     return out
 
 
+def on_kernel_path(monkeypatch, path: str) -> None:
+    """Run what is built from here on (packed weights, native layers, attention calls) on matrix path `path`, as a
+    process started with PEAGLE_CPU_KERNELS=path would (the variable is read once per process)."""
+    from peagle.model import kernels
+
+    assert path in kernels.supported_paths(), path
+    monkeypatch.setenv("PEAGLE_CPU_KERNELS", path)
+    monkeypatch.setattr(kernels, "_matmul", path)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny matrices run fastest on one thread, and far faster than on two on a shared, busy machine."""

@@ -167,6 +167,21 @@ def iter_sharegpt(path: Path | None = None) -> Iterator[BenchPrompt]:
             raise DatasetError(str(e)) from None
 
 
+def sharegpt_text(chars: int, path: Path | None = None) -> str:
+    """The first ShareGPT conversations, every turn as a "Human:" or "Assistant:" paragraph, until `chars`
+    characters: a fixed stretch of natural text for perplexity (benchmarks/perplexity.py) and the tests' logits."""
+    parts, size = [], 0
+    with open(path or sharegpt_file(), encoding="utf-8") as f:
+        for rec in iter_json_array(f):
+            for turn in rec.get("conversations") or []:
+                text = (turn.get("value") or "").strip()
+                if text:
+                    parts.append(f"{'Human' if turn.get('from') == 'human' else 'Assistant'}: {text}")
+                    size += len(parts[-1])
+            if size >= chars:
+                break
+    return "\n\n".join(parts) + "\n"
+
 # -- workloads for the prefix cache ---------------------------------------------------------------------------------
 
 _HANDBOOK_TOPICS = ("returns", "shipping", "warranty claims", "billing", "account security", "privacy requests",
