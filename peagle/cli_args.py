@@ -50,3 +50,4 @@ seed = int_range(-2 ** 63, 2 ** 64 - 1)  # what a 64-bit generator seed can hold
 temperature = float_range(0, 2)  # OpenAI's range
 top_p = float_range(0, 1, lo_open=True)
 top_k = int_range(-1)  # -1 (and 0): off
+threads = int_range(1, 1024)  # torch CPU threads (peagle/threads.py)

@@ -111,6 +111,24 @@ def apply_defaults(environ: dict | None = None) -> dict:
     return user
 
 
+THREADS_HELP = ("CPU threads for the forward (default: the cores this process may use, from its CPU affinity and any "
+                "cgroup CPU quota; OMP_NUM_THREADS overrides that default). Idle threads sleep rather than spin "
+                "(OMP_WAIT_POLICY=PASSIVE unless set), so two threads on two busy cores do not fall behind one")
+
+
+def add_threads_arg(parser) -> None:
+    """`--threads N` (range-checked), for the commands that run a model."""
+    from peagle import cli_args
+
+    parser.add_argument("--threads", type=cli_args.threads, default=None, help=THREADS_HELP)
+
+
+def apply_threads_arg(args) -> None:
+    """Apply `--threads` where it was given."""
+    if getattr(args, "threads", None):
+        set_threads(args.threads)
+
+
 def set_threads(n: int, source: str = "--threads") -> None:
     """Run torch (and peagle's kernels, which ask torch) on `n` threads from now on."""
     import torch

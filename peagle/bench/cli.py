@@ -71,9 +71,9 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
                    help="the engine's prefix cache (default: on, as in `peagle serve`); compare both on the "
                         "shared-system and sharegpt-multiturn sets")
     g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    g.add_argument("--threads", type=cli_args.positive_int,
-                   help="torch CPU threads, here and in the servers (default: torch's; on a shared machine 1 avoids "
-                        "threads waiting for busy cores)")
+    g.add_argument("--threads", type=cli_args.threads,
+                   help="CPU threads, here and in the servers (default: peagle's, the cores this process may use; "
+                        "docs/engine.md, \"Threads\")")
     g.add_argument("--warmup", type=cli_args.nonnegative_int, default=1,
                    help="warm-up requests per configuration (default 1)")
     g.add_argument("--out", default="bench-out", help="output folder (default bench-out)")

@@ -138,9 +138,12 @@ def machine() -> dict:
     from peagle.model import kernels
 
     d["kernels"] = kernels.summary("cuda" if d["cuda"] else "cpu")
+    from peagle import threads
+
+    d["threads"] = threads.summary()
     d["summary"] = (f"{d['cuda'] or cpu}, {d['cpu_count']} CPU cores, torch {d['torch']} ({d['torch_threads']} "
-                    f"threads), transformers {d['transformers']}, Python {d['python']}, {d['kernels']['kernels']} "
-                    f"kernels")
+                    f"threads, OMP_WAIT_POLICY {d['threads']['omp_wait_policy']}), transformers {d['transformers']}, "
+                    f"Python {d['python']}, {d['kernels']['kernels']} kernels")
     return d
 
 

@@ -48,10 +48,9 @@ def _fmt_s(s: float) -> str:
 def sweep(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.threads:
-        import torch
+    from peagle.threads import apply_threads_arg
 
-        torch.set_num_threads(args.threads)
+    apply_threads_arg(args)
     started = _dt.datetime.now().astimezone()
     t_start = time.perf_counter()
     holder = TargetHolder(args.dtype, args.device, args.quantization, args.enable_prefix_caching)

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from peagle import threads
 from peagle.config import Speculation, SpeculativeConfig
 from peagle.engine import prefix_cache
 from peagle.engine.acceptance import Candidate
@@ -76,6 +77,8 @@ MAX_FORCED_RUN = JOINT_PENDING_ROWS
 def kernels_in_use(target: TargetModel, drafter: Drafter | None) -> dict:
     """Which kernels run the forward, in which weight formats, and whether greedy speculation is bit-exact."""
     out = {**kernels.summary(target.device), "weights": target.weights}
+    if torch.device(target.device).type == "cpu":
+        out.update(threads.summary())  # the count in force now, where it came from, the OpenMP wait policy
     if drafter is not None:
         out["drafter_weights"] = drafter.weights
     if target.quantized or out.get("drafter_weights", "bf16") != "bf16":
@@ -121,7 +124,8 @@ class LLMEngine:
         self.device = target.device
         self._build_caches(max_num_batched_tokens, prefix_cache_gb if enable_prefix_caching else None)
         self.kernels = kernels_in_use(target, drafter)
-        logger.info("peagle engine: %s weights, %s", target.weights, kernels.describe(self.device))
+        logger.info("peagle engine: %s weights, %s, %s", target.weights, kernels.describe(self.device),
+                    threads.describe())
         self.eos_token_ids = set(target.config.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)

@@ -45,6 +45,9 @@ def register(name: str, parser: argparse.ArgumentParser) -> None:
     from peagle.model.quant import QUANTIZATION_HELP, QUANTIZATIONS
 
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help=QUANTIZATION_HELP)
+    from peagle.threads import add_threads_arg
+
+    add_threads_arg(parser)
     parser.set_defaults(func=run)
 
 
@@ -68,7 +71,9 @@ def run(args: argparse.Namespace) -> int:
     from peagle.engine import LLMEngine, RequestError, SamplingParams
     from peagle.engine.stats import by_proposer, describe_by_proposer
     from peagle.model.speculation import resolve_speculation
+    from peagle.threads import apply_threads_arg
 
+    apply_threads_arg(args)
     try:
         chosen = resolve_speculation(args.model, "none" if args.no_speculation else args.speculative_config,
                                      source="--no-speculation" if args.no_speculation else "--speculative-config",
@@ -119,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
               + (f"; {describe_by_proposer(engine.proposer_stats)}" if engine.proposer_stats else "")
               + f"; {result['weights']} weights"
               + (f" ({result['block_kernels']} integer kernels)" if result.get("block_kernels") else "")
-              + f", {result['kernels']} kernels" + ("" if result["greedy_bit_exact"] else " (greedy not bit-exact)"),
+              + f", {result['kernels']} kernels" + ("" if result["greedy_bit_exact"] else " (greedy not bit-exact)")
+              + (f", {result['threads']} thread{'s' if result['threads'] != 1 else ''}" if "threads" in result else ""),
               file=sys.stderr)
     return 0

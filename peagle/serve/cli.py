@@ -71,6 +71,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help=QUANTIZATION_HELP)
     parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    from peagle.threads import add_threads_arg
+
+    add_threads_arg(parser)
     parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1/* (as vLLM does) and on "
                                           "/invocations unless --sagemaker (SageMaker authenticates its callers); "
                                           "health checks and /metrics stay open")
@@ -253,7 +256,9 @@ def build_server(args, plan):
     from peagle.serve.app import build_app
     from peagle.serve.async_engine import AsyncEngine
     from peagle.serve.metrics import Metrics
+    from peagle.threads import apply_threads_arg
 
+    apply_threads_arg(args)
     try:
         engine = LLMEngine.from_pretrained(plan.speculation, max_num_seqs=args.max_num_seqs or 8,
                                            max_model_len=args.max_model_len, device=args.device, dtype=args.dtype,
@@ -288,8 +293,11 @@ def serve(args, plan) -> int:
         return _fail(str(e))
     engine = aengine.engine
     url = f"http://{'127.0.0.1' if plan.host in ('0.0.0.0', '::') else plan.host}:{plan.port}"
+    from peagle import threads
+
     print(f"peagle serve: {', '.join(plan.served)} with {plan.speculation.describe()}, max_model_len "
-          f"{engine.max_model_len}, max_num_seqs {engine.max_num_seqs}", file=sys.stderr, flush=True)
+          f"{engine.max_model_len}, max_num_seqs {engine.max_num_seqs}, {threads.describe()}", file=sys.stderr,
+          flush=True)
     print(f"peagle serve: listening on http://{plan.host}:{plan.port}  (playground: {url}/)", file=sys.stderr,
           flush=True)
 
