@@ -50,7 +50,7 @@ def on_kernel_path(monkeypatch, path: str) -> None:
     from peagle.model import kernels
 
     assert path in kernels.supported_paths(), path
-    monkeypatch.setenv("PEAGLE_CPU_KERNELS", path)
+    monkeypatch.setattr(kernels, "_forced", path)
     monkeypatch.setattr(kernels, "_matmul", path)
 
 

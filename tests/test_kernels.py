@@ -38,6 +38,21 @@ def test_every_path_the_cpu_has_runs_and_the_fastest_is_chosen():
         assert kernels.matmul_path() == expected[0]
 
 
+@needs_native_kernels
+@pytest.mark.parametrize("choice, blocks", [("auto", "avx512-vnni"), ("avx2", "avx2")])
+def test_naming_the_default_keeps_block_products_on_vnni(choice, blocks, monkeypatch):
+    """On a CPU with AVX-512 VNNI but no AVX-512 BF16 (Intel Ice Lake) the matrix path is avx2 and block products
+    run on VNNI; PEAGLE_CPU_KERNELS=auto, the default said out loud, must not move them to AVX2 as naming avx2 does."""
+    icelake = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
+    kernels.library()  # built once for the real CPU; the state below is reset to read the pretended one
+    for name, value in (("_tried", False), ("_lib", None), ("_error", None), ("_forced", None), ("_matmul", None)):
+        monkeypatch.setattr(kernels, name, value)
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: icelake)
+    monkeypatch.setenv("PEAGLE_CPU_KERNELS", choice)
+    assert kernels.supported_paths() == ("avx2",) and kernels.matmul_path() == "avx2"
+    assert kernels.quant_path() == blocks
+
+
 @pytest.mark.parametrize("path", KERNEL_PATHS)
 @pytest.mark.parametrize("N, K", [(960, 576), (576, 1536), (49152, 64), (7, 40), (33, 101), (130, 96), (1, 2)])
 def test_packed_linear_matches_float64_and_is_batch_invariant(path, N, K):

@@ -58,6 +58,7 @@ _paths: tuple[str, ...] = ()  # matrix paths this machine and this build can run
 _matmul: str | None = None  # the path PackedWeight.pack uses by default
 _tried = False
 _error: str | None = None  # a PEAGLE_CPU_KERNELS choice this machine cannot run
+_forced: str | None = None  # the matrix path PEAGLE_CPU_KERNELS named ("auto" names none)
 
 
 @functools.cache
@@ -149,7 +150,7 @@ def _declare(lib) -> None:
 
 def library():
     """The loaded kernel library (ctypes), or None where no native path runs (built and loaded on first call)."""
-    global _lib, _paths, _matmul, _tried, _error
+    global _lib, _paths, _matmul, _tried, _error, _forced
     if _tried and not _error:  # the common case, without the lock
         return _lib
     with _lock:
@@ -160,6 +161,7 @@ def library():
         choice = os.environ.get("PEAGLE_CPU_KERNELS", "auto").strip().lower()
         if choice not in ("auto", "off", "0", *PATHS):
             raise ValueError(f"PEAGLE_CPU_KERNELS={choice!r} is not one of auto, off, {', '.join(PATHS)}")
+        _forced = choice if choice in PATHS else None
         flags = _cpu_flags()
         try:
             if choice not in ("off", "0") and _CPU_FLAGS_NEEDED["avx2"] <= flags:
@@ -259,7 +261,7 @@ def quant_path() -> str | None:
     paths = quant_paths()
     if not paths:
         return None
-    return "avx2" if matmul_path() == "avx2" and os.environ.get("PEAGLE_CPU_KERNELS") else paths[0]
+    return "avx2" if _forced == "avx2" else paths[0]
 
 
 def qgemm_symbol(path: str, fmt: str) -> str:
