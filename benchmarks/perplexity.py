@@ -11,8 +11,9 @@ paragraphs, written to a file that both programs read. Scoring is llama-perplexi
 (BOS first where the vocabulary adds one), cut into --chunks chunks of --ctx tokens, each chunk's first token
 replaced by BOS where the vocabulary adds one, and the second half of every chunk scored (each token given the
 chunk before it); perplexity = exp(mean negative log-likelihood). So peagle's figures and llama-perplexity's compare
-digit for digit where both tokenize alike (the tokens of each are printed side by side). Each path runs in a fresh
-process (a process runs one path).
+digit for digit where both tokenize alike (the same GGUF vocabulary; each side's chunk count is recorded). Each path
+runs in a fresh process (a process runs one path). llama.cpp b11434's repacked weights crash on some AMX machines;
+a llama-perplexity run killed by a signal is run again with --no-repack, and the result says so.
 """
 from __future__ import annotations
 
@@ -105,7 +106,7 @@ def peagle_child(name: str, text_file: Path, ctx: int, chunks: int) -> dict:
         logits = target(chunk[None], layout, target.new_cache(1, ctx), num_logits=ctx - first).logits[0, :-1]
         nll += nll_of(logits, chunk, first)
         scored += ctx - 1 - first
-    return {"perplexity": math.exp(nll / scored), "scored": scored, "text_tokens": n_tokens,
+    return {"perplexity": math.exp(nll / scored), "scored": scored, "chunks": len(seqs), "text_tokens": n_tokens,
             "matmul": kernels.matmul_path(), "attention": kernels.attention_path(),
             "blocks": kernels.quant_path() if target.weights != "bf16" else None,
             "cpu_s": round(time.process_time() - t0, 1)}
@@ -143,15 +144,20 @@ def llama_perplexity(name: str, text_file: Path, ctx: int, chunks: int, threads:
         print(f"  llama-perplexity: skipped ({binary if not binary.exists() else gguf} missing; "
               "bash benchmarks/build_llama_cpp.sh builds both)", flush=True)
         return None
-    r = subprocess.run([str(binary), "-m", str(gguf), "-f", str(text_file), "-c", str(ctx), "--chunks", str(chunks),
-                        "-t", str(threads), "-b", str(ctx)], capture_output=True, text=True)
+    cmd = [str(binary), "-m", str(gguf), "-f", str(text_file), "-c", str(ctx), "--chunks", str(chunks),
+           "-t", str(threads), "-b", str(ctx)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    repack = True
+    if r.returncode < 0:  # killed by a signal: b11434's repacked (AMX) weights crash on some AMX machines
+        print(f"  llama-perplexity died of signal {-r.returncode}; again with --no-repack", flush=True)
+        r, repack = subprocess.run([*cmd, "--no-repack"], capture_output=True, text=True), False
     log = r.stdout + r.stderr
     final = re.search(r"Final estimate: PPL = ([0-9.]+)", log)
     if r.returncode or not final:
         raise RuntimeError(f"llama-perplexity failed on {gguf.name}:\n{log[-2000:]}")
-    tokens = re.search(r"tokenizes to only (\d+)|calculating perplexity over (\d+) chunks", log)
-    return {"perplexity": float(final.group(1)), "file": gguf.name,
-            "chunks": int(tokens.group(2)) if tokens and tokens.group(2) else None}
+    chunks_run = re.search(r"calculating perplexity over (\d+) chunks", log)
+    return {"perplexity": float(final.group(1)), "file": gguf.name, "repack": repack,
+            "chunks": int(chunks_run.group(1)) if chunks_run else None}
 
 
 def run_child(kind: str, name: str, path: str, args) -> dict:
