@@ -33,7 +33,15 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("kernels.c")
+SOURCE = Path(__file__).with_name("kernels.c")  # one translation unit: it includes the per-instruction-set sources
+SOURCES_DIR = Path(__file__).with_name("kernels")  # kernels/common.h, avx2.c, avx512.c, amx.c
+
+
+def _sources() -> list[Path]:
+    """Every file the build reads: kernels.c and what it includes (the build cache key covers them all)."""
+    return [SOURCE, *sorted(p for p in SOURCES_DIR.iterdir() if p.suffix in (".c", ".h"))]
+
+
 PATHS = ("amx", "avx512-bf16", "avx2")  # matrix paths, fastest first
 _CPU_FLAGS_NEEDED = {
     "avx2": {"avx2", "fma"},
@@ -88,23 +96,32 @@ def _build(variant: tuple[str, ...] = (), sections: tuple[list[str], ...] = _SEC
     if not compiler:
         print("peagle: no C compiler found (set CC); using PyTorch's CPU kernels", file=sys.stderr)
         return None
-    source = SOURCE.read_text()
-    key = hashlib.sha256((source + " ".join([*_FLAGS, *variant]) + compiler).encode()).hexdigest()[:16]
+    # Read once: the key covers exactly what is compiled (a copy in the build's own folder), even while the sources
+    # change under a running build.
+    sources = {src.relative_to(SOURCE.parent): src.read_bytes() for src in _sources()}
+    digest = hashlib.sha256()
+    for rel, text in sources.items():
+        digest.update(str(rel).encode() + b"\0" + text + b"\0")
+    key = hashlib.sha256((digest.hexdigest() + " ".join([*_FLAGS, *variant]) + compiler).encode()).hexdigest()[:16]
     out_dir = build_dir()
     target = out_dir / f"{name}_{key}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"peagle: compiling the CPU kernels for this machine into {out_dir} (once per version of "
-          "kernels.c; a minute or two)", file=sys.stderr, flush=True)
+          "kernels.c and kernels/; a minute or two)", file=sys.stderr, flush=True)
     errors = ""
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         lib = Path(tmp) / "kernels.so"
+        for rel, text in sources.items():
+            (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
+            (Path(tmp) / rel).write_bytes(text)
         # With OpenMP the library links libgomp.so.1, which resolves to the copy PyTorch already loaded, so both
         # share one thread pool. Without OpenMP support it still builds, single-threaded.
         for section_flags in sections:
             for omp in (["-fopenmp"], ["-Wno-unknown-pragmas"]):
-                cmd = [compiler, *_FLAGS, *variant, *section_flags, *omp, str(SOURCE), "-o", str(lib), "-lm"]
+                cmd = [compiler, *_FLAGS, *variant, *section_flags, *omp, str(Path(tmp) / SOURCE.name), "-o", str(lib),
+                       "-lm"]
                 r = subprocess.run(cmd, capture_output=True, text=True)
                 if r.returncode == 0:
                     if r.stderr.strip():
