@@ -1,9 +1,21 @@
 """Start-up timings on scratch rows, which the speculation policy (policy.StepCostModel) and the step budget
 (step_budget.StepBudget) calibrate their cost models from. Every forward writes cache slots that no request holds
-yet: their entries are stale the moment a request takes the slot."""
+yet: their entries are stale the moment a request takes the slot.
+
+A server remembers them (`RememberedTimings`, under $PEAGLE_HOME/calibration): a forward's cost depends on the
+shapes, weight formats, kernels, threads and CPU, never on the weights' values, so a restart with the same key
+takes the timings of the last start instead of a few seconds of forwards. Both cost models keep correcting
+themselves from real steps as before, so timings taken under another load converge the same way fresh ones do."""
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import platform
+import tempfile
 from collections.abc import Callable
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,12 +28,86 @@ if TYPE_CHECKING:
     from peagle.engine.proposers.heads import HeadProposer
 
 
+class RememberedTimings:
+    """Timings kept in a JSON file named by everything they depend on (`key`); `get` measures what is missing."""
+
+    def __init__(self, folder: Path, key: dict):
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
+        self.path = Path(folder) / f"{digest}.json"
+        self.key = key
+        try:
+            self.seconds: dict[str, float] = json.loads(self.path.read_text())["seconds"]
+        except (OSError, ValueError, KeyError, TypeError):
+            self.seconds = {}
+        self.remembered = len(self.seconds)  # how many came from the file
+        self.measured = 0
+
+    def get(self, name: str, measure: Callable[[], float]) -> float:
+        if name not in self.seconds:
+            self.seconds[name] = measure()
+            self.measured += 1
+        return self.seconds[name]
+
+    def save(self) -> None:
+        """Write the file when something was measured (atomically: concurrent starts each write a whole file)."""
+        if not self.measured:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as f:
+            json.dump({"key": self.key, "seconds": self.seconds}, f, indent=1, default=str)
+        os.replace(f.name, self.path)
+
+
+def timings_key(target: TargetModel, head: HeadProposer | None, max_num_seqs: int, max_model_len: int,
+                **shape) -> dict:
+    """What a start-up timing depends on: the models' shapes and formats, the cache's, the kernels (their build,
+    paths and threads), the CPU and the versions; `shape`: the engine's other sizes (windows, budgets)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from peagle.model import kernels
+
+    try:
+        peagle_version = version("peagle")
+    except PackageNotFoundError:
+        peagle_version = None
+
+    def config(c) -> object:
+        return asdict(c) if is_dataclass(c) else c
+
+    lib = kernels.library()
+    drafter = head.drafter if head is not None else None
+    return {"target": config(target.config), "weights": target.weights, "device": str(target.device),
+            "drafter": config(drafter.config) if drafter is not None else None,
+            "drafter_weights": drafter.weights if drafter is not None else None,
+            "parallel_drafting": head.parallel if head is not None else None,
+            "max_num_seqs": max_num_seqs, "max_model_len": max_model_len, **shape,
+            "kernels": kernels.describe(target.device), "kernel_build": Path(lib._name).name if lib else None,
+            "threads": torch.get_num_threads(), "cpu": _cpu_model(), "torch": torch.__version__,
+            "peagle": peagle_version}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 class ScratchTimings:
     def __init__(self, target: TargetModel, target_cache, head: HeadProposer | None, max_num_seqs: int,
-                 max_model_len: int, clock: Callable[[], float]):
+                 max_model_len: int, clock: Callable[[], float], remembered: RememberedTimings | None = None):
         self.target, self.target_cache, self.head, self.clock = target, target_cache, head, clock
         self.max_num_seqs, self.device = max_num_seqs, target.device
         self.context = min(128, max_model_len // 2)  # cached positions a decode row attends to: a typical context
+        self.remembered = remembered
+
+    def _timed(self, name: str, fn: Callable[[], object], repeats: int = 2) -> float:
+        if self.remembered is None:
+            return timed(fn, self.clock, repeats)
+        return self.remembered.get(name, lambda: timed(fn, self.clock, repeats))
 
     # -- the policy's: a decode step's verify forward and the head's drafting ----------------------------------
     def target_rows(self, rows: int) -> float:
@@ -36,11 +122,16 @@ class ScratchTimings:
             with torch.inference_mode():
                 self.target(tokens, layout, self.target_cache, num_logits=None)
 
-        return timed(forward, self.clock)
+        return self._timed(f"target_rows {rows}", forward)
 
     def head_draft(self, batch: int, k: int) -> float:
         """Seconds of the head drafting k tokens for `batch` requests (no head: nothing to time)."""
-        return self.head.time_draft(batch, k, self.context, self.clock) if self.head else 0.0
+        if not self.head:
+            return 0.0
+        if self.remembered is None:
+            return self.head.time_draft(batch, k, self.context, self.clock)
+        return self.remembered.get(f"head_draft {batch} {k}",
+                                   lambda: self.head.time_draft(batch, k, self.context, self.clock))
 
     # -- the step budget's: a prompt chunk's forwards, the target's and the drafter's, in slot 0 ----------------
     def prefill_chunk(self, rows: int, position: int, every_row_logits: bool) -> float:
@@ -55,7 +146,7 @@ class ScratchTimings:
                 else:
                     self.target.trunk(tokens, layout, self.target_cache)
 
-        return timed(forward, self.clock, repeats=1)
+        return self._timed(f"prefill_chunk {rows} {position} {every_row_logits}", forward, repeats=1)
 
     def drafter_rows(self, rows: int, position: int) -> float:
         """Seconds of the drafter's catch-up pass over `rows` real rows from `position`."""
@@ -68,7 +159,7 @@ class ScratchTimings:
             with torch.inference_mode():
                 drafter(tokens, feats, layout, self.head.cache)
 
-        return timed(forward, self.clock, repeats=1)
+        return self._timed(f"drafter_rows {rows} {position}", forward, repeats=1)
 
     def _chunk(self, rows: int, position: int) -> tuple[torch.Tensor, BatchLayout]:
         dev = self.device

@@ -37,7 +37,7 @@ from peagle import threads
 from peagle.config import Speculation, SpeculativeConfig
 from peagle.engine import prefix_cache
 from peagle.engine.acceptance import Candidate
-from peagle.engine.calibration import ScratchTimings
+from peagle.engine.calibration import RememberedTimings, ScratchTimings, timings_key
 from peagle.engine.catch_up import JOINT_PENDING_ROWS, DrafterCatchUp
 from peagle.engine.detokenize import IncrementalDetokenizer
 from peagle.engine.errors import RequestError
@@ -92,7 +92,8 @@ class LLMEngine:
                  max_model_len: int | None = None, model_name: str = "model",
                  speculation_policy: str = DEFAULT_POLICY, enable_prefix_caching: bool = True,
                  prefix_cache_gb: float = prefix_cache.DEFAULT_MEMORY_GB, enable_chunked_prefill: bool = True,
-                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, max_step_time_ms: float | None = None):
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, max_step_time_ms: float | None = None,
+                 calibration_dir: Path | None = None):
         """`speculation_policy`: "adaptive" (the default, as in `peagle serve` and `generate`) treats
         num_speculative_tokens as a maximum and picks K (0 included) every step for the most tokens per second;
         "fixed" verifies num_speculative_tokens drafts every step, as vLLM does. Without a drafter nothing is
@@ -101,8 +102,10 @@ class LLMEngine:
         requests that start with the same tokens; `enable_chunked_prefill` splits a prompt longer than
         `max_num_batched_tokens` over several steps (off: whole prompts, that many tokens of them per step, at least
         one). While streams decode, a step's prefill work is sized in time to at most `max_step_time_ms`
-        (None: step_budget.DEFAULT_STEP_TIME_MULTIPLE plain decode steps, as measured here). None changes any
-        output."""
+        (None: step_budget.DEFAULT_STEP_TIME_MULTIPLE plain decode steps, as measured here). With
+        `calibration_dir` the start-up timings are remembered there, and a later start with the same shapes,
+        formats, kernels, threads and CPU takes them instead of timing forwards (calibration.RememberedTimings).
+        None changes any output."""
         spec = speculative_config
         if spec is not None and spec.uses_head and drafter is None:
             spec = spec.without_head()
@@ -139,7 +142,7 @@ class LLMEngine:
         self.stats = SpecDecodeStats(self.k)  # engine-wide, since start
         self.num_finished = 0
         self._build_speculation(speculation_policy, head_k)
-        self._build_phases(max_num_batched_tokens, enable_chunked_prefill, max_step_time_ms)
+        self._build_phases(max_num_batched_tokens, enable_chunked_prefill, max_step_time_ms, calibration_dir, head_k)
         self.max_forced_run = MAX_FORCED_RUN  # 0: verify no forced tokens past the drafts (token-by-token reference)
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()  # request threads build the compiler on first use
@@ -168,16 +171,25 @@ class LLMEngine:
         self.proposer_stats = {name: SpecDecodeStats(self.k) for name in (self.proposer.names if spec else ())}
 
     def _build_phases(self, max_num_batched_tokens: int, enable_chunked_prefill: bool,
-                      max_step_time_ms: float | None) -> None:
+                      max_step_time_ms: float | None, calibration_dir: Path | None, head_k: int) -> None:
         """The cost models, calibrated at start-up on scratch rows, and the phases of a step before its decode: the
         drafter's catch-up, the prefix cache's reuse, and prefill."""
         self._step_clock = step_clock(self.device)
+        remembered = None
+        if calibration_dir is not None:
+            remembered = RememberedTimings(calibration_dir, timings_key(
+                self.target, self.head, self.max_num_seqs, self.max_model_len, policy=type(self.policy).__name__,
+                k=self.k, head_k=head_k, max_step_time_ms=max_step_time_ms))
         timings = ScratchTimings(self.target, self.target_cache, self.head, self.max_num_seqs, self.max_model_len,
-                                 self._step_clock)
+                                 self._step_clock, remembered)
         self.policy.calibrate(timings.target_rows, timings.head_draft)
         self.step_budget = StepBudget(self._step_clock, max_step_time_ms)
         self.step_budget.calibrate(timings.prefill_chunk, lambda: timings.target_rows(1),
                                    timings.drafter_rows if self.drafter is not None else None, self.max_model_len)
+        if remembered is not None:
+            remembered.save()
+            logger.info("peagle engine: start-up timings %s (%s)", "remembered" if not remembered.measured else
+                        f"measured ({remembered.measured})", remembered.path)
         row_bytes = self.target.feature_dim * self.target.norm.weight.dtype.itemsize
         self.catch_up = DrafterCatchUp(self.drafter, self.drafter_cache, self.step_budget, max_num_batched_tokens,
                                        row_bytes, self.device)

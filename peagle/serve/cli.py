@@ -100,6 +100,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="do not keep a no-speculation engine for \"speculation\": false requests")
     parser.add_argument("--baseline-max-num-seqs", type=cli_args.positive_int, default=2,
                         help="slots of the no-speculation engine (default 2)")
+    parser.add_argument("--recalibrate", action="store_true",
+                        help="time the start-up forwards again instead of taking those remembered from the last "
+                             "start with the same model shapes, formats, kernels, threads and CPU "
+                             "($PEAGLE_HOME/calibration)")
     parser.add_argument("--sagemaker", action="store_true",
                         help="SageMaker container contract: 0.0.0.0:8080, model from /opt/ml/model, heads from "
                              "/opt/ml/additional-model-data-sources/<channel>")
@@ -243,10 +247,13 @@ def run(args) -> int:
 
 
 def engine_options(args) -> dict:
-    """The engine's prefill options from serve's flags."""
+    """The engine's prefill options from serve's flags, and where its start-up timings are remembered."""
+    from peagle.model.loading import peagle_home
+
     return {"enable_prefix_caching": args.enable_prefix_caching, "prefix_cache_gb": args.prefix_cache_gb,
             "enable_chunked_prefill": args.enable_chunked_prefill,
-            "max_num_batched_tokens": args.max_num_batched_tokens, "max_step_time_ms": args.max_step_time_ms}
+            "max_num_batched_tokens": args.max_num_batched_tokens, "max_step_time_ms": args.max_step_time_ms,
+            "calibration_dir": peagle_home() / "calibration"}
 
 
 def build_server(args, plan):
@@ -259,6 +266,8 @@ def build_server(args, plan):
     from peagle.threads import apply_threads_arg
 
     apply_threads_arg(args)
+    if args.recalibrate:
+        shutil.rmtree(engine_options(args)["calibration_dir"], ignore_errors=True)
     try:
         engine = LLMEngine.from_pretrained(plan.speculation, max_num_seqs=args.max_num_seqs or 8,
                                            max_model_len=args.max_model_len, device=args.device, dtype=args.dtype,
