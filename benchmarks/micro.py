@@ -106,10 +106,19 @@ def quant(args) -> None:
     N, K = args.shape
     rows_max = max(args.rows)
     x, y = torch.randn(rows_max, K).bfloat16(), torch.empty(rows_max, N, dtype=torch.bfloat16)
-    header(args, f"{N}x{K}, quantized path {args.path or kernels.quant_path()}, fastest of {args.repeats} x "
-                 f"{args.calls} calls")
-    print("| format | rows | hot us | hot ns per row-block | cold us | cold GB/s | cold vs first rows |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    paths = args.paths or [args.path or kernels.quant_path()]
+    if args.paths and args.path:
+        raise SystemExit("micro.py quant: give --path or --paths, not both")
+    for p in paths:
+        if p not in kernels.quant_paths():
+            raise SystemExit(f"micro.py quant: path {p!r} does not run here; this machine runs {kernels.quant_paths()}")
+    if args.amx_min_rows and hasattr(kernels.library(), "peagle_qgemm_amx_min_rows"):
+        kernels.library().peagle_qgemm_amx_min_rows(args.amx_min_rows)
+    header(args, f"{N}x{K}, quantized path{'s' if len(paths) > 1 else ''} {', '.join(paths)}, fastest of "
+                 f"{args.repeats} x {args.calls} calls" + (" (the paths taking turns)" if len(paths) > 1 else ""))
+    print(f"| format |{' path |' if args.paths else ''} rows | hot us | hot ns per row-block | cold us | cold GB/s | "
+          "cold vs first rows |")
+    print(f"|---|{'---|' if args.paths else ''}---:|---:|---:|---:|---:|---:|")
     groups_blocks = -(-N // q.QCOLS) * (K // q.BLOCK)
     for fmt in args.formats:
         if fmt in q.QUANTIZATIONS:
@@ -120,36 +129,49 @@ def quant(args) -> None:
         one = q.QuantWeight.from_blocks(blocks, fmt, N, K, path=args.path)
         pool = [q.QuantWeight.from_blocks(blocks, fmt, N, K, path=args.path)  # the same bytes in distinct memory
                 for _ in range(max(2, args.pool_mb * 2 ** 20 // one.nbytes))]
-        base = None
+        # every path's kernel runs the same qpanels; with --paths they take turns, repeat by repeat
+        fns = {p: getattr(kernels.library(), kernels.qgemm_symbol(p, fmt)) for p in paths}
+        base = {}
         for rows in args.rows:
-            def timed(weights: list) -> float:
-                best = math.inf
+            def timed(weights: list) -> dict:
+                best = dict.fromkeys(paths, math.inf)
                 for _ in range(args.repeats):
-                    t0 = time.process_time()
-                    for i in range(args.calls):
-                        w = weights[i % len(weights)]
-                        w.gemm(x.data_ptr(), K, w.data_ptr, y.data_ptr(), N, rows, N, K, 1)
-                    best = min(best, (time.process_time() - t0) / args.calls)
+                    for p, fn in fns.items():
+                        t0 = time.process_time()
+                        for i in range(args.calls):
+                            w = weights[i % len(weights)]
+                            fn(x.data_ptr(), K, w.data_ptr, y.data_ptr(), N, rows, N, K, 1)
+                        best[p] = min(best[p], (time.process_time() - t0) / args.calls)
                 return best
 
             hot, cold = timed([one]), timed(pool)
-            base = base or cold
-            print(f"| {fmt} | {rows} | {hot * 1e6:.1f} | {hot * 1e9 / groups_blocks / rows:.2f} | {cold * 1e6:.1f} | "
-                  f"{one.nbytes / cold / 1e9:.1f} | {cold / base:.2f}x |", flush=True)
+            for p in paths:
+                base.setdefault(p, cold[p])
+                print(f"| {fmt} |{f' {p} |' if args.paths else ''} {rows} | {hot[p] * 1e6:.1f} | "
+                      f"{hot[p] * 1e9 / groups_blocks / rows:.2f} | {cold[p] * 1e6:.1f} | "
+                      f"{one.nbytes / cold[p] / 1e9:.1f} | {cold[p] / base[p]:.2f}x |", flush=True)
     footer()
 
 
 # ---- forward: the target's whole forward per weight format, optionally against transformers
 
-def load_format(name: str, model: str | None):
-    """A weight format by name: bf16 (the model folder), gguf (the embedded model's own Q4_1 file) or a block format
-    quantized at load."""
+def load_format(name: str, model: str | None, block_path: str | None = None):
+    """A weight format by name: bf16 (the model folder), gguf (the embedded model's own Q4_1 file, or --model's GGUF
+    file) or a block format quantized at load; block_path: the quantized-weight path its blocks run on (default:
+    this machine's)."""
+    from peagle.model import kernels
     from peagle.model.loading import embedded_gguf_path, resolve_model
     from peagle.model.target import TargetModel
 
-    if name == "gguf":
-        return TargetModel.from_pretrained(embedded_gguf_path() if model is None else resolve_model(model))
-    return TargetModel.from_pretrained(resolve_model(model), quantization=None if name == "bf16" else name)
+    default = kernels.quant_path
+    if block_path is not None:
+        kernels.quant_path = lambda: block_path  # what QuantWeight takes when no path is given
+    try:
+        if name == "gguf":
+            return TargetModel.from_pretrained(embedded_gguf_path() if model is None else resolve_model(model))
+        return TargetModel.from_pretrained(resolve_model(model), quantization=None if name == "bf16" else name)
+    finally:
+        kernels.quant_path = default
 
 
 def streaming_read_gbs(threads: int, mb: int = 512) -> float:
@@ -194,7 +216,8 @@ def forward(args) -> None:
     machine's streaming read) and the cost relative to the first row count; then a --prefill-token prefill."""
     from peagle.model.loading import resolve_model
 
-    models = {name: load_format(name, args.model) for name in args.formats}
+    models = {name if bp is None else f"{name} {bp}": load_format(name, args.model, bp)
+              for name in args.formats for bp in (args.block_paths or [None])}
     caches = {name: filled_cache(m, 1, args.context, max(args.rows) + 1) for name, m in models.items()}
     stream = streaming_read_gbs(args.threads)
     torch.set_num_threads(args.threads)
@@ -558,6 +581,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--path", default=None, help="a quantized-weight path (peagle.model.kernels.QUANT_PATHS) "
                    "[this machine's default]")
+    p.add_argument("--amx-min-rows", type=int, default=None, help="amx-int8: the fewest rows a product runs on tiles "
+                   "(fewer run VNNI's kernel) [the library's default]")
+    p.add_argument("--paths", nargs="+", default=None, help="several quantized-weight paths measured side by side "
+                   "(taking turns in this process, so a busy machine's load falls on all alike)")
 
     p = command("forward", forward, "the target's forward per weight format (and transformers')")
     p.add_argument("--model", default=None, help="model folder or name (default: the embedded SmolLM2)")
@@ -569,6 +596,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--prefill", type=int, default=512, help="prompt length of the prefill (0: skip)")
     p.add_argument("--profile", action="store_true", help="a torch.profiler table of the first format's step")
+    p.add_argument("--block-paths", nargs="+", default=None, help="load each format once per quantized-weight path "
+                   "(peagle.model.kernels.QUANT_PATHS), measured side by side [this machine's default only]")
 
     p = command("matmul", matmul, "fp32 against bf16 matrix products at a head's training shapes")
     p.add_argument("--repeats", type=int, default=5)

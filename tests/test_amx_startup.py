@@ -53,7 +53,11 @@ x = torch.randn(5, 64).bfloat16()
 packed = kernels.PackedWeight.pack(w)
 y = kernels.packed_linear(x, packed)
 exact = x.double() @ w.double().T
+from peagle.model import quant
+qw = quant.QuantWeight.quantize(w.float(), "q4_0")
+qy = kernels.packed_linear(x, qw)  # 5 rows: AMX int8 tiles where granted
 print(json.dumps({"paths": kernels.supported_paths(), "matmul": kernels.matmul_path(),
+                  "blocks": kernels.quant_path(), "blocks_ok": bool(torch.isfinite(qy.float()).all()),
                   "error": ((y.double() - exact).abs().max() / exact.abs().max()).item()}))
 """
 
@@ -82,6 +86,7 @@ def test_refused_amx_falls_back_to_the_next_path(refusing_shim):
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert "amx" not in got["paths"] and got["paths"][0] == "avx512-bf16"
     assert got["matmul"] == "avx512-bf16"
+    assert got["blocks"] == "avx512-vnni" and got["blocks_ok"]  # block products off AMX int8 tiles too
     assert got["error"] < 2 ** -7
 
 

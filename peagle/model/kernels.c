@@ -26,9 +26,9 @@
      kernels/avx2.c    AVX2 + FMA: bf16 panels, attention, RMSNorm, RoPE, SiLU, the block-quantized kernels every
                        x86-64 path shares (activation quantization, qpanels, AVX2 dot products), the whole layer;
      kernels/avx512.c  AVX-512 BF16 (`vdpbf16ps` panels and attention) and AVX-512 VNNI (block-quantized);
-     kernels/amx.c     AMX: `tdpbf16ps` bf16 tiles.
-   Compiler flags select sections: -DPEAGLE_NO_AMX, -DPEAGLE_NO_AVX512 (older compilers), PEAGLE_EMULATE_AVX512
-   (tests: portable definitions of the instructions). */
+     kernels/amx.c     AMX: `tdpbf16ps` bf16 tiles and `tdpbssd` int8 tiles for block-quantized weights.
+   Compiler flags select sections: -DPEAGLE_NO_AMX, -DPEAGLE_NO_AVX512 (older compilers), PEAGLE_EMULATE_AVX512 and
+   PEAGLE_EMULATE_AMX (tests: portable definitions of the instructions). */
 
 #include "kernels/common.h"
 #include "kernels/avx2.c"

@@ -48,11 +48,15 @@ _CPU_FLAGS_NEEDED = {
     "avx512-bf16": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"},
     "amx": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"},
     "avx512-vnni": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"},
+    "amx-int8": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile", "amx_int8"},
 }
-# Block-quantized weights' integer dot products (kernels.c, "Block-quantized weights"), fastest first; every path
-# gives the same bits.
-QUANT_PATHS = ("avx512-vnni", "avx2")
-_QGEMM_PREFIX = {"avx512-vnni": "peagle_qgemm_vnni_", "avx2": "peagle_qgemm_"}
+# Block-quantized weights' integer dot products (kernels/common.h, "Block-quantized weights"), fastest first; every
+# path gives the same bits. "amx-int8" (kernels/amx.c): AMX tiles for products of 2 or more rows of the 32-input
+# formats, VNNI for one row and for the K-quants.
+QUANT_PATHS = ("amx-int8", "avx512-vnni", "avx2")
+_QGEMM_PREFIX = {"amx-int8": "peagle_qgemm_amx_", "avx512-vnni": "peagle_qgemm_vnni_", "avx2": "peagle_qgemm_"}
+# The formats whose products of several rows run on AMX tiles on the "amx-int8" path (the rest run VNNI's kernels).
+AMX_INT8_FORMATS = ("q4_0", "q4_1", "q8_0", "q5_0", "q5_1")
 # The block formats each quantized path runs, in kernels.c's order (a format's id is its index here).
 QUANT_FORMATS = ("q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 _GEMM_SYMBOL = {"amx": "peagle_amx_gemm", "avx512-bf16": "peagle_gemm_avx512bf16", "avx2": "peagle_gemm_avx2"}
@@ -67,6 +71,7 @@ _matmul: str | None = None  # the path PackedWeight.pack uses by default
 _tried = False
 _error: str | None = None  # a PEAGLE_CPU_KERNELS choice this machine cannot run
 _forced: str | None = None  # the matrix path PEAGLE_CPU_KERNELS named ("auto" names none)
+_amx_granted = False  # whether the OS granted this process the AMX tile state (peagle_amx_init)
 
 
 @functools.cache
@@ -155,6 +160,7 @@ def _declare(lib) -> None:
         "peagle_qpack": ([i, p, i, i, p], None),
         **{prefix + fmt: gemm for prefix in _QGEMM_PREFIX.values() for fmt in QUANT_FORMATS},
         "peagle_qgemm_stack": gemm,
+        "peagle_qgemm_amx_min_rows": ([i], i),
         "peagle_quantize_rows_q8": ([p, l, i, i, i, p, p, p], None),
         "peagle_qrows_bf16": ([i, p, i, i, p, i, p], i),
         "peagle_qrows_f32": ([i, p, i, i, p, i, p], i),
@@ -167,7 +173,7 @@ def _declare(lib) -> None:
 
 def library():
     """The loaded kernel library (ctypes), or None where no native path runs (built and loaded on first call)."""
-    global _lib, _paths, _matmul, _tried, _error, _forced
+    global _lib, _paths, _matmul, _tried, _error, _forced, _amx_granted
     if _tried and not _error:  # the common case, without the lock
         return _lib
     with _lock:
@@ -188,7 +194,9 @@ def library():
                     _declare(lib)
                     runnable = [name for name in PATHS
                                 if _CPU_FLAGS_NEEDED[name] <= flags and hasattr(lib, _GEMM_SYMBOL[name])]
-                    if "amx" in runnable and not lib.peagle_amx_init():  # the OS refused the tile state
+                    if "amx_tile" in flags and hasattr(lib, "peagle_amx_init"):
+                        _amx_granted = bool(lib.peagle_amx_init())  # False: the OS refused the tile state
+                    if "amx" in runnable and not _amx_granted:
                         runnable.remove("amx")
                     _lib, _paths = lib, tuple(runnable)
                     _matmul = runnable[0] if choice == "auto" else choice
@@ -206,14 +214,17 @@ def library():
 # Tests only: the AVX-512 sections compiled against SIMDe's portable intrinsics (kernels.c, PEAGLE_EMULATE_AVX512).
 # -O0 (after _FLAGS' -O3, so it wins): about 25 s to compile instead of over 10 minutes, and the same results (no
 # fast-math, no contraction, no excess precision on x86-64); -Wno-psabi: SIMDe's 512-bit types pass by value.
-_EMULATION_FLAGS = ("-O0", "-mavx2", "-mfma", "-mf16c", "-DPEAGLE_EMULATE_AVX512", "-DPEAGLE_NO_AMX", "-Wno-psabi")
+# PEAGLE_EMULATE_AMX: the AMX int8 section's tile instructions in portable C too (kernels/amx.c; the bf16 AMX
+# section is left out).
+_EMULATION_FLAGS = ("-O0", "-mavx2", "-mfma", "-mf16c", "-DPEAGLE_EMULATE_AVX512", "-DPEAGLE_EMULATE_AMX",
+                    "-Wno-psabi")
 
 
 @functools.cache
 def emulated_library():
-    """A second build of the kernel library, for tests on CPUs without AVX-512: its AVX-512 VNNI and BF16 sections
-    (the same symbols) run SIMDe's portable definitions of the instructions, so their logic can be checked against
-    AVX2 here. Slow, never used to run a model. None where SIMDe's headers (apt-get install libsimde-dev), a C
+    """A second build of the kernel library, for tests on CPUs without AVX-512 or AMX: its AVX-512 VNNI and BF16
+    sections and its AMX int8 section (the same symbols) run SIMDe's and kernels/amx.c's portable definitions of
+    the instructions, so their logic can be checked against AVX2 here. Slow, never used to run a model. None where SIMDe's headers (apt-get install libsimde-dev), a C
     compiler or AVX2 are missing; RuntimeError when it fails to build for another reason."""
     if not _CPU_FLAGS_NEEDED["avx2"] <= _cpu_flags():
         return None
@@ -269,16 +280,21 @@ def quant_paths() -> tuple[str, ...]:
     lib = library()
     if lib is None:
         return ()
-    return tuple(p for p in QUANT_PATHS if cpu_has(p) and hasattr(lib, _QGEMM_PREFIX[p] + "q4_0"))
+    return tuple(p for p in QUANT_PATHS if cpu_has(p) and hasattr(lib, _QGEMM_PREFIX[p] + "q4_0")
+                 and (p != "amx-int8" or _amx_granted))
 
 
 def quant_path() -> str | None:
     """The path block-quantized weights use by default: the fastest, except that PEAGLE_CPU_KERNELS=avx2 keeps
-    them on AVX2 too (one instruction set for everything, as on a Zen 3)."""
+    them on AVX2 too (one instruction set for everything, as on a Zen 3), and =avx512-bf16 keeps them off AMX."""
     paths = quant_paths()
     if not paths:
         return None
-    return "avx2" if _forced == "avx2" else paths[0]
+    if _forced == "avx2":
+        return "avx2"
+    if _forced == "avx512-bf16":
+        paths = tuple(p for p in paths if p != "amx-int8")
+    return paths[0]
 
 
 def qgemm_symbol(path: str, fmt: str) -> str:

@@ -1,7 +1,7 @@
 /* ---------------------------------------------------------------------------------------------------------------
    AMX: 16x16 fp32 tiles accumulated by `tdpbf16ps` over 32-wide k blocks */
 
-#ifndef PEAGLE_NO_AMX
+#if !defined(PEAGLE_NO_AMX) && !defined(PEAGLE_EMULATE_AMX)
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")
 
@@ -125,3 +125,290 @@ int peagle_amx_gemm(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y
 #pragma GCC pop_options
 #endif /* PEAGLE_NO_AMX */
 
+
+/* ---------------------------------------------------------------------------------------------------------------
+   AMX int8: block-quantized weights (the 32-input formats) in `tdpbssd` tiles, for products of many rows
+
+   The same qpanels as AVX2 and VNNI, and the same fp32 chain per output (common.h, "Block-quantized weights"), so
+   the same bits; only the exact integer block sums are made differently. A tile of h activation rows (A: h rows x
+   one block's 32 int8 codes) times one block of 16 output columns (B: 8 rows of 4 inputs x 16 columns, int8) gives
+   every row's and column's block sum in one `tdpbssd` (C: h x 16 int32). The qpanels already hold the B rows: chunk
+   t of two neighbouring groups is inputs 4t..4t+3 of 16 columns (low nibbles) and 16+4t..19+4t (high ones), as the
+   VNNI path loads them. Each column pair's blocks are unpacked once per call into signed int8 B tiles in a small
+   per-thread buffer (Q4_0's codes minus 8 and Q5_0's minus 16, so the sums need no -8 sx correction: the same exact
+   integer isum), with their fp16 scales widened to fp32 (exact), and every row tile of the call reuses them. Block
+   sums go through tmm0..3 in turn, AMX_AHEAD blocks ahead of the chain, which each row then runs in block order:
+     acc = fma((float)isum, d * dx, acc);   acc = fma(m, dx * sx, acc)   [Q4_1, Q5_1]
+   with the row's fp32 accumulators (16 columns each) in registers. Activations are quantized per row by
+   quantize_rows_q8, as on the other paths; the rows of a call are split into tiles of equal height (at most 16).
+
+   A block is only 32 inputs, half of what a tile product can take, and its sums must leave the tile before the
+   next block's scale applies; so each block costs a tile product, a store and a reload whatever the rows, and a
+   product of few rows is faster on VNNI: the entry points send fewer than amx_min_rows rows there (one row always).
+   The K-quants' sub-block scales would need their own integer step per sub-block; they run VNNI's kernels on this
+   path (the same bits either way). */
+
+#if !defined(PEAGLE_NO_AMX) && !defined(PEAGLE_NO_AVX512)
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#ifdef PEAGLE_EMULATE_AMX
+/* Tests only (kernels.py, emulated_library): the tile instructions this section uses, in portable C as Intel's
+   manual defines them (palette 1: 8 tiles of up to 16 rows x 64 bytes, each with the rows and bytes per row the
+   configuration gives it), so the section's logic runs on any x86-64. Loads zero a tile's bytes past its
+   configured rows and columns; tdpbssd adds, per row m of C and int32 n, the sums of 4 signed byte products
+   a[m][4k..4k+3] . b[k][4n..4n+3] over k < A's bytes per row / 4, in k order (exact here: no sum nears 2^31). */
+static __thread struct {
+    uint8_t rows[8];
+    uint16_t colsb[8];
+    int8_t t[8][16][64];
+} emulated_tiles;
+static void emulated_tile_loadconfig(const void *config) {
+    const uint8_t *c = config;
+    memset(&emulated_tiles, 0, sizeof emulated_tiles);
+    for (int t = 0; t < 8; t++) {
+        memcpy(&emulated_tiles.colsb[t], c + 16 + 2 * t, 2);
+        emulated_tiles.rows[t] = c[48 + t];
+    }
+}
+static void emulated_tile_release(void) { memset(&emulated_tiles, 0, sizeof emulated_tiles); }
+static void emulated_tile_loadd(int t, const void *base, long stride) {
+    memset(emulated_tiles.t[t], 0, sizeof emulated_tiles.t[t]);
+    for (int r = 0; r < emulated_tiles.rows[t]; r++)
+        memcpy(emulated_tiles.t[t][r], (const char *)base + (size_t)r * stride, emulated_tiles.colsb[t]);
+}
+static void emulated_tile_stored(int t, void *base, long stride) {
+    for (int r = 0; r < emulated_tiles.rows[t]; r++)
+        memcpy((char *)base + (size_t)r * stride, emulated_tiles.t[t][r], emulated_tiles.colsb[t]);
+}
+static void emulated_tile_zero(int t) { memset(emulated_tiles.t[t], 0, sizeof emulated_tiles.t[t]); }
+static void emulated_tile_dpbssd(int c, int a, int b) {
+    for (int m = 0; m < emulated_tiles.rows[c]; m++)
+        for (int n = 0; n < emulated_tiles.colsb[c] / 4; n++) {
+            int32_t acc;
+            memcpy(&acc, &emulated_tiles.t[c][m][4 * n], 4);
+            for (int k = 0; k < emulated_tiles.colsb[a] / 4; k++) {
+                int32_t dot = 0;
+                for (int i = 0; i < 4; i++)
+                    dot += (int32_t)emulated_tiles.t[a][m][4 * k + i] * (int32_t)emulated_tiles.t[b][k][4 * n + i];
+                acc = (int32_t)((uint32_t)acc + (uint32_t)dot);
+            }
+            memcpy(&emulated_tiles.t[c][m][4 * n], &acc, 4);
+        }
+}
+#undef _tile_loadd
+#undef _tile_stored
+#undef _tile_zero
+#undef _tile_dpbssd
+#define _tile_loadconfig emulated_tile_loadconfig
+#define _tile_release emulated_tile_release
+#define _tile_loadd(t, base, stride) emulated_tile_loadd(t, base, stride)
+#define _tile_stored(t, base, stride) emulated_tile_stored(t, base, stride)
+#define _tile_zero(t) emulated_tile_zero(t)
+#define _tile_dpbssd(c, a, b) emulated_tile_dpbssd(c, a, b)
+
+int peagle_amx_init(void) { return 1; } /* nothing to ask the OS for */
+#endif /* PEAGLE_EMULATE_AMX */
+
+#pragma GCC push_options
+#if !defined(PEAGLE_EMULATE_AMX)
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")
+#elif !defined(PEAGLE_EMULATE_AVX512)
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+#endif
+
+#define AMX_AHEAD 3 /* blocks whose sums are being made while a block's are read: tmm0..3 in turn */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} int8_tilecfg;
+
+/* Tiles of h activation rows: tmm0..3 C (h rows x 16 int32), tmm4/5 A (h rows x one block's 32 codes), tmm6/7 B
+   (8 rows of 4 inputs x 16 columns). A tile product's time grows with its rows, so a call's row tiles are as tall
+   as its rows need (M <= 16: M rows), not 16. */
+static void config_int8_tiles(int h) {
+    int8_tilecfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = t < 6 ? (uint8_t)h : 8;
+        c.colsb[t] = t == 4 || t == 5 ? 32 : 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* Groups g and g + 1 (only g when !two; the other's columns are then zero codes and scales) of w, all Kb blocks,
+   as B tiles: block b at out + 512 b, row i holding inputs 4i..4i+3 of the 16 columns as signed int8 (Q4_0 q - 8,
+   Q5_0 q - 16, else q); the fp16 scales d (and m) as fp32 at d + 16 b (m + 16 b). */
+static inline __attribute__((always_inline)) void amx_unpack(const int format, const uint8_t *w, size_t gstride,
+                                                             const int two, int Kb, int8_t *out, float *d, float *m) {
+    const qformat *f = &qformats[format];
+    const int rb = f->record_bytes, five = f->high.size != 0;
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    const __m512i offset = _mm512_set1_epi8((char)(format == Q4_0 ? 8 : format == Q5_0 ? 16 : 0));
+    for (int b = 0; b < Kb; b++) {
+        const uint8_t *rec = w + (size_t)b * rb;
+        int8_t *t = out + (size_t)b * 512;
+        if (format == Q8_0)
+            for (int i = 0; i < 8; i++) _mm512_storeu_si512((void *)(t + 64 * i), load_groups(rec + 32 * i, gstride, two));
+        else {
+            const __m512i qh = five ? load_groups(rec + f->high.at, gstride, two) : low4;
+            for (int i = 0; i < 4; i++) {
+                __m512i raw = load_groups(rec + 32 * i, gstride, two);
+                __m512i lo = _mm512_and_si512(raw, low4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+                if (five) {
+                    lo = _mm512_or_si512(lo, fifth_bits_512(qh, i / 2, i % 2));
+                    hi = _mm512_or_si512(hi, fifth_bits_512(qh, 2 + i / 2, i % 2));
+                }
+                _mm512_storeu_si512((void *)(t + 64 * i), _mm512_sub_epi8(lo, offset));
+                _mm512_storeu_si512((void *)(t + 64 * (i + 4)), _mm512_sub_epi8(hi, offset));
+            }
+        }
+        _mm512_storeu_ps(d + 16 * b, load_scales(rec + f->d.at, gstride, two));
+        if (f->m.size) _mm512_storeu_ps(m + 16 * b, load_scales(rec + f->m.at, gstride, two));
+    }
+}
+
+/* tdpbssd of block b's A (a: the row tile's codes, K bytes a row) and B tiles into tile C, stored to cbuf[C]. */
+#define AMX_BLOCK_SUM(C, TA, TB, b)                                                                              \
+    do {                                                                                                         \
+        _tile_zero(C);                                                                                           \
+        _tile_loadd(TA, a + (size_t)QBLOCK * (b), K);                                                            \
+        _tile_loadd(TB, bt + (size_t)512 * (b), 64);                                                             \
+        _tile_dpbssd(C, TA, TB);                                                                                 \
+        _tile_stored(C, cbuf[C], 64);                                                                            \
+    } while (0)
+/* Block b's sums into tile b % 4 and cbuf[b % 4] (A and B tiles alternating with b's parity). */
+#define AMX_SUMS(b)                                                                                              \
+    do {                                                                                                         \
+        switch ((b) % 4) {                                                                                       \
+            case 0: AMX_BLOCK_SUM(0, 4, 6, b); break;                                                            \
+            case 1: AMX_BLOCK_SUM(1, 5, 7, b); break;                                                            \
+            case 2: AMX_BLOCK_SUM(2, 4, 6, b); break;                                                            \
+            default: AMX_BLOCK_SUM(3, 5, 7, b); break;                                                           \
+        }                                                                                                        \
+    } while (0)
+
+/* One row tile (the tile's h rows; R: h rounded up to a multiple of 4, the chain's rows past h computed on zeros and
+   dropped) x the 16 columns whose B tiles, d and m were unpacked: the chain per row in fp32 registers, block b's
+   sums read while those of the AMX_AHEAD blocks after it are made, stored to y (`rows` rows of ncols columns, at
+   most 16). */
+static inline __attribute__((always_inline)) void amx_row_tile(const int format, const int R, const int8_t *a,
+                                                               const float *dx, const int32_t *sx, int K,
+                                                               const int8_t *bt, const float *d, const float *m,
+                                                               int32_t (*cbuf)[16][16], uint16_t *y, size_t ldy,
+                                                               int rows, int ncols) {
+    const int Kb = K / QBLOCK, has_m = qformats[format].m.size != 0;
+    __m512 acc[16];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int b = 0; b < AMX_AHEAD && b < Kb; b++) AMX_SUMS(b);
+    for (int b = 0; b < Kb; b++) {
+        if (b + AMX_AHEAD < Kb) AMX_SUMS(b + AMX_AHEAD);
+        const __m512 db = _mm512_loadu_ps(d + 16 * b), mb = has_m ? _mm512_loadu_ps(m + 16 * b) : db;
+        for (int r = 0; r < R; r++) {
+            float dxr = dx[(size_t)r * Kb + b];
+            __m512 isum = _mm512_cvtepi32_ps(_mm512_loadu_si512((const void *)cbuf[b % 4][r]));
+            acc[r] = _mm512_fmadd_ps(isum, _mm512_mul_ps(db, _mm512_set1_ps(dxr)), acc[r]);
+            if (has_m) acc[r] = _mm512_fmadd_ps(mb, _mm512_set1_ps(dxr * (float)sx[(size_t)r * Kb + b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        store_bf16x8(y + r * ldy, _mm512_castps512_ps256(acc[r]), ncols < QCOLS ? ncols : QCOLS);
+        if (ncols > QCOLS)
+            store_bf16x8(y + r * ldy + QCOLS, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)),
+                         ncols < 2 * QCOLS ? ncols - QCOLS : QCOLS);
+    }
+}
+#undef AMX_SUMS
+#undef AMX_BLOCK_SUM
+
+/* y[M, N] = x[M, K] @ W^T for a 32-input format on AMX (M >= 1; the entry points send one row to VNNI). Rows in
+   ceil(M / 16) tiles of equal height h; threads split the column pairs. Returns 0, or -1 when memory for the
+   quantized activations or the tiles could not be allocated (y untouched). */
+static inline __attribute__((always_inline)) int qgemm_amx(const int format, const uint16_t *x, long ldx,
+                                                           const uint8_t *wp, uint16_t *y, long ldy, int M, int N,
+                                                           int K, int nthreads) {
+    const int Kb = K / QBLOCK, G = (N + QCOLS - 1) / QCOLS, S = (G + 1) / 2;
+    const int tiles = (M + 15) / 16, h = (M + tiles - 1) / tiles, Mp = tiles * h + 3; /* + 3: R's rows past h */
+    const size_t gstride = (size_t)Kb * qformats[format].record_bytes;
+    const size_t scratch = (size_t)Kb * (512 + 2 * 16 * sizeof(float)); /* per thread: B tiles, d, m */
+    if (nthreads < 1) nthreads = 1;
+    /* codes of Mp rows (zero past M), then dx and sx of Mp rows (zero past M) */
+    size_t qbytes = (size_t)Mp * K + (size_t)Mp * Kb * (sizeof(float) + sizeof(int32_t));
+    int8_t *qx = aligned_alloc(64, (qbytes + 63) / 64 * 64);
+    int8_t *wbuf = aligned_alloc(64, scratch * (size_t)nthreads);
+    if (!qx || !wbuf) {
+        free(qx);
+        free(wbuf);
+        return -1;
+    }
+    float *dx = (float *)(qx + (size_t)Mp * K);
+    int32_t *sx = (int32_t *)(dx + (size_t)Mp * Kb);
+    quantize_rows_q8(x, ldx, M, K, 1, qx, dx, sx);
+    memset(qx + (size_t)M * K, 0, (size_t)(Mp - M) * K);
+    memset(dx + (size_t)M * Kb, 0, (size_t)(Mp - M) * Kb * sizeof(float));
+    memset(sx + (size_t)M * Kb, 0, (size_t)(Mp - M) * Kb * sizeof(int32_t));
+    #pragma omp parallel num_threads(nthreads)
+    {
+#ifdef _OPENMP
+        int8_t *bt = wbuf + scratch * (size_t)omp_get_thread_num();
+#else
+        int8_t *bt = wbuf;
+#endif
+        float *d = (float *)(bt + (size_t)Kb * 512), *m = d + (size_t)Kb * 16;
+        int32_t cbuf[4][16][16] __attribute__((aligned(64)));
+        memset(cbuf, 0, sizeof cbuf); /* rows past h are read (and dropped), never stored by the tiles */
+        config_int8_tiles(h);
+        #pragma omp for schedule(static)
+        for (int s = 0; s < S; s++) {
+            const int g = 2 * s, ncols = N - g * QCOLS < 2 * QCOLS ? N - g * QCOLS : 2 * QCOLS;
+            if (g + 1 < G) amx_unpack(format, wp + g * gstride, gstride, 1, Kb, bt, d, m);
+            else amx_unpack(format, wp + g * gstride, gstride, 0, Kb, bt, d, m);
+            for (int m0 = 0; m0 < M; m0 += h) {
+                const int rows = M - m0 < h ? M - m0 : h;
+                const int8_t *a = qx + (size_t)m0 * K;
+                const float *dxt = dx + (size_t)m0 * Kb;
+                const int32_t *sxt = sx + (size_t)m0 * Kb;
+                uint16_t *yt = y + (size_t)m0 * ldy + g * QCOLS;
+                switch ((h + 3) / 4) {
+                    case 1: amx_row_tile(format, 4, a, dxt, sxt, K, bt, d, m, cbuf, yt, ldy, rows, ncols); break;
+                    case 2: amx_row_tile(format, 8, a, dxt, sxt, K, bt, d, m, cbuf, yt, ldy, rows, ncols); break;
+                    case 3: amx_row_tile(format, 12, a, dxt, sxt, K, bt, d, m, cbuf, yt, ldy, rows, ncols); break;
+                    default: amx_row_tile(format, 16, a, dxt, sxt, K, bt, d, m, cbuf, yt, ldy, rows, ncols); break;
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(qx);
+    free(wbuf);
+    return 0;
+}
+
+/* The path's entry points, one per format: amx_min_rows or more rows of a 32-input format on tiles, else VNNI's
+   kernel. A call's tiles cost a fixed time per block and column pair, whatever their rows (the tile products'
+   latency, which few rows cannot hide), so below about a dozen rows VNNI's kernel is faster (docs/amx.md has the
+   measurements); the bits are the same either way. peagle_qgemm_amx_min_rows sets the threshold (at least 2; 0
+   leaves it) and returns the one before: the tests run every row count on tiles, the benchmarks compare. */
+static int amx_min_rows = 12;
+int peagle_qgemm_amx_min_rows(int rows) {
+    int before = amx_min_rows;
+    if (rows > 0) amx_min_rows = rows < 2 ? 2 : rows;
+    return before;
+}
+#define QGEMM_EXPORT_AMX(name, F)                                                                                \
+    int peagle_qgemm_amx_##name(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy, int M,   \
+                                int N, int K, int nthreads) {                                                    \
+        if (M < amx_min_rows || is_kquant(F))                                                                    \
+            return peagle_qgemm_vnni_##name(x, ldx, wp, y, ldy, M, N, K, nthreads);                              \
+        return qgemm_amx(F, x, ldx, (const uint8_t *)wp, y, ldy, M, N, K, nthreads);                             \
+    }
+QGEMM_EXPORT_AMX(q4_0, Q4_0) QGEMM_EXPORT_AMX(q4_1, Q4_1) QGEMM_EXPORT_AMX(q8_0, Q8_0)
+QGEMM_EXPORT_AMX(q5_0, Q5_0) QGEMM_EXPORT_AMX(q5_1, Q5_1)
+QGEMM_EXPORT_AMX(q4_k, Q4_K) QGEMM_EXPORT_AMX(q5_k, Q5_K) QGEMM_EXPORT_AMX(q6_k, Q6_K)
+
+#pragma GCC pop_options
+#endif /* AMX int8 */
