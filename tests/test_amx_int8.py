@@ -1,5 +1,5 @@
-"""The "amx-int8" quantized-weight path (kernels/amx.c): block sums in AMX int8 tiles (`tdpbssd`) for products of 2
-or more rows of the 32-input formats, VNNI for one row and the K-quants. Its promise is the other paths': each row
+"""The "amx-int8" quantized-weight path (kernels/amx.c): block sums in AMX int8 tiles (`tdpbssd`) for products of
+many rows of the 32-input formats, Q4_K and Q5_K; VNNI's kernels for fewer rows and Q6_K. Its promise is the other paths': each row
 of an M-row product is the AVX2 library's one-row result, bit for bit, whatever M, the row's place and the threads.
 
 Checked twice: on the real instructions where this CPU has AMX int8 and the OS grants the tile state, and on the
@@ -22,6 +22,8 @@ pytestmark = needs_native_kernels
 # (N, K): an odd number of 8-column groups with a ragged last one (a lone group in the last column pair), a single
 # group; K/32 blocks of 18 (4 tile spans of 4 and 2 more), 5 (one span and one), 3 (no full span) and 1.
 SHAPES = [(197, 576), (24, 160), (40, 96), (8, 32)]
+# K-quants: 24, 16 and 8 sub-block tiles (3, 2 and 1 super-blocks of 256)
+SHAPES_256 = [(197, 768), (40, 512), (8, 256)]
 ROWS = 33  # every row count 1..33: one, two and three row tiles of 16 with every remainder
 
 
@@ -72,7 +74,7 @@ def assert_amx_gives_avx2_bits(lib, qw: quant.QuantWeight, x: torch.Tensor, row_
 @pytest.mark.parametrize("fmt", kernels.AMX_INT8_FORMATS)
 def test_amx_int8_gives_avx2_bits_for_every_row_count(which, fmt, one_thread, on_tiles):
     lib = on_tiles(LIBRARIES[which]())
-    for i, (N, K) in enumerate(SHAPES):
+    for i, (N, K) in enumerate(SHAPES_256 if quant.FORMATS[fmt].inputs == 256 else SHAPES):
         qw = quant.QuantWeight.from_blocks(blocks_of(fmt, N, K, seed=i), fmt, N, K, path="avx2")
         x = bf16(ROWS, K, seed=10 + i)
         # every row count on the first shape; the others at the tile edges
@@ -82,21 +84,21 @@ def test_amx_int8_gives_avx2_bits_for_every_row_count(which, fmt, one_thread, on
 @pytest.mark.parametrize("which", LIBRARIES)
 def test_amx_int8_threads_split_columns_without_changing_bits(which, on_tiles):
     lib = on_tiles(LIBRARIES[which]())
-    for fmt in ("q4_0", "q5_1"):
-        qw = quant.QuantWeight.from_blocks(blocks_of(fmt, 197, 576, seed=5), fmt, 197, 576, path="avx2")
-        x = bf16(21, 576, seed=6)
+    for fmt, K in (("q4_0", 576), ("q5_1", 576), ("q5_k", 768)):
+        qw = quant.QuantWeight.from_blocks(blocks_of(fmt, 197, K, seed=5), fmt, 197, K, path="avx2")
+        x = bf16(21, K, seed=6)
         assert torch.equal(qgemm(lib, "amx-int8", qw, x, threads=2), qgemm(kernels.library(), "avx2", qw, x))
 
 
 @pytest.mark.parametrize("which", LIBRARIES)
 @pytest.mark.parametrize("fmt", kernels.AMX_INT8_FORMATS)
 def test_amx_int8_sums_of_the_largest_codes_are_exact(which, fmt, one_thread, on_tiles):
-    """Every code at an extreme (all bits set, or Q8_0's -128; zero codes, or Q8_0's 127, in the other half of the
-    columns) times activations of the largest magnitude of both signs: the largest block sums the tiles make, still
+    """Every code, scale and minimum at an extreme (all bits set, or Q8_0's -128; all zero, or Q8_0's 127, in the
+    other half of the columns) times activations of the largest magnitude of both signs: the largest block sums the tiles make, still
     AVX2's bits."""
     lib = on_tiles(LIBRARIES[which]())
     f = quant.FORMATS[fmt]
-    N, K = 24, 96
+    N, K = 24, 512 if f.inputs == 256 else 96
     blocks = np.full((N, K // f.inputs, f.block_bytes), 0xFF, dtype=np.uint8)
     blocks[N // 2:] = 0x7F if fmt == "q8_0" else 0x00
     if fmt == "q8_0":
@@ -110,8 +112,8 @@ def test_amx_int8_sums_of_the_largest_codes_are_exact(which, fmt, one_thread, on
 
 
 @pytest.mark.parametrize("which", LIBRARIES)
-@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k"])
-def test_amx_int8_path_runs_k_quants_on_vnni_with_the_same_bits(which, fmt, one_thread, on_tiles):
+@pytest.mark.parametrize("fmt", ["q6_k"])
+def test_amx_int8_path_runs_q6_k_on_vnni_with_the_same_bits(which, fmt, one_thread, on_tiles):
     lib = on_tiles(LIBRARIES[which]())
     qw = quant.QuantWeight.from_blocks(blocks_of(fmt, 40, 512, seed=9), fmt, 40, 512, path="avx2")
     assert_amx_gives_avx2_bits(lib, qw, bf16(17, 512, seed=11), (1, 2, 17))

@@ -127,7 +127,8 @@ int peagle_amx_gemm(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y
 
 
 /* ---------------------------------------------------------------------------------------------------------------
-   AMX int8: block-quantized weights (the 32-input formats) in `tdpbssd` tiles, for products of many rows
+   AMX int8: block-quantized weights (the 32-input formats, Q4_K and Q5_K) in `tdpbssd` tiles, for products of many
+   rows
 
    The same qpanels as AVX2 and VNNI, and the same fp32 chain per output (common.h, "Block-quantized weights"), so
    the same bits; only the exact integer block sums are made differently. A tile of h activation rows (A: h rows x
@@ -145,8 +146,9 @@ int peagle_amx_gemm(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y
    A block is only 32 inputs, half of what a tile product can take, and its sums must leave the tile before the
    next block's scale applies; so each block costs a tile product, a store and a reload whatever the rows, and a
    product of few rows is faster on VNNI: the entry points send fewer than amx_min_rows rows there (one row always).
-   The K-quants' sub-block scales would need their own integer step per sub-block; they run VNNI's kernels on this
-   path (the same bits either way). */
+   Q4_K and Q5_K: each sub-block of 32 is a tile product as above (codes 0..15 or 0..31 as int8), and each row adds
+   sc_j times the sub-block's sums and sum_j m_j bsum32_j in exact int32 vectors before the super-block's two fp32
+   steps (amx_row_tile_k), the VNNI path's chain. Q6_K (sub-blocks of 16) runs VNNI's kernels on this path. */
 
 #if !defined(PEAGLE_NO_AMX) && !defined(PEAGLE_NO_AVX512)
 #ifdef _OPENMP
@@ -322,6 +324,88 @@ static inline __attribute__((always_inline)) void amx_row_tile(const int format,
                          ncols < 2 * QCOLS ? ncols - QCOLS : QCOLS);
     }
 }
+/* The K-quants with sub-blocks of 32 (Q4_K, Q5_K): super-block b's sub-block j of groups g and g + 1 as B tile
+   u = 8 b + j at out + 512 u (codes 0..15 or 0..31, as int8), its 6-bit scale and minimum per column as int32 lanes
+   at sc + 16 u and mn + 16 u, and d, dmin as fp32 at d + 16 b, dmin + 16 b. */
+static inline __attribute__((always_inline)) void amx_unpack_k(const int format, const uint8_t *w, size_t gstride,
+                                                               const int two, int Kb, int8_t *out, float *d,
+                                                               float *dmin, int32_t *sc, int32_t *mn) {
+    const qformat *f = &qformats[format];
+    const int rb = f->record_bytes;
+    const __m512i low4 = _mm512_set1_epi8(0x0f), m6 = _mm512_set1_epi8(0x3f), top2 = _mm512_set1_epi8(0x30);
+    const __m512i one = _mm512_set1_epi8(1), byte = _mm512_set1_epi32(0xff);
+    for (int b = 0; b < Kb; b++) {
+        const uint8_t *rec = w + (size_t)b * rb;
+        __m512i s0 = load_groups(rec + f->scales.at, gstride, two), s1 = load_groups(rec + f->scales.at + 32, gstride, two);
+        __m512i s2 = load_groups(rec + f->scales.at + 64, gstride, two), scl[2], mnl[2];
+        scl[0] = _mm512_and_si512(s0, m6);
+        scl[1] = _mm512_or_si512(_mm512_and_si512(s2, low4), _mm512_and_si512(_mm512_srli_epi32(s0, 2), top2));
+        mnl[0] = _mm512_and_si512(s1, m6);
+        mnl[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(s2, 4), low4),
+                                 _mm512_and_si512(_mm512_srli_epi32(s1, 2), top2));
+        for (int j = 0; j < 8; j++) {
+            const int u = 8 * b + j;
+            _mm512_storeu_si512((void *)(sc + 16 * u), _mm512_and_si512(_mm512_srli_epi32(scl[j / 4], 8 * (j % 4)), byte));
+            _mm512_storeu_si512((void *)(mn + 16 * u), _mm512_and_si512(_mm512_srli_epi32(mnl[j / 4], 8 * (j % 4)), byte));
+            for (int i = 0; i < 8; i++) {
+                __m512i raw = load_groups(rec + 32 * (8 * (j / 2) + i), gstride, two);
+                __m512i q = _mm512_and_si512(j % 2 ? _mm512_srli_epi16(raw, 4) : raw, low4);
+                if (format == Q5_K)
+                    q = _mm512_or_si512(q, _mm512_slli_epi16(_mm512_and_si512(
+                        _mm512_srli_epi16(load_groups(rec + f->high.at + 32 * i, gstride, two), j), one), 4));
+                _mm512_storeu_si512((void *)(out + (size_t)512 * u + 64 * i), q);
+            }
+        }
+        _mm512_storeu_ps(d + 16 * b, load_scales(rec + f->d.at, gstride, two));
+        _mm512_storeu_ps(dmin + 16 * b, load_scales(rec + f->m.at, gstride, two));
+    }
+}
+
+/* amx_row_tile for Q4_K / Q5_K: tile u holds sub-block u % 8 of super-block u / 8 (A: the rows' 32 codes at
+   a + 32 u); per row isum = sum_j sc_j (q.qx)_j and msum = sum_j m_j bsum32_j in exact int32, then the chain
+     acc = fma((float)isum, d * dx, acc);   acc = fnmadd((float)msum, dmin * dx, acc)
+   once per super-block, as on the VNNI path. sums: kq_sums' words (bsum32_j in their int16 halves). */
+static inline __attribute__((always_inline)) void amx_row_tile_k(const int R, const int8_t *a, const float *dx,
+                                                                 const int32_t *sums, int K, const int8_t *bt,
+                                                                 const float *d, const float *dmin, const int32_t *sc,
+                                                                 const int32_t *mn, int32_t (*cbuf)[16][16],
+                                                                 uint16_t *y, size_t ldy, int rows, int ncols) {
+    const int Kb = K / QK, units = 8 * Kb;
+    __m512 acc[16];
+    __m512i isum[16];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int u = 0; u < AMX_AHEAD && u < units; u++) AMX_SUMS(u);
+    for (int u = 0; u < units; u++) {
+        if (u + AMX_AHEAD < units) AMX_SUMS(u + AMX_AHEAD);
+        const int b = u / 8, j = u % 8;
+        const __m512i scj = _mm512_loadu_si512((const void *)(sc + 16 * u));
+        for (int r = 0; r < R; r++) {
+            __m512i p = _mm512_mullo_epi32(_mm512_loadu_si512((const void *)cbuf[u % 4][r]), scj);
+            isum[r] = j ? _mm512_add_epi32(isum[r], p) : p;
+        }
+        if (j < 7) continue;
+        const __m512 db = _mm512_loadu_ps(d + 16 * b), dminb = _mm512_loadu_ps(dmin + 16 * b);
+        for (int r = 0; r < R; r++) {
+            const int32_t *pb = sums + ((size_t)r * Kb + b) * QK_PAIRS;
+            __m512i msum = _mm512_setzero_si512();
+            for (int jj = 0; jj < 8; jj++) {
+                uint32_t word = (uint32_t)pb[8 + 2 * (jj / 4) + jj % 2];
+                int bsum = jj % 4 < 2 ? (int16_t)(word & 0xffffu) : (int16_t)(word >> 16);
+                msum = _mm512_add_epi32(msum, _mm512_mullo_epi32(_mm512_loadu_si512((const void *)(mn + 16 * (8 * b + jj))),
+                                                                 _mm512_set1_epi32(bsum)));
+            }
+            __m512 dxr = _mm512_set1_ps(dx[(size_t)r * Kb + b]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(db, dxr), acc[r]);
+            acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dminb, dxr), acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        store_bf16x8(y + r * ldy, _mm512_castps512_ps256(acc[r]), ncols < QCOLS ? ncols : QCOLS);
+        if (ncols > QCOLS)
+            store_bf16x8(y + r * ldy + QCOLS, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)),
+                         ncols < 2 * QCOLS ? ncols - QCOLS : QCOLS);
+    }
+}
 #undef AMX_SUMS
 #undef AMX_BLOCK_SUM
 
@@ -331,13 +415,16 @@ static inline __attribute__((always_inline)) void amx_row_tile(const int format,
 static inline __attribute__((always_inline)) int qgemm_amx(const int format, const uint16_t *x, long ldx,
                                                            const uint8_t *wp, uint16_t *y, long ldy, int M, int N,
                                                            int K, int nthreads) {
-    const int Kb = K / QBLOCK, G = (N + QCOLS - 1) / QCOLS, S = (G + 1) / 2;
+    const int kq = is_kquant(format), Kb = K / block_inputs(format), G = (N + QCOLS - 1) / QCOLS, S = (G + 1) / 2;
+    const int words = kq ? QK_PAIRS : 1, units = kq ? 8 * Kb : Kb; /* activation sums per block; B tiles */
     const int tiles = (M + 15) / 16, h = (M + tiles - 1) / tiles, Mp = tiles * h + 3; /* + 3: R's rows past h */
     const size_t gstride = (size_t)Kb * qformats[format].record_bytes;
-    const size_t scratch = (size_t)Kb * (512 + 2 * 16 * sizeof(float)); /* per thread: B tiles, d, m */
+    /* per thread: B tiles, d, m (dmin), and the K-quants' sub-block scales and minimums */
+    const size_t scratch = (size_t)units * 512 + (size_t)Kb * 2 * 16 * sizeof(float) +
+                           (kq ? (size_t)units * 2 * 16 * sizeof(int32_t) : 0);
     if (nthreads < 1) nthreads = 1;
     /* codes of Mp rows (zero past M), then dx and sx of Mp rows (zero past M) */
-    size_t qbytes = (size_t)Mp * K + (size_t)Mp * Kb * (sizeof(float) + sizeof(int32_t));
+    size_t qbytes = (size_t)Mp * K + (size_t)Mp * Kb * (sizeof(float) + words * sizeof(int32_t));
     int8_t *qx = aligned_alloc(64, (qbytes + 63) / 64 * 64);
     int8_t *wbuf = aligned_alloc(64, scratch * (size_t)nthreads);
     if (!qx || !wbuf) {
@@ -347,10 +434,11 @@ static inline __attribute__((always_inline)) int qgemm_amx(const int format, con
     }
     float *dx = (float *)(qx + (size_t)Mp * K);
     int32_t *sx = (int32_t *)(dx + (size_t)Mp * Kb);
-    quantize_rows_q8(x, ldx, M, K, 1, qx, dx, sx);
+    if (kq) quantize_rows_q8k(x, ldx, M, K, 1, qx, dx, sx);
+    else quantize_rows_q8(x, ldx, M, K, 1, qx, dx, sx);
     memset(qx + (size_t)M * K, 0, (size_t)(Mp - M) * K);
     memset(dx + (size_t)M * Kb, 0, (size_t)(Mp - M) * Kb * sizeof(float));
-    memset(sx + (size_t)M * Kb, 0, (size_t)(Mp - M) * Kb * sizeof(int32_t));
+    memset(sx + (size_t)M * Kb * words, 0, (size_t)(Mp - M) * Kb * words * sizeof(int32_t));
     #pragma omp parallel num_threads(nthreads)
     {
 #ifdef _OPENMP
@@ -358,22 +446,32 @@ static inline __attribute__((always_inline)) int qgemm_amx(const int format, con
 #else
         int8_t *bt = wbuf;
 #endif
-        float *d = (float *)(bt + (size_t)Kb * 512), *m = d + (size_t)Kb * 16;
+        float *d = (float *)(bt + (size_t)units * 512), *m = d + (size_t)Kb * 16;
+        int32_t *sc = (int32_t *)(m + (size_t)Kb * 16), *mn = sc + (size_t)units * 16;
         int32_t cbuf[4][16][16] __attribute__((aligned(64)));
         memset(cbuf, 0, sizeof cbuf); /* rows past h are read (and dropped), never stored by the tiles */
         config_int8_tiles(h);
         #pragma omp for schedule(static)
         for (int s = 0; s < S; s++) {
             const int g = 2 * s, ncols = N - g * QCOLS < 2 * QCOLS ? N - g * QCOLS : 2 * QCOLS;
-            if (g + 1 < G) amx_unpack(format, wp + g * gstride, gstride, 1, Kb, bt, d, m);
+            if (kq && g + 1 < G) amx_unpack_k(format, wp + g * gstride, gstride, 1, Kb, bt, d, m, sc, mn);
+            else if (kq) amx_unpack_k(format, wp + g * gstride, gstride, 0, Kb, bt, d, m, sc, mn);
+            else if (g + 1 < G) amx_unpack(format, wp + g * gstride, gstride, 1, Kb, bt, d, m);
             else amx_unpack(format, wp + g * gstride, gstride, 0, Kb, bt, d, m);
             for (int m0 = 0; m0 < M; m0 += h) {
                 const int rows = M - m0 < h ? M - m0 : h;
                 const int8_t *a = qx + (size_t)m0 * K;
                 const float *dxt = dx + (size_t)m0 * Kb;
-                const int32_t *sxt = sx + (size_t)m0 * Kb;
+                const int32_t *sxt = sx + (size_t)m0 * Kb * words;
                 uint16_t *yt = y + (size_t)m0 * ldy + g * QCOLS;
-                switch ((h + 3) / 4) {
+                if (kq) {
+                    switch ((h + 3) / 4) {
+                        case 1: amx_row_tile_k(4, a, dxt, sxt, K, bt, d, m, sc, mn, cbuf, yt, ldy, rows, ncols); break;
+                        case 2: amx_row_tile_k(8, a, dxt, sxt, K, bt, d, m, sc, mn, cbuf, yt, ldy, rows, ncols); break;
+                        case 3: amx_row_tile_k(12, a, dxt, sxt, K, bt, d, m, sc, mn, cbuf, yt, ldy, rows, ncols); break;
+                        default: amx_row_tile_k(16, a, dxt, sxt, K, bt, d, m, sc, mn, cbuf, yt, ldy, rows, ncols); break;
+                    }
+                } else switch ((h + 3) / 4) {
                     case 1: amx_row_tile(format, 4, a, dxt, sxt, K, bt, d, m, cbuf, yt, ldy, rows, ncols); break;
                     case 2: amx_row_tile(format, 8, a, dxt, sxt, K, bt, d, m, cbuf, yt, ldy, rows, ncols); break;
                     case 3: amx_row_tile(format, 12, a, dxt, sxt, K, bt, d, m, cbuf, yt, ldy, rows, ncols); break;
@@ -402,7 +500,7 @@ int peagle_qgemm_amx_min_rows(int rows) {
 #define QGEMM_EXPORT_AMX(name, F)                                                                                \
     int peagle_qgemm_amx_##name(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy, int M,   \
                                 int N, int K, int nthreads) {                                                    \
-        if (M < amx_min_rows || is_kquant(F))                                                                    \
+        if (M < amx_min_rows || F == Q6_K)                                                                    \
             return peagle_qgemm_vnni_##name(x, ldx, wp, y, ldy, M, N, K, nthreads);                              \
         return qgemm_amx(F, x, ldx, (const uint8_t *)wp, y, ldy, M, N, K, nthreads);                             \
     }
