@@ -1,6 +1,6 @@
 """Block-quantized weights: GGUF's Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 (blocks of 32 inputs of one output row) and its
 K-quants Q4_K, Q5_K and Q6_K (super-blocks of 256), kept in the bits they were stored in and multiplied by
-kernels.c's integer dot products (its section "Block-quantized weights", which says what each block holds).
+the kernels' integer dot products (kernels/common.h, "Block-quantized weights", says what each block holds).
 
     Q4_0: w = d (q - 8)           18 bytes per 32 inputs (4.5 bits a weight)
     Q4_1: w = d q + m             20 bytes per 32 (5 bits)
@@ -27,11 +27,11 @@ from torch import nn
 from peagle.model import kernels
 
 BLOCK = 32  # inputs per block of the 32-input formats (and of `--quantization`)
-QCOLS = 8  # output columns per group in the kernel's layout (kernels.c QCOLS)
+QCOLS = 8  # output columns per group in the kernel's layout (kernels/common.h QCOLS)
 
 
 class BlockFormat(NamedTuple):
-    fid: int  # kernels.c's format id
+    fid: int  # the kernels' format id (kernels/common.h)
     inputs: int  # inputs per GGUF block
     block_bytes: int  # bytes per GGUF block
 
