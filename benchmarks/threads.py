@@ -82,6 +82,49 @@ def make_model(out: Path, seed: int = 0) -> None:
     print(f"wrote {out}: {n / 1e9:.2f}B parameters, {(out / 'model.safetensors').stat().st_size / 2 ** 30:.2f} GiB")
 
 
+# ---- how long libgomp's spinning lasts here
+
+SPIN_C = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+static volatile int flag = 0;
+int main(int argc, char **argv) {  /* libgomp's do_spin: a relaxed load and a PAUSE per iteration */
+    long count = atol(argv[1]), best = 1L << 60;
+    for (int r = 0; r < 200; r++) {
+        struct timespec a, b;
+        clock_gettime(CLOCK_MONOTONIC, &a);
+        for (long i = 0; i < count; i++) {
+            if (__atomic_load_n(&flag, __ATOMIC_RELAXED) != 0) return 1;
+            __asm volatile("rep; nop" ::: "memory");
+        }
+        clock_gettime(CLOCK_MONOTONIC, &b);
+        long ns = (b.tv_sec - a.tv_sec) * 1000000000L + (b.tv_nsec - a.tv_nsec);
+        if (ns < best) best = ns;
+    }
+    printf("%.2f\n", best / 1000.0);
+    return 0;
+}
+"""
+
+
+def spin_microseconds(counts: list[int]) -> dict[int, float] | None:
+    """Microseconds `count` spins of libgomp's wait loop take on this CPU (best of 200), or None without a C
+    compiler or off x86-64."""
+    import shutil
+    import tempfile
+
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        src, exe = Path(d) / "spin.c", Path(d) / "spin"
+        src.write_text(SPIN_C)
+        if subprocess.run([cc, "-O2", str(src), "-o", str(exe)], capture_output=True).returncode:
+            return None
+        return {n: float(subprocess.run([str(exe), str(n)], capture_output=True, text=True).stdout) for n in counts}
+
+
 # ---- the worker: one process per variant, holding the models, decoding on request
 
 def worker(args) -> None:
@@ -223,7 +266,7 @@ def summarize(samples: dict) -> dict:
     cells = {}
     for key, rs in samples.items():
         tps = [r["tokens_per_s"] for r in rs]
-        cells[key] = {"tokens_per_s": statistics.median(tps), "all": [round(x, 2) for x in tps],
+        cells[key] = {"tokens_per_s": statistics.median(tps), "all": [round(x, 4) for x in tps],
                       "cpu_s_per_token": statistics.median(r["cpu_s_per_token"] for r in rs),
                       "other_cores_busy": statistics.median(r["other_cores_busy"] for r in rs),
                       "steal_cores": statistics.median(r["steal_cores"] for r in rs)}
@@ -234,7 +277,13 @@ def load_name(hogs: int) -> str:
     return "quiet" if hogs == 0 else f"busy ({hogs} busy loop{'s' if hogs > 1 else ''})"
 
 
+def ratio(a: dict, b: dict) -> float:
+    """Median over rounds of a's tokens/s over b's in the same round (measured minutes apart at most)."""
+    return statistics.median(x / y for x, y in zip(a["all"], b["all"]))
+
+
 def markdown(res: dict) -> str:
+    """Medians of tokens/s per cell, then ratios (each the median of the rounds' own ratios)."""
     cells, variants = res["cells"], res["variants"]
     t1, t2 = res["threads"][0], res["threads"][-1]
     head = ["model", "load", *(f"{v}, {t} thr" for v in variants for t in res["threads"]),
@@ -246,8 +295,8 @@ def markdown(res: dict) -> str:
             c = {(v, t): cells[cell_key(model, hogs, v, t)] for v in variants for t in res["threads"]}
             row = [model, load_name(hogs),
                    *(f"{c[v, t]['tokens_per_s']:.1f}" for v in variants for t in res["threads"]),
-                   *(f"{c[v, t2]['tokens_per_s'] / c[v, t1]['tokens_per_s']:.2f}x" for v in variants),
-                   *(f"{c[v, t2]['tokens_per_s'] / c[variants[0], t2]['tokens_per_s']:.2f}x" for v in variants[1:]),
+                   *(f"{ratio(c[v, t2], c[v, t1]):.2f}x" for v in variants),
+                   *(f"{ratio(c[v, t2], c[variants[0], t2]):.2f}x" for v in variants[1:]),
                    f"{statistics.median(x['other_cores_busy'] for x in c.values()):.2f}",
                    f"{statistics.median(x['steal_cores'] for x in c.values()):.2f}"]
             lines.append("| " + " | ".join(row) + " |")
@@ -278,28 +327,40 @@ def main() -> None:
     ap.add_argument("--quiet-wait", type=float, default=QUIET_WAIT_S,
                     help=f"seconds to wait at most, before each quiet block, for other processes to use under "
                          f"{QUIET_CORES} cores (default {QUIET_WAIT_S:g}; 0: do not wait)")
+    ap.add_argument("--fresh-workers", action=argparse.BooleanOptionalAction, default=True,
+                    help="start the workers afresh every round, in turn first (default: on; a process's speed on one "
+                         "thread differed by up to 15%% between workers otherwise, whatever their settings)")
     ap.add_argument("--out", type=Path, help="JSON result file (e.g. docs/benchmarks/threads.json)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the busy loops and workers are stopped
     if args.make_model:
         return make_model(args.model_dir)
     if "1.7b-q4_0" in args.models and not (args.model_dir / "config.json").exists():
         raise SystemExit(f"no model in {args.model_dir}: run with --make-model first")
     tokens = {"1.7b-q4_0": args.tokens_big, "smollm2-bf16": args.tokens_small}
     command = "python3 benchmarks/threads.py " + " ".join(a if " " not in a else repr(a) for a in sys.argv[1:])
-    print(f"{cpu_name()}, {os.cpu_count()} CPUs; load average {os.getloadavg()}; starting workers", flush=True)
-    workers = []
+    spins = spin_microseconds([1000, 3000, 10000, 300000])
+    print(f"{cpu_name()}, {os.cpu_count()} CPUs; load average {os.getloadavg()}; libgomp's spin counts take "
+          + (", ".join(f"{n}: {us:.0f} us" for n, us in spins.items()) if spins else "(not measured)"), flush=True)
+    workers: list[Worker] = []
+    samples: dict[str, list] = {}
+    loads, infos = [], []
+    t_start = time.time()
     try:
-        for v in args.variants:  # one at a time: the 1.7B model's bf16 file is read and quantized at load
-            workers.append(Worker(v, args))
-        names = [w.name for w in workers]
-        order = [(w, t) for w in workers for t in args.threads]
-        samples: dict[str, list] = {}
-        loads = []
-        t_start = time.time()
         for rnd in range(args.rounds):
+            if args.fresh_workers or rnd == 0:
+                # one at a time (the 1.7B model's bf16 file is read and quantized at load), in turn first
+                print(f"round {rnd + 1}/{args.rounds}: starting workers", flush=True)
+                rot = rnd % len(args.variants)
+                started = {w.name: w for w in (Worker(v, args) for v in args.variants[rot:] + args.variants[:rot])}
+                workers = [started[v.split(":", 1)[0]] for v in args.variants]
+                infos.append({w.name: w.info for w in workers})
+            order = [(w, t) for w in workers for t in args.threads]
             for hogs_n in args.hogs:
                 before = wait_quiet(args.quiet_wait, QUIET_CORES) if hogs_n == 0 else None
                 if before is not None:
@@ -320,16 +381,21 @@ def main() -> None:
                                   flush=True)
                 finally:
                     stop_hogs(hogs)
-        res = {"command": command, "cpu": cpu_name(), "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
-               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                        text=True).stdout.strip(),
-               "models": args.models, "variants": names, "threads": args.threads, "hogs": args.hogs,
-               "rounds": args.rounds, "tokens": {m: tokens[m] for m in args.models},
-               "workers": {w.name: w.info for w in workers}, "loads": loads,
-               "seconds": round(time.time() - t_start), "cells": summarize(samples)}
+            if args.fresh_workers:
+                for w in workers:
+                    w.close()
+                workers = []
     finally:
         for w in workers:
             w.close()
+    res = {"command": command, "cpu": cpu_name(), "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
+           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                    text=True).stdout.strip(),
+           "models": args.models, "variants": [v.split(":", 1)[0] for v in args.variants],
+           "variant_env": {v.split(":", 1)[0]: (v.split(":", 1)[1] if ":" in v else v) for v in args.variants},
+           "threads": args.threads, "hogs": args.hogs, "rounds": args.rounds, "fresh_workers": args.fresh_workers,
+           "tokens": {m: tokens[m] for m in args.models}, "spin_microseconds": spins, "workers": infos, "loads": loads,
+           "seconds": round(time.time() - t_start), "cells": summarize(samples)}
     table = markdown(res)
     res["table"] = table
     print(table)

@@ -1,16 +1,20 @@
 """How many threads peagle's processes run, and how their idle OpenMP threads wait (docs/engine.md, "Threads").
 
-PyTorch's OpenMP runtime (libgomp, which peagle's kernels share) reads OMP_NUM_THREADS, OMP_WAIT_POLICY and
-GOMP_SPINCOUNT once, when torch is first imported. `peagle/__init__.py` calls `apply_defaults()` before anything
+PyTorch's OpenMP runtime (libgomp on Linux, which peagle's kernels share) reads OMP_NUM_THREADS, OMP_WAIT_POLICY
+and GOMP_SPINCOUNT once, when torch is first imported. `peagle/__init__.py` calls `apply_defaults()` before anything
 imports torch, so that every peagle process (the `peagle` command and `import peagle`) starts with:
 
-  OMP_WAIT_POLICY=PASSIVE  a thread that reaches a barrier first sleeps instead of spinning. libgomp's own default
-                           spins for about 300,000 iterations (milliseconds) first; while other work holds a core,
-                           the spinning thread burns the time the descheduled one needs, and two threads decoded
-                           several times slower than one. Sleeping costs a wake-up per barrier, which measured
-                           nothing on a quiet machine (docs/engine.md has both).
-  OMP_NUM_THREADS=N        N = the cores this process may run on: its CPU affinity (taskset, cpusets), fewer when a
-                           cgroup CPU quota (containers' --cpus) allows less, rounded down, at least 1.
+  OMP_NUM_THREADS=N     N = the cores this process may run on: its CPU affinity (taskset, cpusets), fewer when a
+                        cgroup CPU quota (containers' --cpus) allows less, rounded down, at least 1.
+  GOMP_SPINCOUNT=3000   a thread that reaches a barrier before the others spins 3,000 times (a PAUSE instruction
+                        each, tens of microseconds), then sleeps. libgomp's own default spins 300,000 times
+                        (milliseconds): while other processes hold a core, the spinning thread burns the time the
+                        descheduled one needs, and two threads decoded 5-15x slower than one. Sleeping at once
+                        (OMP_WAIT_POLICY=PASSIVE) avoids that but pays a wake-up at every barrier: on a quiet machine
+                        two threads then ran the 135M model slower than one. A short spin covers the gap between one
+                        parallel region and the next on a quiet machine and gives up the core soon on a busy one
+                        (docs/engine.md, "Threads", has the measurements). Set only where the user set neither
+                        GOMP_SPINCOUNT nor OMP_WAIT_POLICY.
 
 Nothing here overrides a value the user set in the environment; `--threads` on `peagle serve`, `generate` and
 `bench` sets the count after start-up (`set_threads`). Processes peagle starts inherit the values, and the names
@@ -27,9 +31,11 @@ import os
 import sys
 from pathlib import Path
 
-WAIT_POLICY = "PASSIVE"
+# How long a thread waiting at a barrier spins before it sleeps, in libgomp's iterations (a PAUSE instruction each).
+SPIN_COUNT = 3000
 DEFAULTS_ENV = "PEAGLE_THREAD_DEFAULTS"  # NAME=VALUE,... that peagle filled in (not the user)
-_VARS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")
+_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+_VARS = ("OMP_NUM_THREADS", *_WAIT_VARS)
 # where cgroup v2 (cpu.max) and v1 (cpu/cpu.cfs_quota_us) keep CPU quotas
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -87,17 +93,21 @@ def default_threads() -> int:
 
 
 def apply_defaults(environ: dict | None = None) -> dict:
-    """Fill in OMP_NUM_THREADS and OMP_WAIT_POLICY where the user has not set them, and return what the user set.
-    A value peagle filled in for a parent process (recorded in PEAGLE_THREAD_DEFAULTS, and still unchanged) is
-    decided again. Call before torch is imported: torch's OpenMP reads the environment once, at its import. Where
-    torch came first, the thread count is still applied (torch.set_num_threads); the wait policy cannot be."""
+    """Fill in OMP_NUM_THREADS, and GOMP_SPINCOUNT where the user set neither it nor OMP_WAIT_POLICY; return what
+    the user set. A value peagle filled in for a parent process (recorded in PEAGLE_THREAD_DEFAULTS, and still
+    unchanged) is decided again. Call before torch is imported: torch's OpenMP reads the environment once, at its
+    import. Where torch came first, the thread count is still applied (torch.set_num_threads); the wait cannot be."""
     env = os.environ if environ is None else environ
     inherited = dict(item.split("=", 1) for item in env.get(DEFAULTS_ENV, "").split(",") if "=" in item)
     user = {v: env[v] for v in _VARS if v in env and inherited.get(v) != env[v]}
+    for v in _VARS:
+        if v not in user and v in inherited:
+            env.pop(v, None)  # the parent's default, decided again below
     filled = {}
-    for var, value in (("OMP_NUM_THREADS", str(default_threads())), ("OMP_WAIT_POLICY", WAIT_POLICY)):
-        if var not in user:
-            env[var] = filled[var] = value
+    if "OMP_NUM_THREADS" not in user:
+        env["OMP_NUM_THREADS"] = filled["OMP_NUM_THREADS"] = str(default_threads())
+    if not any(v in user for v in _WAIT_VARS):
+        env["GOMP_SPINCOUNT"] = filled["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
     if filled:
         env[DEFAULTS_ENV] = ",".join(f"{k}={v}" for k, v in filled.items())
     else:
@@ -112,8 +122,9 @@ def apply_defaults(environ: dict | None = None) -> dict:
 
 
 THREADS_HELP = ("CPU threads for the forward (default: the cores this process may use, from its CPU affinity and any "
-                "cgroup CPU quota; OMP_NUM_THREADS overrides that default). Idle threads sleep rather than spin "
-                "(OMP_WAIT_POLICY=PASSIVE unless set), so two threads on two busy cores do not fall behind one")
+                "cgroup CPU quota; OMP_NUM_THREADS overrides that default). A thread that waits for the others "
+                f"spins briefly, then sleeps (GOMP_SPINCOUNT={SPIN_COUNT} unless it or OMP_WAIT_POLICY is set), so "
+                "two threads beside other busy processes do not collapse (docs/engine.md, \"Threads\")")
 
 
 def add_threads_arg(parser) -> None:
@@ -137,25 +148,29 @@ def set_threads(n: int, source: str = "--threads") -> None:
     _state["source"] = source
 
 
+def wait_settings() -> str:
+    """How libgomp's waiting threads wait, as it read the environment: 'GOMP_SPINCOUNT=3000', 'OMP_WAIT_POLICY=PASSIVE',
+    or 'libgomp default' (spin about 300,000 times, then sleep)."""
+    torch_first = _state["torch_first"]
+    seen = _state["user"] if torch_first else os.environ  # what was in the environment when torch loaded OpenMP
+    text = ", ".join(f"{v}={seen[v].upper() if v == 'OMP_WAIT_POLICY' else seen[v]}" for v in _WAIT_VARS if v in seen)
+    return text or ("libgomp default (torch imported before peagle)" if torch_first else "libgomp default")
+
+
 def summary() -> dict:
-    """The threads facts for stats, /v1/models and logs: the count and where it came from, the wait policy in
-    force, the cores this process may use."""
+    """The threads facts for stats, /v1/models and logs: the count and where it came from, how waiting threads
+    wait, the cores this process may use."""
     import torch
 
-    user = _state["user"]
-    if _state["torch_first"]:  # torch read the environment before peagle could fill it in
-        policy = user.get("OMP_WAIT_POLICY", "libgomp default (torch imported before peagle)")
-    else:
-        policy = os.environ.get("OMP_WAIT_POLICY", "libgomp default")
     quota = cpu_quota()
     return {"threads": torch.get_num_threads(), "threads_from": _state["source"] or "torch default",
-            "omp_wait_policy": policy.upper() if policy.lower() in ("active", "passive") else policy,
-            "cores": affinity_cores(), **({"cpu_quota": round(quota, 2)} if quota is not None else {})}
+            "omp_wait": wait_settings(), "cores": affinity_cores(),
+            **({"cpu_quota": round(quota, 2)} if quota is not None else {})}
 
 
 def describe() -> str:
-    """One line for logs: '2 threads (default; OMP_WAIT_POLICY=PASSIVE; 2 cores)'."""
+    """One line for logs: '2 threads (default; GOMP_SPINCOUNT=3000; 2 cores)'."""
     s = summary()
     quota = f", CPU quota {s['cpu_quota']:g}" if "cpu_quota" in s else ""
-    return (f"{s['threads']} thread{'s' if s['threads'] != 1 else ''} ({s['threads_from']}; OMP_WAIT_POLICY "
-            f"{s['omp_wait_policy']}; {s['cores']} cores{quota})")
+    return (f"{s['threads']} thread{'s' if s['threads'] != 1 else ''} ({s['threads_from']}; {s['omp_wait']}; "
+            f"{s['cores']} cores{quota})")

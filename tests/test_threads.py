@@ -17,9 +17,8 @@ REPO = Path(__file__).resolve().parents[1]
 VARS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_DISPLAY_ENV", threads.DEFAULTS_ENV)
 # What libgomp itself says it read (OMP_DISPLAY_ENV=VERBOSE prints its settings to stderr when torch loads it), then
 # what torch and peagle report.
-PROBE = ("import os, peagle, torch; from peagle import threads; "
-         "print(torch.get_num_threads(), os.environ['OMP_WAIT_POLICY'], threads.summary()['threads_from'], "
-         "threads.summary()['omp_wait_policy'])")
+PROBE = ("import peagle, torch; from peagle import threads; s = threads.summary(); "
+         "print(torch.get_num_threads(), s['threads_from'], s['omp_wait'], sep='|')")
 
 
 def run_python(code: str, **env) -> tuple[str, dict[str, str]]:
@@ -44,42 +43,45 @@ def gomp_shown(shown: dict) -> bool:
 def test_defaults_reach_openmp_before_torch_reads_them():
     out, shown = run_python(PROBE)
     n = threads.default_threads()
-    assert out == f"{n} PASSIVE default PASSIVE"
+    assert out == f"{n}|default|GOMP_SPINCOUNT={threads.SPIN_COUNT}"
+    if gomp_shown(shown):  # libgomp read them at torch's import (its own default spins 300,000 times)
+        assert shown["GOMP_SPINCOUNT"] == str(threads.SPIN_COUNT) and shown["OMP_NUM_THREADS"] == str(n)
+
+
+@pytest.mark.parametrize("env, spins", [
+    ({"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "active"}, "30000000000"),  # libgomp's spin for ACTIVE
+    ({"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "passive"}, "0"),
+    ({"OMP_NUM_THREADS": "1", "GOMP_SPINCOUNT": "77"}, "77"),
+])
+def test_a_users_values_win(env, spins):
+    out, shown = run_python(PROBE, **env)
+    wait = ", ".join(f"{k}={v.upper()}" for k, v in env.items() if k != "OMP_NUM_THREADS")
+    assert out == f"1|OMP_NUM_THREADS|{wait}"
     if gomp_shown(shown):
-        # libgomp read the policy at torch's import: a passive wait spins zero times (its default spins 300,000)
-        assert shown["OMP_WAIT_POLICY"] == "PASSIVE" and shown["GOMP_SPINCOUNT"] == "0"
-        assert shown["OMP_NUM_THREADS"] == str(n)
+        assert shown["GOMP_SPINCOUNT"] == spins and shown["OMP_NUM_THREADS"] == "1"
 
 
-def test_a_users_values_win():
-    out, shown = run_python(PROBE, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="active")
-    assert out == "1 active OMP_NUM_THREADS ACTIVE"
+def test_torch_imported_first_keeps_the_count_and_says_the_wait_came_too_late():
+    out, shown = run_python(PROBE.replace("import peagle, torch", "import torch, peagle"))
+    assert out == f"{threads.default_threads()}|default|libgomp default (torch imported before peagle)"
     if gomp_shown(shown):
-        assert shown["OMP_WAIT_POLICY"] == "ACTIVE" and shown["GOMP_SPINCOUNT"] != "0"
-        assert shown["OMP_NUM_THREADS"] == "1"
-
-
-def test_torch_imported_first_keeps_the_count_and_says_the_policy_came_too_late():
-    out, shown = run_python(PROBE.replace("import os, peagle, torch", "import os, torch, peagle"))
-    count, _, source, policy = out.split(" ", 3)
-    assert int(count) == threads.default_threads() and source == "default"
-    assert policy == "libgomp default (torch imported before peagle)"
-    if gomp_shown(shown):
-        assert shown["GOMP_SPINCOUNT"] != "0"  # really libgomp's default spin
+        assert shown["GOMP_SPINCOUNT"] == "300000"  # libgomp's own
 
 
 def test_a_child_decides_again_unless_its_value_was_changed():
     env = {}
     assert threads.apply_defaults(env) == {}
-    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["OMP_NUM_THREADS"] == str(threads.default_threads())
+    assert env["GOMP_SPINCOUNT"] == str(threads.SPIN_COUNT) and env["OMP_NUM_THREADS"] == str(threads.default_threads())
     child = dict(env)
     assert threads.apply_defaults(child) == {} and child == env  # what peagle filled in is not a user's choice
     child["OMP_NUM_THREADS"] = "7"  # e.g. `peagle bench --threads 7` for its servers
     assert threads.apply_defaults(child) == {"OMP_NUM_THREADS": "7"}
-    assert child["OMP_NUM_THREADS"] == "7" and child[threads.DEFAULTS_ENV] == "OMP_WAIT_POLICY=PASSIVE"
-    user = {"OMP_NUM_THREADS": "3", "OMP_WAIT_POLICY": "active"}
-    assert threads.apply_defaults(user) == {"OMP_NUM_THREADS": "3", "OMP_WAIT_POLICY": "active"}
-    assert threads.DEFAULTS_ENV not in user
+    assert child["OMP_NUM_THREADS"] == "7" and child[threads.DEFAULTS_ENV] == f"GOMP_SPINCOUNT={threads.SPIN_COUNT}"
+    child = {**env, "OMP_WAIT_POLICY": "passive"}  # a user's policy: the parent's spin count must not override it
+    assert threads.apply_defaults(child) == {"OMP_WAIT_POLICY": "passive"} and "GOMP_SPINCOUNT" not in child
+    user = {"OMP_NUM_THREADS": "3", "GOMP_SPINCOUNT": "10"}
+    assert threads.apply_defaults(user) == {"OMP_NUM_THREADS": "3", "GOMP_SPINCOUNT": "10"}
+    assert threads.DEFAULTS_ENV not in user and "OMP_WAIT_POLICY" not in user
 
 
 @pytest.mark.parametrize("files, quota", [
@@ -130,7 +132,7 @@ def test_threads_flag_is_applied_and_reported():
         assert torch.get_num_threads() == 1
         s = threads.summary()
         assert s["threads"] == 1 and s["threads_from"] == "--threads"
-        assert threads.describe().startswith("1 thread (--threads; OMP_WAIT_POLICY ")
+        assert threads.describe().startswith("1 thread (--threads; ")
         threads.apply_threads_arg(argparse.Namespace(threads=None))  # not given: nothing changes
         assert torch.get_num_threads() == 1
     finally:
@@ -150,4 +152,4 @@ def test_generate_applies_and_reports_the_flag(capsys):
         threads.set_threads(before, "default")
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["threads"] == 1 and result["threads_from"] == "--threads"
-    assert result["cores"] == threads.affinity_cores() and result["omp_wait_policy"]
+    assert result["cores"] == threads.affinity_cores() and result["omp_wait"]

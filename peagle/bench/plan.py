@@ -142,7 +142,7 @@ def machine() -> dict:
 
     d["threads"] = threads.summary()
     d["summary"] = (f"{d['cuda'] or cpu}, {d['cpu_count']} CPU cores, torch {d['torch']} ({d['torch_threads']} "
-                    f"threads, OMP_WAIT_POLICY {d['threads']['omp_wait_policy']}), transformers {d['transformers']}, "
+                    f"threads, {d['threads']['omp_wait']}), transformers {d['transformers']}, "
                     f"Python {d['python']}, {d['kernels']['kernels']} kernels")
     return d
 
