@@ -1,5 +1,5 @@
 """The "amx-int8" quantized-weight path (kernels/amx.c): block sums in AMX int8 tiles (`tdpbssd`) for products of
-many rows of the 32-input formats, Q4_K and Q5_K; VNNI's kernels for fewer rows and Q6_K. Its promise is the other paths': each row
+many rows of every block format (the 32-input ones and the K-quants); VNNI's kernels for fewer rows. Its promise is the other paths': each row
 of an M-row product is the AVX2 library's one-row result, bit for bit, whatever M, the row's place and the threads.
 
 Checked twice: on the real instructions where this CPU has AMX int8 and the OS grants the tile state, and on the
@@ -84,7 +84,7 @@ def test_amx_int8_gives_avx2_bits_for_every_row_count(which, fmt, one_thread, on
 @pytest.mark.parametrize("which", LIBRARIES)
 def test_amx_int8_threads_split_columns_without_changing_bits(which, on_tiles):
     lib = on_tiles(LIBRARIES[which]())
-    for fmt, K in (("q4_0", 576), ("q5_1", 576), ("q5_k", 768)):
+    for fmt, K in (("q4_0", 576), ("q5_1", 576), ("q5_k", 768), ("q6_k", 768)):
         qw = quant.QuantWeight.from_blocks(blocks_of(fmt, 197, K, seed=5), fmt, 197, K, path="avx2")
         x = bf16(21, K, seed=6)
         assert torch.equal(qgemm(lib, "amx-int8", qw, x, threads=2), qgemm(kernels.library(), "avx2", qw, x))
@@ -109,14 +109,6 @@ def test_amx_int8_sums_of_the_largest_codes_are_exact(which, fmt, one_thread, on
     x = torch.ones(34, K).bfloat16()
     x[1::2] = -1
     assert_amx_gives_avx2_bits(lib, qw, x, (2, 16, 17, 34))
-
-
-@pytest.mark.parametrize("which", LIBRARIES)
-@pytest.mark.parametrize("fmt", ["q6_k"])
-def test_amx_int8_path_runs_q6_k_on_vnni_with_the_same_bits(which, fmt, one_thread, on_tiles):
-    lib = on_tiles(LIBRARIES[which]())
-    qw = quant.QuantWeight.from_blocks(blocks_of(fmt, 40, 512, seed=9), fmt, 40, 512, path="avx2")
-    assert_amx_gives_avx2_bits(lib, qw, bf16(17, 512, seed=11), (1, 2, 17))
 
 
 @pytest.mark.parametrize("which", LIBRARIES)

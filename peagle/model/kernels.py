@@ -52,13 +52,13 @@ _CPU_FLAGS_NEEDED = {
 }
 # Block-quantized weights' integer dot products (kernels/common.h, "Block-quantized weights"), fastest first; every
 # path gives the same bits. "amx-int8" (kernels/amx.c): AMX tiles for products of a dozen or more rows
-# (AMX_INT8_FORMATS), VNNI's kernels for fewer rows and for Q6_K.
+# (AMX_INT8_FORMATS: every block format), VNNI's kernels for fewer rows.
 QUANT_PATHS = ("amx-int8", "avx512-vnni", "avx2")
 _QGEMM_PREFIX = {"amx-int8": "peagle_qgemm_amx_", "avx512-vnni": "peagle_qgemm_vnni_", "avx2": "peagle_qgemm_"}
-# The formats whose products of several rows run on AMX tiles on the "amx-int8" path (the rest run VNNI's kernels).
-AMX_INT8_FORMATS = ("q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k")
 # The block formats each quantized path runs, in kernels.c's order (a format's id is its index here).
 QUANT_FORMATS = ("q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+# The formats whose products of many rows run on AMX tiles on the "amx-int8" path: all of them.
+AMX_INT8_FORMATS = QUANT_FORMATS
 _GEMM_SYMBOL = {"amx": "peagle_amx_gemm", "avx512-bf16": "peagle_gemm_avx512bf16", "avx2": "peagle_gemm_avx2"}
 _FLAGS = ["-O3", "-fPIC", "-shared", "-ffp-contract=off", "-Wall", "-Wextra"]
 # An older compiler may not know the AMX or AVX-512 BF16 intrinsics: then build without those sections.

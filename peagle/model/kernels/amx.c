@@ -127,8 +127,8 @@ int peagle_amx_gemm(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y
 
 
 /* ---------------------------------------------------------------------------------------------------------------
-   AMX int8: block-quantized weights (the 32-input formats, Q4_K and Q5_K) in `tdpbssd` tiles, for products of many
-   rows
+   AMX int8: block-quantized weights (every format: the 32-input ones and the K-quants) in `tdpbssd` tiles, for
+   products of many rows
 
    The same qpanels as AVX2 and VNNI, and the same fp32 chain per output (common.h, "Block-quantized weights"), so
    the same bits; only the exact integer block sums are made differently. A tile of h activation rows (A: h rows x
@@ -146,9 +146,9 @@ int peagle_amx_gemm(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y
    A block is only 32 inputs, half of what a tile product can take, and its sums must leave the tile before the
    next block's scale applies; so each block costs a tile product, a store and a reload whatever the rows, and a
    product of few rows is faster on VNNI: the entry points send fewer than amx_min_rows rows there (one row always).
-   Q4_K and Q5_K: each sub-block of 32 is a tile product as above (codes 0..15 or 0..31 as int8), and each row adds
-   sc_j times the sub-block's sums and sum_j m_j bsum32_j in exact int32 vectors before the super-block's two fp32
-   steps (amx_row_tile_k), the VNNI path's chain. Q6_K (sub-blocks of 16) runs VNNI's kernels on this path. */
+   The K-quants: each sub-block is a tile product as above (Q4_K/Q5_K: 32 codes 0..15 or 0..31 as int8; Q6_K: 16
+   codes q - 32, on tiles 16 bytes wide), and each row adds sc_j times the sub-block's sums (and Q4_K/Q5_K's sum_j
+   m_j bsum32_j) in exact int32 vectors before the super-block's fp32 steps, the VNNI path's chain. */
 
 #if !defined(PEAGLE_NO_AMX) && !defined(PEAGLE_NO_AVX512)
 #ifdef _OPENMP
@@ -228,16 +228,16 @@ typedef struct {
     uint8_t rows[16];
 } int8_tilecfg;
 
-/* Tiles of h activation rows: tmm0..3 C (h rows x 16 int32), tmm4/5 A (h rows x one block's 32 codes), tmm6/7 B
-   (8 rows of 4 inputs x 16 columns). A tile product's time grows with its rows, so a call's row tiles are as tall
-   as its rows need (M <= 16: M rows), not 16. */
-static void config_int8_tiles(int h) {
+/* Tiles of h activation rows and blocks of `width` inputs (32; Q6_K's sub-blocks 16): tmm0..3 C (h rows x 16
+   int32), tmm4/5 A (h rows x one block's codes), tmm6/7 B (width / 4 rows of 4 inputs x 16 columns). A tile
+   product's time grows with its rows, so a call's row tiles are as tall as its rows need (M <= 16: M rows). */
+static void config_int8_tiles(int h, int width) {
     int8_tilecfg c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int t = 0; t < 8; t++) {
-        c.rows[t] = t < 6 ? (uint8_t)h : 8;
-        c.colsb[t] = t == 4 || t == 5 ? 32 : 64;
+        c.rows[t] = t < 6 ? (uint8_t)h : (uint8_t)(width / 4);
+        c.colsb[t] = t == 4 || t == 5 ? (uint16_t)width : 64;
     }
     _tile_loadconfig(&c);
 }
@@ -274,12 +274,13 @@ static inline __attribute__((always_inline)) void amx_unpack(const int format, c
     }
 }
 
-/* tdpbssd of block b's A (a: the row tile's codes, K bytes a row) and B tiles into tile C, stored to cbuf[C]. */
+/* tdpbssd of block b's A (a: the row tile's codes, K bytes a row; `width` a block) and B tiles (16 width bytes a
+   block) into tile C, stored to cbuf[C]. */
 #define AMX_BLOCK_SUM(C, TA, TB, b)                                                                              \
     do {                                                                                                         \
         _tile_zero(C);                                                                                           \
-        _tile_loadd(TA, a + (size_t)QBLOCK * (b), K);                                                            \
-        _tile_loadd(TB, bt + (size_t)512 * (b), 64);                                                             \
+        _tile_loadd(TA, a + (size_t)width * (b), K);                                                             \
+        _tile_loadd(TB, bt + (size_t)16 * width * (b), 64);                                                      \
         _tile_dpbssd(C, TA, TB);                                                                                 \
         _tile_stored(C, cbuf[C], 64);                                                                            \
     } while (0)
@@ -303,7 +304,7 @@ static inline __attribute__((always_inline)) void amx_row_tile(const int format,
                                                                const int8_t *bt, const float *d, const float *m,
                                                                int32_t (*cbuf)[16][16], uint16_t *y, size_t ldy,
                                                                int rows, int ncols) {
-    const int Kb = K / QBLOCK, has_m = qformats[format].m.size != 0;
+    const int Kb = K / QBLOCK, has_m = qformats[format].m.size != 0, width = QBLOCK;
     __m512 acc[16];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int b = 0; b < AMX_AHEAD && b < Kb; b++) AMX_SUMS(b);
@@ -370,10 +371,10 @@ static inline __attribute__((always_inline)) void amx_row_tile_k(const int R, co
                                                                  const float *d, const float *dmin, const int32_t *sc,
                                                                  const int32_t *mn, int32_t (*cbuf)[16][16],
                                                                  uint16_t *y, size_t ldy, int rows, int ncols) {
-    const int Kb = K / QK, units = 8 * Kb;
+    const int Kb = K / QK, units = 8 * Kb, width = QBLOCK;
     __m512 acc[16];
     __m512i isum[16];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), isum[r] = _mm512_setzero_si512();
     for (int u = 0; u < AMX_AHEAD && u < units; u++) AMX_SUMS(u);
     for (int u = 0; u < units; u++) {
         if (u + AMX_AHEAD < units) AMX_SUMS(u + AMX_AHEAD);
@@ -406,6 +407,69 @@ static inline __attribute__((always_inline)) void amx_row_tile_k(const int R, co
                          ncols < 2 * QCOLS ? ncols - QCOLS : QCOLS);
     }
 }
+/* Q6_K: super-block b's sub-block k (16 inputs) of groups g and g + 1 as B tile u = 16 b + k at out + 256 u (4
+   rows; codes q - 32 as int8, so the sums need no -32 bsum16 correction: the same exact isum), its int8 scale per
+   column as int32 lanes at sc + 16 u, and d as fp32 at d + 16 b. */
+static inline __attribute__((always_inline)) void amx_unpack_q6k(const uint8_t *w, size_t gstride, const int two,
+                                                                 int Kb, int8_t *out, float *d, int32_t *sc) {
+    const qformat *f = &qformats[Q6_K];
+    const int rb = f->record_bytes;
+    const __m512i low4 = _mm512_set1_epi8(0x0f), top2 = _mm512_set1_epi8(0x30), off = _mm512_set1_epi8(32);
+    const __m512i byte = _mm512_set1_epi32(0xff), sign = _mm512_set1_epi32(0x80);
+    for (int b = 0; b < Kb; b++) {
+        const uint8_t *rec = w + (size_t)b * rb;
+        for (int k = 0; k < 16; k++) { /* sub-block k: 128 n + 32 quarter + 16 (k % 2) .. */
+            const int n = k / 8, quarter = (k % 8) / 2, u = 16 * b + k;
+            __m512i v = load_groups(rec + f->scales.at + 32 * (k / 4), gstride, two);
+            __m512i s8 = _mm512_and_si512(_mm512_srli_epi32(v, 8 * (k % 4)), byte); /* the byte, then its sign */
+            _mm512_storeu_si512((void *)(sc + 16 * u), _mm512_sub_epi32(_mm512_xor_si512(s8, sign), sign));
+            for (int i = 0; i < 4; i++) {
+                const int c = 4 * (k % 2) + i; /* the chunk of 4 inputs within the quarter */
+                __m512i raw = load_groups(rec + 32 * (16 * n + 8 * (quarter % 2) + c), gstride, two);
+                __m512i h = load_groups(rec + f->high.at + 32 * (8 * n + c), gstride, two);
+                h = quarter < 2 ? _mm512_slli_epi16(h, 4 - 2 * quarter) : _mm512_srli_epi16(h, 2 * quarter - 4);
+                __m512i q = _mm512_or_si512(_mm512_and_si512(quarter / 2 ? _mm512_srli_epi16(raw, 4) : raw, low4),
+                                            _mm512_and_si512(h, top2));
+                _mm512_storeu_si512((void *)(out + (size_t)256 * u + 64 * i), _mm512_sub_epi8(q, off));
+            }
+        }
+        _mm512_storeu_ps(d + 16 * b, load_scales(rec + f->d.at, gstride, two));
+    }
+}
+
+/* amx_row_tile for Q6_K: tile u holds sub-block u % 16 of super-block u / 16 (A: the rows' 16 codes at a + 16 u);
+   per row isum = sum_k sc_k ((q - 32).qx)_k in exact int32, then acc = fma((float)isum, d * dx, acc) once per
+   super-block, as on the VNNI path. */
+static inline __attribute__((always_inline)) void amx_row_tile_q6k(const int R, const int8_t *a, const float *dx,
+                                                                   int K, const int8_t *bt, const float *d,
+                                                                   const int32_t *sc, int32_t (*cbuf)[16][16],
+                                                                   uint16_t *y, size_t ldy, int rows, int ncols) {
+    const int Kb = K / QK, units = 16 * Kb, width = QBLOCK / 2;
+    __m512 acc[16];
+    __m512i isum[16];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), isum[r] = _mm512_setzero_si512();
+    for (int u = 0; u < AMX_AHEAD && u < units; u++) AMX_SUMS(u);
+    for (int u = 0; u < units; u++) {
+        if (u + AMX_AHEAD < units) AMX_SUMS(u + AMX_AHEAD);
+        const int b = u / 16, k = u % 16;
+        const __m512i sck = _mm512_loadu_si512((const void *)(sc + 16 * u));
+        for (int r = 0; r < R; r++) {
+            __m512i p = _mm512_mullo_epi32(_mm512_loadu_si512((const void *)cbuf[u % 4][r]), sck);
+            isum[r] = k ? _mm512_add_epi32(isum[r], p) : p;
+        }
+        if (k < 15) continue;
+        const __m512 db = _mm512_loadu_ps(d + 16 * b);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(db, _mm512_set1_ps(dx[(size_t)r * Kb + b])),
+                                     acc[r]);
+    }
+    for (int r = 0; r < rows; r++) {
+        store_bf16x8(y + r * ldy, _mm512_castps512_ps256(acc[r]), ncols < QCOLS ? ncols : QCOLS);
+        if (ncols > QCOLS)
+            store_bf16x8(y + r * ldy + QCOLS, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)),
+                         ncols < 2 * QCOLS ? ncols - QCOLS : QCOLS);
+    }
+}
 #undef AMX_SUMS
 #undef AMX_BLOCK_SUM
 
@@ -416,11 +480,12 @@ static inline __attribute__((always_inline)) int qgemm_amx(const int format, con
                                                            const uint8_t *wp, uint16_t *y, long ldy, int M, int N,
                                                            int K, int nthreads) {
     const int kq = is_kquant(format), Kb = K / block_inputs(format), G = (N + QCOLS - 1) / QCOLS, S = (G + 1) / 2;
-    const int words = kq ? QK_PAIRS : 1, units = kq ? 8 * Kb : Kb; /* activation sums per block; B tiles */
+    const int words = kq ? QK_PAIRS : 1, q6 = format == Q6_K; /* activation sums per block; Q6_K: sub-blocks of 16 */
+    const int units = q6 ? 16 * Kb : kq ? 8 * Kb : Kb, width = q6 ? 16 : 32; /* B tiles; inputs per tile */
     const int tiles = (M + 15) / 16, h = (M + tiles - 1) / tiles, Mp = tiles * h + 3; /* + 3: R's rows past h */
     const size_t gstride = (size_t)Kb * qformats[format].record_bytes;
     /* per thread: B tiles, d, m (dmin), and the K-quants' sub-block scales and minimums */
-    const size_t scratch = (size_t)units * 512 + (size_t)Kb * 2 * 16 * sizeof(float) +
+    const size_t scratch = (size_t)units * 16 * width + (size_t)Kb * 2 * 16 * sizeof(float) +
                            (kq ? (size_t)units * 2 * 16 * sizeof(int32_t) : 0);
     if (nthreads < 1) nthreads = 1;
     /* codes of Mp rows (zero past M), then dx and sx of Mp rows (zero past M) */
@@ -446,15 +511,17 @@ static inline __attribute__((always_inline)) int qgemm_amx(const int format, con
 #else
         int8_t *bt = wbuf;
 #endif
-        float *d = (float *)(bt + (size_t)units * 512), *m = d + (size_t)Kb * 16;
+        float *d = (float *)(bt + (size_t)units * 16 * width), *m = d + (size_t)Kb * 16;
         int32_t *sc = (int32_t *)(m + (size_t)Kb * 16), *mn = sc + (size_t)units * 16;
         int32_t cbuf[4][16][16] __attribute__((aligned(64)));
         memset(cbuf, 0, sizeof cbuf); /* rows past h are read (and dropped), never stored by the tiles */
-        config_int8_tiles(h);
+        config_int8_tiles(h, width);
         #pragma omp for schedule(static)
         for (int s = 0; s < S; s++) {
             const int g = 2 * s, ncols = N - g * QCOLS < 2 * QCOLS ? N - g * QCOLS : 2 * QCOLS;
-            if (kq && g + 1 < G) amx_unpack_k(format, wp + g * gstride, gstride, 1, Kb, bt, d, m, sc, mn);
+            if (q6 && g + 1 < G) amx_unpack_q6k(wp + g * gstride, gstride, 1, Kb, bt, d, sc);
+            else if (q6) amx_unpack_q6k(wp + g * gstride, gstride, 0, Kb, bt, d, sc);
+            else if (kq && g + 1 < G) amx_unpack_k(format, wp + g * gstride, gstride, 1, Kb, bt, d, m, sc, mn);
             else if (kq) amx_unpack_k(format, wp + g * gstride, gstride, 0, Kb, bt, d, m, sc, mn);
             else if (g + 1 < G) amx_unpack(format, wp + g * gstride, gstride, 1, Kb, bt, d, m);
             else amx_unpack(format, wp + g * gstride, gstride, 0, Kb, bt, d, m);
@@ -464,7 +531,14 @@ static inline __attribute__((always_inline)) int qgemm_amx(const int format, con
                 const float *dxt = dx + (size_t)m0 * Kb;
                 const int32_t *sxt = sx + (size_t)m0 * Kb * words;
                 uint16_t *yt = y + (size_t)m0 * ldy + g * QCOLS;
-                if (kq) {
+                if (q6) {
+                    switch ((h + 3) / 4) {
+                        case 1: amx_row_tile_q6k(4, a, dxt, K, bt, d, sc, cbuf, yt, ldy, rows, ncols); break;
+                        case 2: amx_row_tile_q6k(8, a, dxt, K, bt, d, sc, cbuf, yt, ldy, rows, ncols); break;
+                        case 3: amx_row_tile_q6k(12, a, dxt, K, bt, d, sc, cbuf, yt, ldy, rows, ncols); break;
+                        default: amx_row_tile_q6k(16, a, dxt, K, bt, d, sc, cbuf, yt, ldy, rows, ncols); break;
+                    }
+                } else if (kq) {
                     switch ((h + 3) / 4) {
                         case 1: amx_row_tile_k(4, a, dxt, sxt, K, bt, d, m, sc, mn, cbuf, yt, ldy, rows, ncols); break;
                         case 2: amx_row_tile_k(8, a, dxt, sxt, K, bt, d, m, sc, mn, cbuf, yt, ldy, rows, ncols); break;
@@ -500,7 +574,7 @@ int peagle_qgemm_amx_min_rows(int rows) {
 #define QGEMM_EXPORT_AMX(name, F)                                                                                \
     int peagle_qgemm_amx_##name(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy, int M,   \
                                 int N, int K, int nthreads) {                                                    \
-        if (M < amx_min_rows || F == Q6_K)                                                                    \
+        if (M < amx_min_rows)                                                                    \
             return peagle_qgemm_vnni_##name(x, ldx, wp, y, ldy, M, N, K, nthreads);                              \
         return qgemm_amx(F, x, ldx, (const uint8_t *)wp, y, ldy, M, N, K, nthreads);                             \
     }
