@@ -141,7 +141,8 @@ int peagle_amx_gemm(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y
    sums go through tmm0..3 in turn, AMX_AHEAD blocks ahead of the chain, which each row then runs in block order:
      acc = fma((float)isum, d * dx, acc);   acc = fma(m, dx * sx, acc)   [Q4_1, Q5_1]
    with the row's fp32 accumulators (16 columns each) in registers. Activations are quantized per row by
-   quantize_rows_q8, as on the other paths; the rows of a call are split into tiles of equal height (at most 16).
+   quantize_rows_q8 (quantize_rows_q8k for the K-quants), as on the other paths; the rows of a call are split into
+   tiles of equal height (at most 16).
 
    A block is only 32 inputs, half of what a tile product can take, and its sums must leave the tile before the
    next block's scale applies; so each block costs a tile product, a store and a reload whatever the rows, and a
@@ -560,12 +561,13 @@ static inline __attribute__((always_inline)) int qgemm_amx(const int format, con
     return 0;
 }
 
-/* The path's entry points, one per format: amx_min_rows or more rows of a 32-input format on tiles, else VNNI's
-   kernel. A call's tiles cost a fixed time per block and column pair, whatever their rows (the tile products'
-   latency, which few rows cannot hide), so below about a dozen rows VNNI's kernel is faster (docs/amx.md has the
-   measurements); the bits are the same either way. peagle_qgemm_amx_min_rows sets the threshold (at least 2; 0
+/* The path's entry points, one per format: amx_min_rows or more rows on tiles, else VNNI's kernel. A call's tiles
+   cost a fixed time per block and column pair, whatever their rows (the tile products' latency, which few rows
+   cannot hide), so the kernel alone is faster on VNNI below about 12 rows, and a whole SmolLM2 forward (its small
+   matrices, each call's set-up) up to 24 rows; from 32 rows and in prefill the tiles win (docs/amx.md has the
+   measurements). The bits are the same either way. peagle_qgemm_amx_min_rows sets the threshold (at least 2; 0
    leaves it) and returns the one before: the tests run every row count on tiles, the benchmarks compare. */
-static int amx_min_rows = 12;
+static int amx_min_rows = 32;
 int peagle_qgemm_amx_min_rows(int rows) {
     int before = amx_min_rows;
     if (rows > 0) amx_min_rows = rows < 2 ? 2 : rows;
