@@ -564,8 +564,8 @@ static inline __attribute__((always_inline)) int qgemm_amx(const int format, con
 /* The path's entry points, one per format: amx_min_rows or more rows on tiles, else VNNI's kernel. A call's tiles
    cost a fixed time per block and column pair, whatever their rows (the tile products' latency, which few rows
    cannot hide), so the kernel alone is faster on VNNI below about 12 rows, and a whole SmolLM2 forward (its small
-   matrices, each call's set-up) up to 24 rows; from 32 rows and in prefill the tiles win (docs/amx.md has the
-   measurements). The bits are the same either way. peagle_qgemm_amx_min_rows sets the threshold (at least 2; 0
+   matrices, each call's set-up) up to 24 rows; from 32 rows and in prefill the tiles win (docs/performance.md,
+   "Block-quantized weights on AMX int8 tiles", has the measurements). The bits are the same either way. peagle_qgemm_amx_min_rows sets the threshold (at least 2; 0
    leaves it) and returns the one before: the tests run every row count on tiles, the benchmarks compare. */
 static int amx_min_rows = 32;
 int peagle_qgemm_amx_min_rows(int rows) {
