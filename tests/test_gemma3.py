@@ -364,6 +364,7 @@ def test_real_gemma3_is_as_good_as_f32_on_every_kernel_path(real_gguf, real_text
         pytest.fail(f"this CPU has {path} but the library does not run it: a broken install")
     on_kernel_path(monkeypatch, path)
     target = TargetModel.from_pretrained(real_gguf)
+    assert target.weights == "q5_0+q8_0+q4_k+q6_k, lm_head q8_0"  # every format the layers run is named
 
     def logits_of(ids: torch.Tensor, keep: int = REAL_CTX // 2) -> torch.Tensor:
         layout = BatchLayout.build(torch.tensor([0]), torch.arange(len(ids))[None])

@@ -167,9 +167,16 @@ class TargetModel(nn.Module):
 
     @property
     def weights(self) -> str:
-        """The number format of the decoder layers' matrices ("bf16", "q4_1", ...), as stats and /v1/models name it;
-        an LM head in another format is named after it ("q4_0, lm_head q8_0")."""
-        layers = quant.format_of(self.layers[0].self_attn.qkv.packed, self.norm.weight)
+        """The number formats of the decoder layers' matrices ("bf16", "q4_1", a K-quant mix's "q5_0+q8_0+q4_k+q6_k"
+        in order of first use), as stats and /v1/models name them; an LM head in another format is named after them
+        ("q4_0, lm_head q8_0")."""
+        used: dict[str, None] = {}
+        for layer in self.layers:
+            for packed in (layer.self_attn.qkv.packed, layer.self_attn.o_packed, layer.mlp.gate_up.packed,
+                           layer.mlp.down_packed):
+                for fmt in quant.format_of(packed, self.norm.weight).split("+"):
+                    used[fmt] = None
+        layers = "+".join(used)
         head = quant.format_of(self.lm_head_packed, self.norm.weight)
         return layers if head == layers else f"{layers}, lm_head {head}"
 
