@@ -284,24 +284,26 @@ def ratio(a: dict, b: dict) -> float:
 
 
 def markdown(res: dict) -> str:
-    """Medians of tokens/s per cell, then ratios (each the median of the rounds' own ratios)."""
-    cells, variants = res["cells"], res["variants"]
-    t1, t2 = res["threads"][0], res["threads"][-1]
-    head = ["model", "load", *(f"{v}, {t} thr" for v in variants for t in res["threads"]),
-            *(f"{v} {t2}/{t1} thr" for v in variants), *(f"{v} / {variants[0]}, {t2} thr" for v in variants[1:]),
-            "other cores busy", "steal"]
-    lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
-    for model in res["models"]:
-        for hogs in res["hogs"]:
-            c = {(v, t): cells[cell_key(model, hogs, v, t)] for v in variants for t in res["threads"]}
-            row = [model, load_name(hogs),
-                   *(f"{c[v, t]['tokens_per_s']:.1f}" for v in variants for t in res["threads"]),
-                   *(f"{ratio(c[v, t2], c[v, t1]):.2f}x" for v in variants),
-                   *(f"{ratio(c[v, t2], c[variants[0], t2]):.2f}x" for v in variants[1:]),
-                   f"{statistics.median(x['other_cores_busy'] for x in c.values()):.2f}",
-                   f"{statistics.median(x['steal_cores'] for x in c.values()):.2f}"]
-            lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines)
+    """Two tables: medians of tokens/s per cell (and how many cores other processes kept busy meanwhile), then the
+    ratios, each the median of the rounds' own ratios (cells of one round run minutes apart at most)."""
+    cells, variants, threads = res["cells"], res["variants"], res["threads"]
+    t1, t2 = threads[0], threads[-1]
+    rows = [(model, hogs, {(v, t): cells[cell_key(model, hogs, v, t)] for v in variants for t in threads})
+            for model in res["models"] for hogs in res["hogs"]]
+    head = ["model", "load", *(f"{v}, {t} thr" for v in variants for t in threads), "other processes, cores"]
+    speed = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
+    for model, hogs, c in rows:
+        speed.append("| " + " | ".join([model, load_name(hogs), *(f"{c[v, t]['tokens_per_s']:.1f}" for v in variants
+                                                                   for t in threads),
+                                        f"{statistics.median(x['other_cores_busy'] for x in c.values()):.2f}"]) + " |")
+    head = ["model", "load", *(f"{v}: {t2} thr / {t1}" for v in variants),
+            *(f"{v} / {variants[0]}, {t2} thr" for v in variants[1:])]
+    ratios = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
+    for model, hogs, c in rows:
+        cols = [*(f"{ratio(c[v, t2], c[v, t1]):.2f}x" for v in variants),
+                *(f"{ratio(c[v, t2], c[variants[0], t2]):.2f}x" for v in variants[1:])]
+        ratios.append("| " + " | ".join([model, load_name(hogs), *cols]) + " |")
+    return "tokens/s (medians)\n\n" + "\n".join(speed) + "\n\nratios\n\n" + "\n".join(ratios)
 
 
 def cpu_name() -> str:
@@ -332,10 +334,13 @@ def main() -> None:
                     help="start the workers afresh every round, in turn first (default: on; a process's speed on one "
                          "thread differed by up to 15%% between workers otherwise, whatever their settings)")
     ap.add_argument("--out", type=Path, help="JSON result file (e.g. docs/benchmarks/threads.json)")
+    ap.add_argument("--render", type=Path, metavar="JSON", help="print the tables of a result file, and run nothing")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
+    if args.render:
+        return print(markdown(json.loads(args.render.read_text())))
     import signal
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the busy loops and workers are stopped
