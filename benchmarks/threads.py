@@ -270,6 +270,7 @@ def summarize(samples: dict) -> dict:
         cells[key] = {"tokens_per_s": statistics.median(tps), "all": [round(x, 4) for x in tps],
                       "cpu_s_per_token": statistics.median(r["cpu_s_per_token"] for r in rs),
                       "other_cores_busy": statistics.median(r["other_cores_busy"] for r in rs),
+                      "other_cores_all": [round(r["other_cores_busy"], 2) for r in rs],
                       "steal_cores": statistics.median(r["steal_cores"] for r in rs)}
     return cells
 
@@ -331,8 +332,8 @@ def main() -> None:
                     help=f"seconds to wait at most, before each quiet block, for other processes to use under "
                          f"{QUIET_CORES} cores (default {QUIET_WAIT_S:g}; 0: do not wait)")
     ap.add_argument("--fresh-workers", action=argparse.BooleanOptionalAction, default=True,
-                    help="start the workers afresh every round, in turn first (default: on; a process's speed on one "
-                         "thread differed by up to 15%% between workers otherwise, whatever their settings)")
+                    help="start the workers afresh every round, in turn first (default: on: two processes' speeds on "
+                         "one thread differed by more than 15%% whatever their settings)")
     ap.add_argument("--out", type=Path, help="JSON result file (e.g. docs/benchmarks/threads.json)")
     ap.add_argument("--render", type=Path, metavar="JSON", help="print the tables of a result file, and run nothing")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
