@@ -193,8 +193,7 @@ def main() -> None:
 
     args.text = args.text or write_text(Path(os.environ.get("TMPDIR", "/tmp")) / "peagle-perplexity-text.txt")
     paths = args.paths or [*kernels.supported_paths(), "off"]
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), "unknown CPU")
+    cpu = kernels.cpu_model()
     print(f"{cpu}; paths {', '.join(paths)}; {args.chunks} chunks of {args.ctx} tokens; text {args.text}", flush=True)
     results = []
     for name in args.models:

@@ -121,15 +121,11 @@ def canonical_command(args) -> str:
 def machine() -> dict:
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     import transformers
+
+    from peagle.model.kernels import cpu_model
+
+    cpu = cpu_model()
 
     d = {"cpu": cpu, "cpu_count": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
          "transformers": transformers.__version__, "python": platform.python_version(),

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, is_dataclass
@@ -82,18 +81,8 @@ def timings_key(target: TargetModel, head: HeadProposer | None, max_num_seqs: in
             "parallel_drafting": head.parallel if head is not None else None,
             "max_num_seqs": max_num_seqs, "max_model_len": max_model_len, **shape,
             "kernels": kernels.describe(target.device), "kernel_build": Path(lib._name).name if lib else None,
-            "threads": torch.get_num_threads(), "cpu": _cpu_model(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "cpu": kernels.cpu_model(), "torch": torch.__version__,
             "peagle": peagle_version}
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 class ScratchTimings:
@@ -104,10 +93,9 @@ class ScratchTimings:
         self.context = min(128, max_model_len // 2)  # cached positions a decode row attends to: a typical context
         self.remembered = remembered
 
-    def _timed(self, name: str, fn: Callable[[], object], repeats: int = 2) -> float:
-        if self.remembered is None:
-            return timed(fn, self.clock, repeats)
-        return self.remembered.get(name, lambda: timed(fn, self.clock, repeats))
+    def _seconds(self, name: str, measure: Callable[[], float]) -> float:
+        """measure(), or the seconds remembered under `name` (measured and kept where none are)."""
+        return measure() if self.remembered is None else self.remembered.get(name, measure)
 
     # -- the policy's: a decode step's verify forward and the head's drafting ----------------------------------
     def target_rows(self, rows: int) -> float:
@@ -122,16 +110,14 @@ class ScratchTimings:
             with torch.inference_mode():
                 self.target(tokens, layout, self.target_cache, num_logits=None)
 
-        return self._timed(f"target_rows {rows}", forward)
+        return self._seconds(f"target_rows {rows}", lambda: timed(forward, self.clock))
 
     def head_draft(self, batch: int, k: int) -> float:
         """Seconds of the head drafting k tokens for `batch` requests (no head: nothing to time)."""
         if not self.head:
             return 0.0
-        if self.remembered is None:
-            return self.head.time_draft(batch, k, self.context, self.clock)
-        return self.remembered.get(f"head_draft {batch} {k}",
-                                   lambda: self.head.time_draft(batch, k, self.context, self.clock))
+        return self._seconds(f"head_draft {batch} {k}",
+                             lambda: self.head.time_draft(batch, k, self.context, self.clock))
 
     # -- the step budget's: a prompt chunk's forwards, the target's and the drafter's, in slot 0 ----------------
     def prefill_chunk(self, rows: int, position: int, every_row_logits: bool) -> float:
@@ -146,7 +132,8 @@ class ScratchTimings:
                 else:
                     self.target.trunk(tokens, layout, self.target_cache)
 
-        return self._timed(f"prefill_chunk {rows} {position} {every_row_logits}", forward, repeats=1)
+        return self._seconds(f"prefill_chunk {rows} {position} {every_row_logits}",
+                             lambda: timed(forward, self.clock, repeats=1))
 
     def drafter_rows(self, rows: int, position: int) -> float:
         """Seconds of the drafter's catch-up pass over `rows` real rows from `position`."""
@@ -159,7 +146,7 @@ class ScratchTimings:
             with torch.inference_mode():
                 drafter(tokens, feats, layout, self.head.cache)
 
-        return self._timed(f"drafter_rows {rows} {position}", forward, repeats=1)
+        return self._seconds(f"drafter_rows {rows} {position}", lambda: timed(forward, self.clock, repeats=1))
 
     def _chunk(self, rows: int, position: int) -> tuple[torch.Tensor, BatchLayout]:
         dev = self.device

@@ -86,6 +86,18 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset(line.split())
 
 
+@functools.cache
+def cpu_model() -> str:
+    """The CPU's name as /proc/cpuinfo gives it (what benchmarks and cached timings record), else the platform's."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def build_dir() -> Path:
     """Where the compiled library is kept: $PEAGLE_KERNELS_DIR, else $PEAGLE_HOME/kernels (the variable lets
     processes with homes of their own, such as tests' servers, share one build)."""
@@ -224,8 +236,8 @@ _EMULATION_FLAGS = ("-O0", "-mavx2", "-mfma", "-mf16c", "-DPEAGLE_EMULATE_AVX512
 def emulated_library():
     """A second build of the kernel library, for tests on CPUs without AVX-512 or AMX: its AVX-512 VNNI and BF16
     sections and its AMX int8 section (the same symbols) run SIMDe's and kernels/amx.c's portable definitions of
-    the instructions, so their logic can be checked against AVX2 here. Slow, never used to run a model. None where SIMDe's headers (apt-get install libsimde-dev), a C
-    compiler or AVX2 are missing; RuntimeError when it fails to build for another reason."""
+    the instructions, so their logic can be checked against AVX2 here. Slow, never used to run a model. None where
+    SIMDe's headers (apt-get install libsimde-dev), a C compiler or AVX2 are missing; RuntimeError when it fails to build for another reason."""
     if not _CPU_FLAGS_NEEDED["avx2"] <= _cpu_flags():
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
