@@ -359,7 +359,10 @@ def real_f32_reference(real_gguf, real_text_ids, real_text_chunks) -> tuple[floa
 def test_real_gemma3_is_as_good_as_f32_on_every_kernel_path(real_gguf, real_text_ids, real_text_chunks,
                                                              real_f32_reference, path, monkeypatch):
     if not kernels.cpu_has(path):
-        pytest.skip(f"this CPU has no {path} instructions (tests/test_kernels_emulated.py checks their logic)")
+        # What such a path changes in this file's forward is checked on every CPU: its attention on this file's own
+        # activations against float64 and AVX2, and its block products (VNNI, AMX int8 tiles) bit for bit against
+        # AVX2, on the emulated instructions (tests/test_kernels_emulated.py, tests/test_amx_int8.py).
+        pytest.skip(f"this CPU has no {path} instructions (its parts are checked on emulated ones)")
     if path not in kernels.supported_paths():
         pytest.fail(f"this CPU has {path} but the library does not run it: a broken install")
     on_kernel_path(monkeypatch, path)

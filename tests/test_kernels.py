@@ -153,7 +153,9 @@ def _attention_reference(q, kc, vc, slots, positions):
 # The two ways attention scores and weighted values are computed (kernels.attention_path()), each where the CPU has
 # its instructions: avx2 on every x86-64 machine, avx512-bf16 on Zen 4 and on Intel with AVX-512 BF16 or AMX.
 ATTENTION_PATHS = [pytest.param(p, marks=pytest.mark.skipif(not kernels.cpu_has(p),
-                                                            reason=f"this CPU lacks the {p} instructions"))
+                                                            reason=f"this CPU lacks the {p} instructions "
+                                                                   "(tests/test_kernels_emulated.py runs these checks "
+                                                                   "on the emulated instructions)"))
                    for p in ("avx512-bf16", "avx2")]
 
 
