@@ -38,7 +38,6 @@ class RememberedTimings:
             self.seconds: dict[str, float] = json.loads(self.path.read_text())["seconds"]
         except (OSError, ValueError, KeyError, TypeError):
             self.seconds = {}
-        self.remembered = len(self.seconds)  # how many came from the file
         self.measured = 0
 
     def get(self, name: str, measure: Callable[[], float]) -> float:
