@@ -44,6 +44,32 @@ def make_tiny_model(out: Path, model_type: str = "llama", seed: int = 0, **overr
     return out
 
 
+def paged(kc: torch.Tensor, vc: torch.Tensor, seed: int = 0):
+    """A contiguous cache [slots, nkv, max_len, D] as a paged layers.LayerKV whose blocks lie in the pool in a
+    random order (so a kernel that ignored the block table would read the wrong keys)."""
+    from peagle.model.layers import KV_BLOCK_SIZE, LayerKV
+
+    S, nkv, L, D = kc.shape
+    nb = -(-L // KV_BLOCK_SIZE)
+    ids = torch.randperm(S * nb, generator=torch.Generator().manual_seed(seed)) + 1  # block 0: the null block
+    tables = ids.view(S, nb).to(torch.int32)
+    pools = []
+    for c in (kc, vc):
+        pool = torch.zeros(S * nb + 1, nkv, KV_BLOCK_SIZE, D, dtype=c.dtype)
+        padded = torch.zeros(S, nkv, nb * KV_BLOCK_SIZE, D, dtype=c.dtype)
+        padded[:, :, :L] = c
+        pool[tables.long()] = padded.view(S, nkv, nb, KV_BLOCK_SIZE, D).transpose(1, 2)
+        pools.append(pool)
+    return LayerKV(*pools, tables)
+
+
+def cache_contents(cache) -> list[torch.Tensor]:
+    """Every layer's keys and values of every slot, position by position ([slots, nkv, max_len, D] each): what a
+    paged cache holds, wherever its blocks lie."""
+    slots = torch.arange(cache.num_slots)
+    return [t for layer in cache.layers for t in layer.gather(slots, cache.max_len)]
+
+
 def on_kernel_path(monkeypatch, path: str) -> None:
     """Run what is built from here on (packed weights, native layers, attention calls) on matrix path `path`, as a
     process started with PEAGLE_CPU_KERNELS=path would (the variable is read once per process)."""

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from peagle.model import kernels
-from tests.conftest import KERNEL_PATHS, needs_native_kernels
+from tests.conftest import KERNEL_PATHS, needs_native_kernels, paged
 
 
 def bf16(*shape, seed=0, scale=1.0):
@@ -141,12 +141,13 @@ def test_rope_equals_the_reference_rounding():
     assert torch.equal(y[:, :, :9], ref) and torch.equal(y[:, :, 9:], x[:, :, 9:])
 
 
-def _attention_reference(q, kc, vc, slots, positions):
-    """float64 causal attention of q [B, T, nh, D] over the cache (already holding this call's keys)."""
+def _attention_reference(q, kv, slots, positions):
+    """float64 causal attention of q [B, T, nh, D] over the paged cache kv (already holding this call's keys)."""
     L = int(positions.max()) + 1
     mask = (torch.arange(L)[None, None, :] <= positions[:, :, None])[:, None]
-    ref = F.scaled_dot_product_attention(q.transpose(1, 2).double(), kc[slots, :, :L].double(),
-                                         vc[slots, :, :L].double(), attn_mask=mask, enable_gqa=True)
+    keys, values = kv.gather(slots, L)
+    ref = F.scaled_dot_product_attention(q.transpose(1, 2).double(), keys.double(), values.double(), attn_mask=mask,
+                                         enable_gqa=True)
     return ref.transpose(1, 2)
 
 
@@ -167,23 +168,48 @@ def test_the_attention_path_follows_the_matrix_path():
 @needs_native_kernels
 @pytest.mark.parametrize("path", ATTENTION_PATHS)
 def test_attention_writes_the_cache_matches_float64_and_is_batch_invariant(path):
+    """Through block tables whose blocks lie in the pool out of order."""
     nh, nkv, D, max_len = 9, 3, 64, 256
-    kc, vc = bf16(3, nkv, max_len, D, seed=6), bf16(3, nkv, max_len, D, seed=7)
+    kv = paged(bf16(3, nkv, max_len, D, seed=6), bf16(3, nkv, max_len, D, seed=7), seed=1)
     qkv = bf16(2, 8, nh + 2 * nkv, D, seed=8)  # the layout the model's fused projection gives
     q, k, v = qkv.split([nh, nkv, nkv], dim=2)
     slots = torch.tensor([2, 0])
     positions = torch.stack([200 + torch.arange(8), 17 + torch.arange(8)])
     with torch.inference_mode():
-        out = kernels.attention_bf16(q, k, v, kc, vc, slots, positions, path=path)
+        out = kernels.attention_bf16(q, k, v, kv, slots, positions, path=path)
+        keys, values = kv.gather(torch.arange(3), max_len)
         for b in range(2):  # this call's keys and values landed at their slots and positions
-            written_k, written_v = kc[slots[b]][:, positions[b]], vc[slots[b]][:, positions[b]]  # [nkv, T, D]
+            written_k, written_v = keys[slots[b]][:, positions[b]], values[slots[b]][:, positions[b]]  # [nkv, T, D]
             assert torch.equal(written_k, k[b].transpose(0, 1)) and torch.equal(written_v, v[b].transpose(0, 1))
-        assert (out.double() - _attention_reference(q, kc, vc, slots, positions)).abs().max() < 0.02
+        assert (out.double() - _attention_reference(q, kv, slots, positions)).abs().max() < 0.02
         for b in range(2):
             for t in range(8):
-                one = kernels.attention_bf16(q[b:b + 1, t:t + 1], k[b:b + 1, t:t + 1], v[b:b + 1, t:t + 1], kc, vc,
+                one = kernels.attention_bf16(q[b:b + 1, t:t + 1], k[b:b + 1, t:t + 1], v[b:b + 1, t:t + 1], kv,
                                              slots[b:b + 1], positions[b:b + 1, t:t + 1], path=path)
                 assert torch.equal(one[0, 0], out[b, t])
+
+
+@needs_native_kernels
+@pytest.mark.parametrize("path", ATTENTION_PATHS)
+def test_attention_bits_do_not_depend_on_where_the_blocks_lie(path):
+    """The same keys in the pool in two different block orders give the same bits, and a moved table (a sliding
+    window's start) reads the keys from there on."""
+    nh, nkv, D, max_len = 4, 2, 64, 96
+    kc, vc = bf16(2, nkv, max_len, D, seed=30), bf16(2, nkv, max_len, D, seed=31)
+    q, k, v = bf16(2, 3, nh, D, seed=32), bf16(2, 3, nkv, D, seed=33), bf16(2, 3, nkv, D, seed=34)
+    slots, positions = torch.tensor([1, 0]), torch.stack([70 + torch.arange(3), 40 + torch.arange(3)])
+    with torch.inference_mode():
+        a = kernels.attention_bf16(q, k, v, paged(kc, vc, seed=2), slots, positions, path=path)
+        b = kernels.attention_bf16(q, k, v, paged(kc, vc, seed=3), slots, positions, path=path)
+        assert torch.equal(a, b)
+        kv = paged(kc, vc, seed=4)
+        moved = kernels.attention_bf16(q[:1, :1], k[:1, :1], v[:1, :1], kv.moved(21), slots[:1], positions[:1, :1] - 21,
+                                       path=path)
+        keys, values = kv.gather(slots[:1], 71)
+        window = paged(keys[:, :, 21:].contiguous(), values[:, :, 21:].contiguous(), seed=5)
+        alone = kernels.attention_bf16(q[:1, :1], k[:1, :1], v[:1, :1], window, torch.tensor([0]),
+                                       positions[:1, :1] - 21, path=path)
+    assert torch.equal(moved, alone)
 
 
 @needs_native_kernels
@@ -191,12 +217,12 @@ def test_attention_writes_the_cache_matches_float64_and_is_batch_invariant(path)
 @pytest.mark.parametrize("D", [8, 48, 128, 256])
 def test_attention_head_sizes(D, path):
     nh, nkv, max_len = 4, 2, 64
-    kc, vc = bf16(1, nkv, max_len, D, seed=9), bf16(1, nkv, max_len, D, seed=10)
+    kv = paged(bf16(1, nkv, max_len, D, seed=9), bf16(1, nkv, max_len, D, seed=10))
     q, k, v = bf16(1, 5, nh, D, seed=11), bf16(1, 5, nkv, D, seed=12), bf16(1, 5, nkv, D, seed=13)
     slots, positions = torch.tensor([0]), (20 + torch.arange(5))[None]
     with torch.inference_mode():
-        out = kernels.attention_bf16(q, k, v, kc, vc, slots, positions, path=path)
-    assert (out.double() - _attention_reference(q, kc, vc, slots, positions)).abs().max() < 0.02
+        out = kernels.attention_bf16(q, k, v, kv, slots, positions, path=path)
+    assert (out.double() - _attention_reference(q, kv, slots, positions)).abs().max() < 0.02
 
 
 @needs_native_kernels
@@ -207,19 +233,24 @@ def test_attention_ignores_stale_cache_entries_past_each_rows_keys(path):
     nh, nkv, D, max_len = 4, 2, 64, 32
     kc, vc = bf16(1, nkv, max_len, D, seed=20), bf16(1, nkv, max_len, D, seed=21)
     kc[:, :, 9:], vc[:, :, 9:] = float("nan"), float("inf")  # this call writes positions 6-8
+    kv = paged(kc, vc)
     q, k, v = bf16(1, 3, nh, D, seed=22), bf16(1, 3, nkv, D, seed=23), bf16(1, 3, nkv, D, seed=24)
     slots, positions = torch.tensor([0]), (6 + torch.arange(3))[None]  # 7 to 9 keys
     with torch.inference_mode():
-        out = kernels.attention_bf16(q, k, v, kc, vc, slots, positions, path=path)
+        out = kernels.attention_bf16(q, k, v, kv, slots, positions, path=path)
     assert torch.isfinite(out).all()
-    assert (out.double() - _attention_reference(q, kc, vc, slots, positions)).abs().max() < 0.02
+    assert (out.double() - _attention_reference(q, kv, slots, positions)).abs().max() < 0.02
 
 
 @needs_native_kernels
-def test_attention_refuses_positions_outside_the_cache():
+def test_attention_refuses_positions_and_blocks_outside_the_cache():
     kc, vc, x = bf16(1, 1, 16, 8), bf16(1, 1, 16, 8), bf16(1, 1, 1, 8)
-    with pytest.raises(IndexError, match="positions must lie"):
-        kernels.attention_bf16(x, x, x, kc, vc, torch.tensor([0]), torch.tensor([[16]]))
+    kv = paged(kc, vc)
+    with pytest.raises(IndexError, match="outside this cache"):
+        kernels.attention_bf16(x, x, x, kv, torch.tensor([0]), torch.tensor([[16]]))
+    kv.tables[0, 0] = 5  # a block the pool does not have
+    with pytest.raises(IndexError, match="outside this cache"):
+        kernels.attention_bf16(x, x, x, kv, torch.tensor([0]), torch.tensor([[3]]))
 
 
 @needs_native_kernels

@@ -14,7 +14,7 @@ import torch
 
 from peagle.model import kernels, quant
 from tests import test_kernels
-from tests.conftest import needs_native_kernels
+from tests.conftest import needs_native_kernels, paged
 from tests.test_kernels import bf16
 from tests.test_kquants import _FP16_AT, gemma_file, first_tensors_of_each_type, kernel_activations, random_blocks
 
@@ -187,7 +187,7 @@ def test_avx512_bf16_attention_on_real_gemma3_activations(emulated, gemma3_atten
 
     def attention(path: str) -> torch.Tensor:
         with torch.inference_mode():
-            return kernels.attention_bf16(q[:, rows], k[:, rows], v[:, rows], cache_k.clone(), cache_v.clone(),
+            return kernels.attention_bf16(q[:, rows], k[:, rows], v[:, rows], paged(cache_k, cache_v),
                                           torch.tensor([0]), positions, path=path).double()
 
     G = q.shape[2] // k.shape[2]

@@ -121,7 +121,7 @@ def test_eviction_under_a_tiny_budget_keeps_outputs(target):
     eng = engine(target, "peagle", 3)
     per_block = eng.prefix_cache.bytes_per_block
     eng = engine(target, "peagle", 3, prefix_cache_gb=5 * per_block / 2**30)
-    assert eng.prefix_cache.num_blocks == 5
+    assert eng.prefix_cache.max_cached_blocks == 5
     ps = shared_prefix_prompts(3, shared=50, seed=11) + shared_prefix_prompts(3, shared=50, seed=12)
     same(run_mixed(eng, ps), run_mixed(reference(target, "peagle", 3), ps))
     assert eng.prefix_cache.num_cached_blocks <= 5

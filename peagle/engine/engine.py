@@ -186,6 +186,10 @@ class LLMEngine:
         self.step_budget = StepBudget(self._step_clock, max_step_time_ms)
         self.step_budget.calibrate(timings.prefill_chunk, lambda: timings.target_rows(1),
                                    timings.drafter_rows if self.drafter is not None else None, self.max_model_len)
+        for slot in range(self.max_num_seqs):  # the scratch rows' blocks go back
+            for cache in (self.target_cache, self.drafter_cache):
+                if cache is not None:
+                    cache.release(slot)
         if remembered is not None:
             remembered.save()
             logger.info("peagle engine: start-up timings %s (%s)", "remembered" if not remembered.measured else
@@ -193,7 +197,7 @@ class LLMEngine:
         row_bytes = self.target.feature_dim * self.target.norm.weight.dtype.itemsize
         self.catch_up = DrafterCatchUp(self.drafter, self.drafter_cache, self.step_budget, max_num_batched_tokens,
                                        row_bytes, self.device)
-        self.prefix_reuse = PrefixReuse(self.prefix_cache, self.target_cache, self.drafter_cache, self.catch_up)
+        self.prefix_reuse = PrefixReuse(self.prefix_cache, self.catch_up)
         self.prefill = Prefill(self.target, self.target_cache, self.step_budget, self.catch_up, self.prefix_reuse,
                                self.proposer, max_num_batched_tokens, enable_chunked_prefill, self._first_token)
         release_freed_memory()  # calibration's scratch activations (a full prefill chunk's) are freed but kept
@@ -544,14 +548,21 @@ class LLMEngine:
         if req.finished and req in self.running:
             self.prefix_reuse.store_drafter_entries(req)
             self.running.remove(req)
-            self.free_slots.append(req.slot)
-            self.free_slots.sort()  # lowest slots first keeps batches contiguous (no cache gather)
+            self._release(req)
             req.finished_at = time.perf_counter()
             req.backlog.clear()
             self.policy.forget(req.request_id)
             if self.proposer is not None:
                 self.proposer.finish(req)
             self.num_finished += 1
+
+    def _release(self, req: Request) -> None:
+        """The request's cache slot, and the blocks it holds, go back."""
+        for cache in (self.target_cache, self.drafter_cache):
+            if cache is not None:
+                cache.release(req.slot)
+        self.free_slots.append(req.slot)
+        self.free_slots.sort()
 
     def _first_token(self, req: Request, logits: torch.Tensor) -> int:
         """The token after a complete prompt (prefill.py), from its last row's logits: sampled and committed."""

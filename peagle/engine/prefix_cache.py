@@ -1,32 +1,36 @@
-"""Automatic prefix caching: blocks of BLOCK_SIZE tokens whose keys and values (and target features) one request
-computed, copied into the cache slot of a later request whose tokens start the same way.
+"""Automatic prefix caching: blocks of BLOCK_SIZE positions whose keys and values (and target features) one request
+computed, shared by reference with later requests whose tokens start the same way.
 
 A block is found by a chain of hashes over token ids (block j's key hashes block j-1's key with its own tokens), and
 a hit is then checked against the block's own token ids and its parent's identity, so a hash collision can never
-hand one request another's context. A block holds, for its BLOCK_SIZE positions:
-  - the target's keys and values in every layer,
+hand one request another's context. A cached block holds, for its BLOCK_SIZE positions:
+  - the target's keys and values in every layer: one block of the target's paged KV cache, which the cache holds a
+    reference to (layers.KVCache.hold); a request that hits it puts the same block in its own block table;
   - the target features g_t there (what the drafter reads for those rows, so a drafter that has not run them can),
-  - and, once the request that stored it had run its drafter over those rows, the drafter's keys and values. The
-    drafter's row t reads token x_{t+1}, so its entries depend on the first token after the block as well: the block
-    remembers that token, and its drafter entries are used only where the new request has the same one.
+    kept beside the pool, one row per pool block;
+  - and, once the request that stored it had run its drafter over those rows, the block of the drafter's cache that
+    holds them. The drafter's row t reads token x_{t+1}, so its entries depend on the first token after the block as
+    well: the block remembers that token, and its drafter entries are shared only where the new request has the same
+    one.
 
-Running requests keep their own contiguous cache slot (the attention kernels read one slot per row); blocks are
-copies, so none is ever held by a request and any can be evicted: least recently used first, deepest first among
-equals, so that a parent never goes before its children. Reuse is bit-exact because the kernels compute each row on
-its own: a position's keys and values do not depend on which forward computed them (docs/engine.md, "Prefix caching").
+Nothing is copied: a block's positions are final when it is stored (a request writes only past its committed tokens),
+so every holder reads the same bits, and reuse is bit-exact because the kernels compute each row on its own (a
+position's keys and values do not depend on which forward computed them; docs/engine.md, "Prefix caching"). The
+cache holds at most `memory_gb` of blocks; past that, and whenever the pool runs short of free blocks, it lets go of
+the least recently used, the deepest first among equals, so that a parent never goes before its children. A block a
+running request also holds stays in that request's table; it returns to the pool when its last holder lets go.
 """
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass
 
 import torch
 
-from peagle.model.layers import KVCache
+from peagle.model.layers import KV_BLOCK_SIZE, KVCache
 
-BLOCK_SIZE = 16  # tokens per block (vLLM's default): the grain of reuse, and of chunk boundaries
-DEFAULT_MEMORY_GB = 1.0  # the blocks' memory budget when none is given (--prefix-cache-gb)
+BLOCK_SIZE = KV_BLOCK_SIZE  # tokens per cached block: the KV cache's own block (also the grain of chunk boundaries)
+DEFAULT_MEMORY_GB = 1.0  # the most the cached blocks may hold when no budget is given (--prefix-cache-gb)
 
 
 @dataclass
@@ -35,32 +39,32 @@ class Block:
     parent_uid: int | None
     tokens: tuple[int, ...]
     depth: int  # blocks before it in its chain
-    index: int  # row in the pool tensors
+    kv: int  # the target cache's block holding its keys and values (and the feature row of the same index)
+    drafter_kv: int | None = None  # the drafter cache's block, once its entries were stored
     next_token: int | None = None  # the token after the block that its drafter entries were computed with
     last_used: int = 0
     salt: str = ""  # a chain's first block: the cache_salt of the requests that may reuse the chain
 
 
 class PrefixCache:
-    """A pool of blocks for one engine: the target's cache layout, the drafter's (or none) and the feature width."""
+    """The cached blocks of one engine: references into its target cache (and drafter cache, or none), and the
+    feature rows beside them."""
 
     def __init__(self, target_cache: KVCache, drafter_cache: KVCache | None, feature_dim: int, memory_gb: float,
                  feature_dtype: torch.dtype):
+        self.target_cache, self.drafter_cache = target_cache, drafter_cache
         caches = [target_cache] + ([drafter_cache] if drafter_cache is not None else [])
-        per_block = BLOCK_SIZE * feature_dim * feature_dtype.itemsize + sum(
-            2 * math.prod(_block_shape(c)) * c.k[0].element_size() for c in caches)
-        self.num_blocks = max(1, int(memory_gb * 2**30) // per_block)
-        self.bytes_per_block = per_block
-        # torch.empty: pages are committed only as blocks are written
-        self.tk, self.tv = _pool(target_cache, self.num_blocks)
-        self.dk, self.dv = _pool(drafter_cache, self.num_blocks) if drafter_cache is not None else (None, None)
-        self.features = torch.empty((self.num_blocks, BLOCK_SIZE, feature_dim), dtype=feature_dtype,
-                                    device=self.tk.device)
+        self.bytes_per_block = BLOCK_SIZE * feature_dim * feature_dtype.itemsize + sum(c.bytes_per_block for c in caches)
+        self.max_cached_blocks = max(1, int(memory_gb * 2**30) // self.bytes_per_block)
+        # torch.empty: a row's pages are committed only when a block's features are written
+        self.features = torch.empty((target_cache.num_blocks, BLOCK_SIZE, feature_dim), dtype=feature_dtype,
+                                    device=target_cache.k[0].device)
         self.blocks: dict[int, Block] = {}  # key -> block
-        self._free = list(reversed(range(self.num_blocks)))  # pop() hands out row 0 first
         self._uids = itertools.count()
         self._clock = itertools.count(1)
         self.queries = self.hits = 0  # prompt tokens looked up, and found (vllm:prefix_cache_queries / _hits)
+        for c in caches:
+            c.reclaim = self.free_blocks
 
     # -- finding blocks ----------------------------------------------------------------------------------------
     @staticmethod
@@ -89,75 +93,67 @@ class PrefixCache:
             parent = block
         return hit
 
-    # -- moving entries between a slot and the pool ---------------------------------------------------------------
-    def load(self, hit: list[Block], slot: int, start: int, target_cache: KVCache) -> torch.Tensor:
-        """Copy the blocks' target entries into `slot` from position `start`; returns their features [rows, F]."""
-        idx = torch.tensor([b.index for b in hit], device=self.tk.device)
-        _copy_in(self.tk, self.tv, idx, target_cache, slot, start)
-        return self.features[idx].flatten(0, 1)
+    # -- sharing blocks with a slot ------------------------------------------------------------------------------
+    def load(self, hit: list[Block], slot: int, start: int) -> torch.Tensor:
+        """Put the blocks in `slot`'s target table from position `start`; returns their features [rows, F]."""
+        self.target_cache.adopt(slot, start // BLOCK_SIZE, [b.kv for b in hit])
+        return self.features[torch.tensor([b.kv for b in hit])].flatten(0, 1)
 
-    def load_drafter(self, blocks: list[Block], slot: int, start: int, drafter_cache: KVCache) -> None:
-        idx = torch.tensor([b.index for b in blocks], device=self.tk.device)
-        _copy_in(self.dk, self.dv, idx, drafter_cache, slot, start)
+    def load_drafter(self, blocks: list[Block], slot: int, start: int) -> None:
+        self.drafter_cache.adopt(slot, start // BLOCK_SIZE, [b.drafter_kv for b in blocks])
 
-    def store(self, parent: Block | None, tokens: tuple[int, ...], slot: int, start: int, target_cache: KVCache,
-              features: torch.Tensor, salt: str = "") -> Block:
+    def store(self, parent: Block | None, tokens: tuple[int, ...], slot: int, start: int, features: torch.Tensor,
+              salt: str = "") -> Block:
         """The block of `tokens` at positions start.. of `slot` (features [BLOCK_SIZE, F]) after `parent` (None: a
-        chain of `salt`): the pool's own if it has one already, else a new one (evicting the least recently used
-        block when the pool is full)."""
+        chain of `salt`): the cache's own if it has one already, else the slot's block, now held by the cache too."""
         block = self._child(parent, tokens, salt)
         if block is not None:
             block.last_used = next(self._clock)
             return block
-        index = self._free.pop() if self._free else self._evict()
-        block = Block(next(self._uids), parent.uid if parent else None, tokens,
-                      parent.depth + 1 if parent else 0, index, last_used=next(self._clock),
-                      salt=salt if parent is None else "")
+        if len(self.blocks) >= self.max_cached_blocks:
+            self._evict()
+        kv = self.target_cache.blocks_of(slot, start // BLOCK_SIZE, 1)[0]
+        self.target_cache.hold(kv)
+        block = Block(next(self._uids), parent.uid if parent else None, tokens, parent.depth + 1 if parent else 0, kv,
+                      last_used=next(self._clock), salt=salt if parent is None else "")
         key = self.key(parent, tokens, salt)
         if key in self.blocks:  # a collision with a different block: the newer one takes the key
-            self._free.append(self.blocks.pop(key).index)
+            self._let_go(self.blocks.pop(key))
         self.blocks[key] = block
-        for layer, (k, v) in enumerate(zip(target_cache.k, target_cache.v)):
-            self.tk[layer, index] = k[slot, :, start:start + BLOCK_SIZE]
-            self.tv[layer, index] = v[slot, :, start:start + BLOCK_SIZE]
-        self.features[index] = features
+        self.features[kv] = features
         return block
 
-    def store_drafter(self, block: Block, slot: int, start: int, drafter_cache: KVCache, next_token: int) -> None:
-        """The drafter's entries for a block's positions, computed with `next_token` after it."""
-        for layer, (k, v) in enumerate(zip(drafter_cache.k, drafter_cache.v)):
-            self.dk[layer, block.index] = k[slot, :, start:start + BLOCK_SIZE]
-            self.dv[layer, block.index] = v[slot, :, start:start + BLOCK_SIZE]
+    def store_drafter(self, block: Block, slot: int, start: int, next_token: int) -> None:
+        """The drafter's entries for a block's positions (in `slot`'s drafter block), computed with `next_token`."""
+        block.drafter_kv = self.drafter_cache.blocks_of(slot, start // BLOCK_SIZE, 1)[0]
+        self.drafter_cache.hold(block.drafter_kv)
         block.next_token = next_token
 
-    # -- eviction ------------------------------------------------------------------------------------------------
-    def _evict(self) -> int:
-        """The pool row of the least recently used block, the deepest first among equals, which leaves the pool."""
+    # -- letting go ----------------------------------------------------------------------------------------------
+    def free_blocks(self, cache: KVCache, wanted: int) -> None:
+        """Let go of least recently used blocks that nothing else holds in `cache` (the target's or the drafter's)
+        until it has `wanted` free blocks, or no such block is left: a cache calls this when it runs short."""
+        def idle(b: Block) -> bool:
+            kv = b.kv if cache is self.target_cache else b.drafter_kv
+            return kv is not None and cache.holders(kv) == 1
+
+        while cache.num_free_blocks < wanted:
+            candidates = [k for k, b in self.blocks.items() if idle(b)]
+            if not candidates:
+                return
+            key = min(candidates, key=lambda k: (self.blocks[k].last_used, -self.blocks[k].depth))
+            self._let_go(self.blocks.pop(key))
+
+    def _evict(self) -> None:
+        """The least recently used block, the deepest first among equals, leaves the cache."""
         key = min(self.blocks, key=lambda k: (self.blocks[k].last_used, -self.blocks[k].depth))
-        return self.blocks.pop(key).index
+        self._let_go(self.blocks.pop(key))
+
+    def _let_go(self, block: Block) -> None:
+        self.target_cache.drop(block.kv)
+        if block.drafter_kv is not None:
+            self.drafter_cache.drop(block.drafter_kv)
 
     @property
     def num_cached_blocks(self) -> int:
         return len(self.blocks)
-
-
-def _copy_in(pool_k: torch.Tensor, pool_v: torch.Tensor, idx: torch.Tensor, cache: KVCache, slot: int,
-             start: int) -> None:
-    """Pool rows idx ([n] blocks, [L, n, heads, BLOCK_SIZE, D]) into one slot's positions start.. of every layer."""
-    n = len(idx)
-    for layer, (k, v) in enumerate(zip(cache.k, cache.v)):
-        k[slot, :, start:start + n * BLOCK_SIZE] = pool_k[layer, idx].permute(1, 0, 2, 3).flatten(1, 2)
-        v[slot, :, start:start + n * BLOCK_SIZE] = pool_v[layer, idx].permute(1, 0, 2, 3).flatten(1, 2)
-
-
-def _block_shape(cache: KVCache) -> tuple[int, int, int, int]:
-    """One block of one of a cache's tensors, every layer: [layers, heads, BLOCK_SIZE, head_dim]."""
-    k = cache.k[0]
-    return len(cache.k), k.shape[1], BLOCK_SIZE, k.shape[3]
-
-
-def _pool(cache: KVCache, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values for num_blocks blocks of this cache's layout: [layers, blocks, heads, BLOCK_SIZE, head_dim]."""
-    layers, heads, size, dim = _block_shape(cache)
-    k = torch.empty((layers, num_blocks, heads, size, dim), dtype=cache.k[0].dtype, device=cache.k[0].device)
-    return k, torch.empty_like(k)

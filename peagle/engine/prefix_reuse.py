@@ -16,9 +16,9 @@ if TYPE_CHECKING:
 
 
 class PrefixReuse:
-    def __init__(self, cache: PrefixCache | None, target_cache, drafter_cache, catch_up: DrafterCatchUp):
+    def __init__(self, cache: PrefixCache | None, catch_up: DrafterCatchUp):
         """`cache` None: prefix caching is off, and every method does nothing."""
-        self.cache, self.target_cache, self.drafter_cache, self.catch_up = cache, target_cache, drafter_cache, catch_up
+        self.cache, self.catch_up = cache, catch_up
 
     def continue_prompt(self, req: Request) -> None:
         """Take the prompt's next positions from the prefix cache, whole blocks while they match (never the last
@@ -34,7 +34,7 @@ class PrefixReuse:
         if not hit:
             return
         end = start + len(hit) * BLOCK_SIZE
-        features = pc.load(hit, req.slot, start, self.target_cache)
+        features = pc.load(hit, req.slot, start)
         if self.catch_up.drafts_later(req):
             reused = 0
             if not req.backlog.tokens and req.backlog.start == start:
@@ -43,7 +43,7 @@ class PrefixReuse:
                         break
                     reused = j + 1
             if reused:
-                pc.load_drafter(hit[:reused], req.slot, start, self.drafter_cache)
+                pc.load_drafter(hit[:reused], req.slot, start)
                 req.backlog.skip(reused * BLOCK_SIZE)
             mid = start + reused * BLOCK_SIZE
             if mid < end:
@@ -68,15 +68,14 @@ class PrefixReuse:
         for j in range(full):
             p = start + j * BLOCK_SIZE
             req.blocks.append(pc.store(req.blocks[-1] if req.blocks else None, tuple(seq[p:p + BLOCK_SIZE]),
-                                       req.slot, p, self.target_cache, feats[j * BLOCK_SIZE:(j + 1) * BLOCK_SIZE],
-                                       req.cache_salt))
+                                       req.slot, p, feats[j * BLOCK_SIZE:(j + 1) * BLOCK_SIZE], req.cache_salt))
         rest = feats[full * BLOCK_SIZE:]
         req.unstored_features = [rest.clone()] if len(rest) else []
 
     def store_drafter_entries(self, req: Request) -> None:
-        """Before a request's slot is freed: the drafter's entries of its cached blocks that it has run (and that
+        """Before a request's slot is freed: the drafter's blocks of its cached blocks that it has run (and that
         no request has given yet), with the token after each block that they were computed with."""
-        if self.cache is None or self.drafter_cache is None:
+        if self.cache is None or self.cache.drafter_cache is None:
             return
         seq = req.prompt_ids + req.output_ids
         for j, block in enumerate(req.blocks):
@@ -84,4 +83,4 @@ class PrefixReuse:
             if p + BLOCK_SIZE > req.backlog.start or p + BLOCK_SIZE >= len(seq):
                 break
             if block.next_token is None and block.tokens == tuple(seq[p:p + BLOCK_SIZE]):
-                self.cache.store_drafter(block, req.slot, p, self.drafter_cache, seq[p + BLOCK_SIZE])
+                self.cache.store_drafter(block, req.slot, p, seq[p + BLOCK_SIZE])

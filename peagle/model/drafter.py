@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from peagle.model import kernels
-from peagle.model.layers import (BatchLayout, DecoderLayer, KVCache, RMSNorm, RotaryEmbedding, float_copies, linear,
-                                 pack_matrix, release_float_copies, rope_inv_freq)
+from peagle.model.layers import (BatchLayout, DecoderLayer, KVCache, LayerKV, RMSNorm, RotaryEmbedding, float_copies,
+                                 linear, pack_matrix, release_float_copies, rope_inv_freq)
 from peagle.model.target import TargetConfig, rope_parameters_of
 
 
@@ -150,9 +150,9 @@ class FusionLayer(DecoderLayer):
         hn = self.hidden_norm(h)
         return torch.cat([self.input_layernorm(embeds), hn], dim=-1), hn if self.norm_before_residual else h
 
-    def forward(self, embeds: torch.Tensor, h: torch.Tensor, rope, layout: BatchLayout, cache_k, cache_v):
+    def forward(self, embeds: torch.Tensor, h: torch.Tensor, rope, layout: BatchLayout, kv: LayerKV | None):
         x, residual = self.inputs(embeds, h)
-        x = residual + self.self_attn(x, rope, layout, cache_k, cache_v)
+        x = residual + self.self_attn(x, rope, layout, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -247,10 +247,11 @@ class Drafter(nn.Module):
         return format_of(self.lm_head_packed, self.fc.weight)
 
     # -- building blocks ---------------------------------------------------------------------------------------
-    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+    def new_cache(self, num_slots: int, max_len: int, num_blocks: int | None = None) -> KVCache:
+        """As TargetModel.new_cache."""
         p = self.fc.weight
         return KVCache(self.config.num_layers, num_slots, max_len, self.config.num_kv_heads, self.config.head_dim,
-                       p.dtype, p.device)
+                       p.dtype, p.device, num_blocks)
 
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, layout: BatchLayout,
                 cache: KVCache | None) -> torch.Tensor:
@@ -259,19 +260,20 @@ class Drafter(nn.Module):
             else features
         rope = self.rotary(layout.positions, h.dtype)
         embeds = self.embed_tokens(tokens)
+        if cache is not None:
+            cache.ensure(layout.slots, layout.positions)
         if self.native_layers is not None and cache is not None and h.dtype == torch.bfloat16 and h.is_cpu:
             slots, positions = layout.slots.to(torch.int64).contiguous(), layout.positions.to(torch.int64).contiguous()
             x, residual = self.midlayer.inputs(embeds, h)
-            h = self.native_layers[0].from_input(x.contiguous(), residual.contiguous(), *rope, cache.k[0], cache.v[0],
+            h = self.native_layers[0].from_input(x.contiguous(), residual.contiguous(), *rope, cache.layers[0],
                                                  slots, positions)
             for i, native in enumerate(self.native_layers[1:], start=1):
-                h = native(h, *rope, cache.k[i], cache.v[i], slots, positions)
+                h = native(h, *rope, cache.layers[i], slots, positions)
             return h
-        ck = (lambda i: None) if cache is None else (lambda i: cache.k[i])
-        cv = (lambda i: None) if cache is None else (lambda i: cache.v[i])
-        h = self.midlayer(embeds, h, rope, layout, ck(0), cv(0))
+        kv = (lambda i: None) if cache is None else (lambda i: cache.layers[i])
+        h = self.midlayer(embeds, h, rope, layout, kv(0))
         for i, layer in enumerate(self.layers.values(), start=1):
-            h = layer(h, rope, layout, ck(i), cv(i))
+            h = layer(h, rope, layout, kv(i))
         return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

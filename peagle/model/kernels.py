@@ -165,9 +165,9 @@ def _declare(lib) -> None:
         "peagle_rms_norm_bf16": ([p, p, p, i, i, f], None),
         "peagle_rope_bf16": ([p, p, p, i, i, i, i], None),
         "peagle_silu_mul_bf16": ([p, p, i, i], None),
-        "peagle_attention_bf16": ([p, l, p, p, l, p, p, p, p, p, i, i, i, i, i, i, i, f, i, i], i),
-        "peagle_decoder_layer": ([p, p, p, i, i, p, p, p, p, p, p, i, i, i], i),
-        "peagle_layer_from_input": ([p, p, i, p, p, i, i, p, p, p, p, p, p, i, i, i], i),
+        "peagle_attention_bf16": ([p, l, p, p, l, p, p, p, p, i, i, i, i, i, f, i, i], i),
+        "peagle_decoder_layer": ([p, p, p, i, i, p, p, p, p, p, i], i),
+        "peagle_layer_from_input": ([p, p, i, p, p, i, i, p, p, p, p, p, i], i),
         "peagle_qpanels_size": ([i, i, i], sz),
         "peagle_qpack": ([i, p, i, i, p], None),
         **{prefix + fmt: gemm for prefix in _QGEMM_PREFIX.values() for fmt in QUANT_FORMATS},
@@ -454,21 +454,40 @@ def _rows_evenly_strided(t: torch.Tensor) -> bool:
     return t.stride(3) == 1 and t.stride(2) == t.shape[3] and t.stride(0) == t.shape[1] * t.stride(1)
 
 
-def attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
-                   slots: torch.Tensor, positions: torch.Tensor, path: str | None = None) -> torch.Tensor | None:
-    """Write k, v [B, T, nkv, D] into the per-row cache [slots, nkv, max_len, D] at each row's slot and positions,
-    then causal attention of q [B, T, nh, D]: row (b, t) attends to keys 0..positions[b, t] of slot slots[b]. Each
-    row is computed alone, so the result never depends on T or B (batch invariance). path: "avx2" or
-    "avx512-bf16" (default attention_path()). None (nothing written) when the kernel does not apply."""
-    if not _usable(q, k, v, cache_k, cache_v) or not (cache_k.is_contiguous() and cache_v.is_contiguous()):
+class _PagedKV(ctypes.Structure):
+    """kernels.c's peagle_kv: one layer's paged cache (layers.LayerKV)."""
+    _fields_ = [("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("tables", ctypes.c_void_p),
+                ("num_slots", ctypes.c_int), ("max_blocks", ctypes.c_int), ("block_size", ctypes.c_int),
+                ("num_blocks", ctypes.c_int), ("key_offset", ctypes.c_int)]
+
+
+def paged_kv(k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, key_offset: int = 0) -> _PagedKV | None:
+    """The kernels' view of a layer's paged cache: pools k, v [num_blocks, nkv, block_size, D] and block tables
+    [num_slots, max_blocks] (int32), or None where the kernels cannot read it."""
+    if not (_usable(k, v) and k.is_contiguous() and v.is_contiguous() and k.shape == v.shape
+            and tables.dtype == torch.int32 and tables.is_contiguous()):
+        return None
+    num_blocks, _, block_size, _ = k.shape
+    return _PagedKV(k.data_ptr(), v.data_ptr(), tables.data_ptr(), tables.shape[0], tables.shape[1], block_size,
+                    num_blocks, key_offset)
+
+
+def attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv, slots: torch.Tensor,
+                   positions: torch.Tensor, path: str | None = None) -> torch.Tensor | None:
+    """Write k, v [B, T, nkv, D] into the paged cache `kv` (layers.LayerKV) at each row's slot and positions, then
+    causal attention of q [B, T, nh, D]: row (b, t) attends to keys 0..positions[b, t] of slot slots[b]. Each row is
+    computed alone, so the result never depends on T or B (batch invariance) nor on which blocks hold the keys.
+    path: "avx2" or "avx512-bf16" (default attention_path()). None (nothing written) when the kernel does not
+    apply."""
+    if not _usable(q, k, v) or kv.native is None:
         return None
     path = path or attention_path()
     if path not in ("avx2", *(("avx512-bf16",) if "avx512-bf16" in _paths else ())):
         raise ValueError(f"attention path {path!r} does not run here; this machine runs "
                          f"{', '.join(p for p in ('avx512-bf16', 'avx2') if p in _paths)}")
     B, T, nh, D = q.shape
-    S, nkv, max_len, Dc = cache_k.shape
-    if Dc != D or D % 8 or D > 256 or nh % nkv or k.shape != (B, T, nkv, D) or v.shape != k.shape:
+    nkv = kv.k.shape[1]
+    if kv.k.shape[3] != D or D % 8 or D > 256 or nh % nkv or k.shape != (B, T, nkv, D) or v.shape != k.shape:
         return None
     q = q if _rows_evenly_strided(q) else q.contiguous()
     if not (_rows_evenly_strided(k) and _rows_evenly_strided(v) and k.stride(1) == v.stride(1)):
@@ -479,14 +498,20 @@ def attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: t
         return None
     out = torch.empty(B, T, nh, D, dtype=torch.bfloat16)
     rc = _lib.peagle_attention_bf16(q.data_ptr(), q.stride(1), k.data_ptr(), v.data_ptr(), k.stride(1),
-                                    cache_k.data_ptr(), cache_v.data_ptr(), slots.data_ptr(), positions.data_ptr(),
-                                    out.data_ptr(), B, T, nh, nkv, D, S, max_len, D ** -0.5, torch.get_num_threads(),
-                                    int(path == "avx512-bf16"))
-    if rc == -2:
-        raise IndexError(f"positions must lie in [0, {max_len}) and slots in [0, {S}) for this cache")
-    if rc:
-        raise MemoryError(f"peagle attention: could not allocate a {max_len}-entry score buffer")
+                                    ctypes.byref(kv.native), slots.data_ptr(), positions.data_ptr(), out.data_ptr(),
+                                    B, T, nh, nkv, D, D ** -0.5, torch.get_num_threads(), int(path == "avx512-bf16"))
+    _check_paged(rc, kv, "attention")
     return out
+
+
+def _check_paged(rc: int, kv, what: str) -> None:
+    if rc == -2:
+        n = kv.native
+        raise IndexError(f"peagle {what}: a slot, position or block lies outside this cache (slots [0, {n.num_slots}),"
+                         f" positions [0, {n.max_blocks * n.block_size - n.key_offset}), and every block a row reads "
+                         "handed out)")
+    if rc:
+        raise MemoryError(f"peagle {what}: could not allocate scratch memory")
 
 
 class _LayerWeights(ctypes.Structure):
@@ -532,35 +557,27 @@ class NativeDecoderLayer:
         return [cls(la.input_layernorm.weight, la.post_attention_layernorm.weight, *p, num_heads, num_kv_heads,
                     head_dim, eps) for la, p in zip(layers, packed)]
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_k: torch.Tensor,
-                 cache_v: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [B, T, H] contiguous bf16; cos/sin [B, T, D]; slots [B] and positions [B, T] contiguous int64."""
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv, slots: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor:
+        """x [B, T, H] contiguous bf16; cos/sin [B, T, D]; kv a layers.LayerKV; slots [B] and positions [B, T]
+        contiguous int64."""
         B, T, _ = x.shape
         y = torch.empty_like(x)
         rc = _lib.peagle_decoder_layer(self._ref, x.data_ptr(), y.data_ptr(), B, T, cos.data_ptr(), sin.data_ptr(),
-                                       cache_k.data_ptr(), cache_v.data_ptr(), slots.data_ptr(), positions.data_ptr(),
-                                       cache_k.shape[0], cache_k.shape[2], torch.get_num_threads())
-        return self._checked(rc, y, cache_k, B * T)
+                                       ctypes.byref(kv.native), slots.data_ptr(), positions.data_ptr(),
+                                       torch.get_num_threads())
+        _check_paged(rc, kv, "decoder layer")
+        return y
 
     def from_input(self, attn_in: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor,
-                   positions: torch.Tensor) -> torch.Tensor:
+                   kv, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The layer with its attention input given: attention over attn_in [B, T, Kin] (the drafter's fusion layer:
         its normed embedding and normed feature side by side), added to residual [B, T, H], then the MLP half.
         Both contiguous bf16; the rest as in __call__."""
         B, T, K = attn_in.shape
         y = torch.empty_like(residual)
         rc = _lib.peagle_layer_from_input(self._ref, attn_in.data_ptr(), K, residual.data_ptr(), y.data_ptr(), B, T,
-                                          cos.data_ptr(), sin.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(),
-                                          slots.data_ptr(), positions.data_ptr(), cache_k.shape[0], cache_k.shape[2],
-                                          torch.get_num_threads())
-        return self._checked(rc, y, cache_k, B * T)
-
-    @staticmethod
-    def _checked(rc: int, y: torch.Tensor, cache_k: torch.Tensor, rows: int) -> torch.Tensor:
-        if rc == -2:
-            raise IndexError(f"positions must lie in [0, {cache_k.shape[2]}) and slots in [0, {cache_k.shape[0]}) "
-                             "for this cache")
-        if rc:
-            raise MemoryError(f"peagle decoder layer: could not allocate scratch memory for {rows} rows")
+                                          cos.data_ptr(), sin.data_ptr(), ctypes.byref(kv.native), slots.data_ptr(),
+                                          positions.data_ptr(), torch.get_num_threads())
+        _check_paged(rc, kv, "decoder layer")
         return y

@@ -1,17 +1,17 @@
-"""Building blocks shared by the target and the drafter: RMSNorm, RoPE, a per-row KV cache, attention, MLP, and the
+"""Building blocks shared by the target and the drafter: RMSNorm, RoPE, a paged KV cache, attention, MLP, and the
 decoder blocks made of them (Llama's, and Gemma's with norms on both sides of attention and MLP).
 
 Every forward works on a batch of B rows with T query tokens each. Row b lives in cache slot `slots[b]`, and its
 query i sits at `positions[b, i]`; the cache index of a token *is* its position, so a query attends to every cache
-entry at or before its own position in its own slot. Entries past a row's accepted length are stale and are simply
-overwritten by later writes (speculative rollback costs nothing).
+entry at or before its own position in its own slot. A slot's positions lie in blocks of KV_BLOCK_SIZE from one pool,
+found through the slot's block table (docs/design.md, "Paged KV cache"). Entries past a row's accepted length are
+stale and are simply overwritten by later writes (speculative rollback costs nothing).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -106,24 +106,173 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int
     return rotated if heads == x.shape[2] else torch.cat([rotated, x[:, :, heads:]], dim=2)
 
 
-class KVCache(nn.Module):
-    """Keys and values for `num_slots` sequences of up to `max_len` positions, one pair of tensors per layer.
+KV_BLOCK_SIZE = 16  # positions per block of the KV cache (vLLM's default): the grain of allocation and of prefix reuse
+NULL_BLOCK = 0  # all zeros and never handed out: a table entry no block was given points here
 
-    The layers in `windowed` (sliding-window attention) keep `max_len` spare entries after their last slot, so that
-    the attention kernel can read a window through a view starting anywhere in a slot (window_attention)."""
+
+class KVCacheFull(RuntimeError):
+    """The pool has fewer free blocks than a forward's new positions need (the engine admits and preempts so that it
+    never runs such a forward)."""
+
+
+class LayerKV:
+    """One layer's view of a paged cache: key and value pools [num_blocks, nkv, KV_BLOCK_SIZE, D], the block tables
+    [num_slots, max_blocks] (int32, shared by every layer), and `key_offset`: every query reads and writes its keys
+    that many positions on (where a sliding window starts; window_attention). `native` is the same view as the
+    kernels read it, built on first use."""
+
+    __slots__ = ("k", "v", "tables", "key_offset", "_native")
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, key_offset: int = 0):
+        self.k, self.v, self.tables, self.key_offset, self._native = k, v, tables, key_offset, None
+
+    def moved(self, key_offset: int) -> "LayerKV":
+        return LayerKV(self.k, self.v, self.tables, key_offset)
+
+    @property
+    def native(self):
+        if self._native is None:
+            self._native = kernels.paged_kv(self.k, self.v, self.tables, self.key_offset)
+        return self._native
+
+    def gather(self, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions 0..length-1 of each slot, contiguous: [B, nkv, length, D] each."""
+        blocks = self.tables[slots, : -(-length // KV_BLOCK_SIZE)].long()
+        return tuple(c[blocks].transpose(1, 2).flatten(2, 3)[:, :, :length] for c in (self.k, self.v))
+
+    def write(self, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [B, T, nkv, D] at each row's positions [B, T] of its slot."""
+        blocks = self.tables[slots[:, None].expand_as(positions), positions // KV_BLOCK_SIZE].long()
+        self.k[blocks, :, positions % KV_BLOCK_SIZE] = k.to(self.k.dtype)
+        self.v[blocks, :, positions % KV_BLOCK_SIZE] = v.to(self.v.dtype)
+
+
+class KVCache:
+    """Keys and values for `num_slots` sequences of up to `max_len` positions, paged: each layer keeps one pool of
+    `num_blocks` blocks of KV_BLOCK_SIZE positions (every layer's pools indexed alike), and a slot's block table lists
+    the blocks that hold its positions, in order. A forward takes blocks from the pool as its rows reach new
+    positions (`ensure`), and `release` gives a slot's back, so memory follows the tokens in flight, not slots times
+    context. A block may be held by several holders at once (a slot, the prefix cache: `hold`), and goes back to the
+    pool when its last holder lets it go. Blocks are handed out most recently freed first, so the pages a process
+    has touched are the ones it reuses. Default `num_blocks`: every slot's whole context, and the null block."""
 
     def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu", windowed: frozenset[int] = frozenset()):
-        super().__init__()
-        shape = (num_slots, num_kv_heads, max_len, head_dim)
-
-        def buffer(layer: int) -> torch.Tensor:
-            spare = max_len * head_dim if layer in windowed else 0
-            return torch.zeros(math.prod(shape) + spare, dtype=dtype, device=device)[:math.prod(shape)].view(shape)
-
-        self.k = [buffer(i) for i in range(num_layers)]
-        self.v = [buffer(i) for i in range(num_layers)]
+                 dtype: torch.dtype, device: torch.device | str = "cpu", num_blocks: int | None = None):
         self.num_slots, self.max_len = num_slots, max_len
+        self.max_blocks = -(-max_len // KV_BLOCK_SIZE)
+        self.num_blocks = num_blocks or num_slots * self.max_blocks + 1
+        if self.num_blocks < 2:
+            raise ValueError(f"a KV cache needs at least one block besides the null block; got {self.num_blocks}")
+        # torch.empty: a block's pages are committed when it is first handed out (and zeroed then, below)
+        shape = (self.num_blocks, num_kv_heads, KV_BLOCK_SIZE, head_dim)
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.tables = torch.full((num_slots, self.max_blocks), NULL_BLOCK, dtype=torch.int32, device=device)
+        self.layers = [LayerKV(k, v, self.tables) for k, v in zip(self.k, self.v)]
+        self._zero(torch.tensor([NULL_BLOCK]))
+        self._free = list(range(self.num_blocks - 1, NULL_BLOCK, -1))  # pop() hands out block 1 first
+        self._holders = [0] * self.num_blocks
+        self._never_used = NULL_BLOCK + 1  # blocks from here on were never handed out (their memory is not zeroed)
+        # called as reclaim(self, n) when fewer than n blocks are free: whoever holds idle blocks (the prefix cache)
+        # may let some go
+        self.reclaim: Callable[[KVCache, int], None] | None = None
+
+    @property
+    def bytes_per_block(self) -> int:
+        return 2 * len(self.k) * self.k[0][0].numel() * self.k[0].element_size()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @staticmethod
+    def blocks_for(length: int) -> int:
+        """Blocks that hold positions 0..length-1."""
+        return -(-length // KV_BLOCK_SIZE)
+
+    def ensure(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """Blocks for every position up to each row's last (slots [B], positions [B, T]); KVCacheFull, with nothing
+        taken, when the pool has too few."""
+        need: dict[int, int] = {}
+        for slot, last in zip(slots.tolist(), positions.amax(1).tolist()):
+            need[slot] = max(need.get(slot, 0), last + 1)
+        missing = {slot: self._missing(slot, length) for slot, length in need.items()}
+        if not self._have(sum(len(m) for m in missing.values())):
+            raise KVCacheFull(f"the KV cache needs {sum(len(m) for m in missing.values())} more blocks of "
+                              f"{KV_BLOCK_SIZE} positions and has {self.num_free_blocks} free")
+        for slot, m in missing.items():
+            self._fill(slot, m)
+
+    def reserve(self, slot: int, length: int) -> bool:
+        """Blocks for positions 0..length-1 of `slot`; False, with nothing taken, when the pool has too few."""
+        missing = self._missing(slot, length)
+        if not self._have(len(missing)):
+            return False
+        self._fill(slot, missing)
+        return True
+
+    def blocks_missing(self, slot: int, length: int) -> int:
+        """Blocks positions 0..length-1 of `slot` still need."""
+        return len(self._missing(slot, length))
+
+    def release(self, slot: int) -> None:
+        """The slot lets go of all its blocks (those nobody else holds go back to the pool)."""
+        for b in self.tables[slot].tolist():
+            if b != NULL_BLOCK:
+                self.drop(b)
+        self.tables[slot] = NULL_BLOCK
+
+    def blocks_of(self, slot: int, first: int, count: int) -> list[int]:
+        """The blocks that hold positions first * KV_BLOCK_SIZE.. of a slot (count of them)."""
+        return self.tables[slot, first:first + count].tolist()
+
+    def adopt(self, slot: int, first: int, blocks: list[int]) -> None:
+        """Make `blocks`, which someone else holds (the prefix cache), the slot's blocks first, first + 1, ..
+        (without a copy; the slot lets go of any it had there)."""
+        for i, b in enumerate(blocks):
+            self.hold(b)
+            old = int(self.tables[slot, first + i])
+            if old != NULL_BLOCK:
+                self.drop(old)
+        self.tables[slot, first:first + len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+
+    def hold(self, block: int) -> None:
+        self._holders[block] += 1
+
+    def drop(self, block: int) -> None:
+        self._holders[block] -= 1
+        if self._holders[block] == 0:
+            self._free.append(block)
+
+    def holders(self, block: int) -> int:
+        return self._holders[block]
+
+    def _missing(self, slot: int, length: int) -> list[int]:
+        """Indices of the slot's table entries below `length` positions that hold no block yet."""
+        n = self.blocks_for(min(length, self.max_len))
+        return (self.tables[slot, :n] == NULL_BLOCK).nonzero().flatten().tolist()
+
+    def _have(self, n: int) -> bool:
+        """Whether n blocks are free, after asking `reclaim` for them if they are not."""
+        if n > len(self._free) and self.reclaim is not None:
+            self.reclaim(self, n)
+        return n <= len(self._free)
+
+    def _fill(self, slot: int, indices: list[int]) -> None:
+        if not indices:
+            return
+        blocks = [self._free.pop() for _ in indices]
+        fresh = [b for b in blocks if b >= self._never_used]
+        if fresh:
+            self._zero(torch.tensor(fresh))  # no NaN a reused allocation left can reach a masked-out read
+            self._never_used = max(fresh) + 1
+        for b in blocks:
+            self._holders[b] = 1
+        self.tables[slot, indices] = torch.tensor(blocks, dtype=torch.int32)
+
+    def _zero(self, blocks: torch.Tensor) -> None:
+        for c in (*self.k, *self.v):
+            c[blocks] = 0
 
 
 @dataclass
@@ -171,38 +320,25 @@ class BatchLayout:
     def _window_masks(self) -> dict:
         return {}
 
-    @cached_property
-    def contiguous(self) -> bool:
-        """slots == 0..B-1: the cache can be read as a view, no gather."""
-        if self.slots is None:
-            return False
-        return bool((self.slots == torch.arange(len(self.slots), device=self.slots.device)).all())
 
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout, cache_k: torch.Tensor | None,
-           cache_v: torch.Tensor | None, window: int | None = None, scale: float | None = None) -> torch.Tensor:
-    """Causal attention for q [B, T, nh, D] and this step's k, v [B, T, nkv, D] -> [B, T, nh, D]. With a cache, k and
-    v are first written into each row's slot at its positions, and each query reads its slot up to its position
-    (with a `window`: only its last `window` keys, its own included). `scale`: of the scores (default 1/sqrt(D)).
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout, kv: LayerKV | None,
+           window: int | None = None, scale: float | None = None) -> torch.Tensor:
+    """Causal attention for q [B, T, nh, D] and this step's k, v [B, T, nkv, D] -> [B, T, nh, D]. With a cache `kv`,
+    k and v are first written into each row's slot at its positions, and each query reads its slot up to its
+    position (with a `window`: only its last `window` keys, its own included). `scale`: of the scores (default
+    1/sqrt(D)).
 
     peagle's kernel computes every row on its own, so a verify window computes each token exactly as a one-row
     decode step does and speculation stays token-for-token lossless; PyTorch's flash attention (the fallback: GPUs,
     training, CPUs without a native path, a scale other than the kernel's) rounds one query row differently from
     several."""
     native_scale = scale is None or scale == q.shape[-1] ** -0.5
-    if cache_k is not None:
-        out = window_attention(q, k, v, cache_k, cache_v, layout, window) if native_scale else None
+    if kv is not None:
+        out = window_attention(q, k, v, kv, layout, window) if native_scale else None
         if out is not None:
             return out
-        B, T = layout.positions.shape
-        rows = layout.slots[:, None].expand(B, T)
-        cache_k[rows, :, layout.positions] = k.to(cache_k.dtype)
-        cache_v[rows, :, layout.positions] = v.to(cache_v.dtype)
-        L = layout.kv_len
-        if layout.contiguous:
-            k, v = cache_k[:B, :, :L], cache_v[:B, :, :L]
-        else:
-            k, v = cache_k[layout.slots, :, :L], cache_v[layout.slots, :, :L]
+        kv.write(layout.slots, layout.positions, k, v)
+        k, v = kv.gather(layout.slots, layout.kv_len)
     else:
         k, v = k.transpose(1, 2), v.transpose(1, 2)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=layout.window_mask(window),
@@ -210,24 +346,22 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayou
     return out.transpose(1, 2)
 
 
-def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
-                     layout: BatchLayout, window: int | None) -> torch.Tensor | None:
+def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, layout: BatchLayout,
+                     window: int | None) -> torch.Tensor | None:
     """peagle's attention kernel over each query's last `window` keys (None: all its keys), or None where the kernel
     does not apply. The kernel reads keys 0..position of a slot; a query whose window starts at key s > 0 runs alone,
-    on a view of the cache moved s keys on (KVCache keeps room for it), at position - s. Every query is computed on its
-    own either way, so the bits never depend on the rows beside it."""
+    through the slot's table moved s keys on, at position - s. Every query is computed on its own either way, so the
+    bits never depend on the rows beside it."""
     positions, slots = layout.positions, layout.slots
     if window is None or int(positions.max()) < window:  # no query has keys outside its window yet
-        return kernels.attention_bf16(q, k, v, cache_k, cache_v, slots, positions)
+        return kernels.attention_bf16(q, k, v, kv, slots, positions)
     B, T = positions.shape
     out = torch.empty_like(q)
     for b in range(B):
         for t in range(T):
             start = max(0, int(positions[b, t]) - window + 1)
-            moved = [torch.as_strided(c, c.shape, c.stride(), c.storage_offset() + start * c.shape[-1])
-                     for c in (cache_k, cache_v)]
-            row = kernels.attention_bf16(q[b:b + 1, t:t + 1], k[b:b + 1, t:t + 1], v[b:b + 1, t:t + 1], *moved,
-                                         slots[b:b + 1], positions[b:b + 1, t:t + 1] - start)
+            row = kernels.attention_bf16(q[b:b + 1, t:t + 1], k[b:b + 1, t:t + 1], v[b:b + 1, t:t + 1],
+                                         kv.moved(start), slots[b:b + 1], positions[b:b + 1, t:t + 1] - start)
             if row is None:  # the kernel does not apply here (then it did not for the first row either)
                 return None
             out[b, t] = row[0, 0]
@@ -262,7 +396,7 @@ class Attention(nn.Module):
         self.o_packed = pack_matrix(self.o_proj, path, blocks, prefix + "o_proj.weight")
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layout: BatchLayout,
-                cache_k: torch.Tensor | None, cache_v: torch.Tensor | None) -> torch.Tensor:
+                kv: LayerKV | None) -> torch.Tensor:
         B, T, _ = x.shape
         nh, nkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv(x).view(B, T, nh + 2 * nkv, self.head_dim)
@@ -270,7 +404,7 @@ class Attention(nn.Module):
             qkv = torch.cat([self.q_norm(qkv[:, :, :nh]), self.k_norm(qkv[:, :, nh:nh + nkv]), qkv[:, :, nh + nkv:]], 2)
         qkv = apply_rope(qkv, *rope, heads=nh + nkv)  # queries and keys in one call
         q, k, v = qkv.split([nh, nkv, nkv], dim=2)
-        out = attend(q, k, v, layout, cache_k, cache_v, self.window, self.scale)
+        out = attend(q, k, v, layout, kv, self.window, self.scale)
         return linear(out.reshape(B, T, -1), self.o_proj.weight, self.o_proj.bias, self.o_packed)
 
 
@@ -394,8 +528,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
-    def forward(self, x: torch.Tensor, rope, layout: BatchLayout, cache_k, cache_v) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, layout, cache_k, cache_v)
+    def forward(self, x: torch.Tensor, rope, layout: BatchLayout, kv: LayerKV | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, layout, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -414,7 +548,7 @@ class SandwichDecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = norm(hidden, eps)
         self.post_feedforward_layernorm = norm(hidden, eps)
 
-    def forward(self, x: torch.Tensor, rope, layout: BatchLayout, cache_k, cache_v) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), rope, layout, cache_k, cache_v)
+    def forward(self, x: torch.Tensor, rope, layout: BatchLayout, kv: LayerKV | None) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x), rope, layout, kv)
         x = x + self.post_attention_layernorm(attn)
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))

@@ -207,10 +207,11 @@ class TargetModel(nn.Module):
             return self.lm_head_packed.unpack()
         return self.lm_head_packed.dequantize().to(torch.bfloat16)
 
-    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+    def new_cache(self, num_slots: int, max_len: int, num_blocks: int | None = None) -> KVCache:
+        """A paged cache for num_slots sequences of up to max_len positions, in num_blocks blocks (None: enough
+        for every slot's whole context)."""
         p, c = self.norm.weight, self.config
-        windowed = frozenset(i for i in range(c.num_layers) if c.window_of(i) is not None)
-        return KVCache(c.num_layers, num_slots, max_len, c.num_kv_heads, c.head_dim, p.dtype, p.device, windowed)
+        return KVCache(c.num_layers, num_slots, max_len, c.num_kv_heads, c.head_dim, p.dtype, p.device, num_blocks)
 
     @property
     def feature_dim(self) -> int:
@@ -244,6 +245,7 @@ class TargetModel(nn.Module):
         if self.embed_scale is not None:
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
         ropes = {kind: rotary(layout.positions, h.dtype) for kind, rotary in self.rotaries.items()}
+        cache.ensure(layout.slots, layout.positions)
         native = self.native_layers is not None and h.dtype == torch.bfloat16 and h.is_cpu
         if native:  # the whole layer in one call; the same bits as the modules below
             slots, positions = layout.slots.to(torch.int64).contiguous(), layout.positions.to(torch.int64).contiguous()
@@ -253,9 +255,9 @@ class TargetModel(nn.Module):
                 feats[i] = h
             rope = ropes[self.config.layer_types[i]]
             if native:
-                h = self.native_layers[i](h, *rope, cache.k[i], cache.v[i], slots, positions)
+                h = self.native_layers[i](h, *rope, cache.layers[i], slots, positions)
             else:
-                h = layer(h, rope, layout, cache.k[i], cache.v[i])
+                h = layer(h, rope, layout, cache.layers[i])
         return h, torch.cat([feats[i] for i in self.feature_layer_ids], dim=-1)
 
     @classmethod

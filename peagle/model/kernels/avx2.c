@@ -216,7 +216,7 @@ static inline __attribute__((always_inline)) void attend_softmax(const int NR, c
 
 /* The weighted values of the AVX2 path, in fp32: out = inv * sum_j p_j v_j, in key order. */
 static inline __attribute__((always_inline)) void attend_pv_fma(
-        const int nd, const int NR, const int HN, int h0, const int *n, int nmin, const uint16_t *Vg, uint16_t *o0,
+        const int nd, const int NR, const int HN, int h0, const int *n, int nmin, const uint16_t *const *Vr, uint16_t *o0,
         long o_stride, int G, int g, const float *scores, int ld, float *pt,
         float inv[ROWS_PER_PASS][HEADS_PER_PASS]) {
     const int D = 8 * nd;
@@ -239,7 +239,7 @@ static inline __attribute__((always_inline)) void attend_pv_fma(
             #pragma GCC unroll 4
             for (int i = 0; i < HN; i++) acc[r][i] = _mm256_setzero_ps();
         for (int j = 0; j < nmin; j++) {
-            __m256 vj = bf16x8_to_f32(Vg + (size_t)j * D + 8 * c);
+            __m256 vj = bf16x8_to_f32(Vr[j] + 8 * c);
             const float *p = pt + (size_t)j * W;
             #pragma GCC unroll 4
             for (int r = 0; r < NR; r++)
@@ -249,7 +249,7 @@ static inline __attribute__((always_inline)) void attend_pv_fma(
         #pragma GCC unroll 4
         for (int r = 0; r < NR; r++)
             for (int j = nmin; j < n[r]; j++) {
-                __m256 vj = bf16x8_to_f32(Vg + (size_t)j * D + 8 * c);
+                __m256 vj = bf16x8_to_f32(Vr[j] + 8 * c);
                 const float *p = pt + (size_t)j * W + r * HN;
                 #pragma GCC unroll 4
                 for (int i = 0; i < HN; i++) acc[r][i] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + i), vj, acc[r][i]);
@@ -276,7 +276,7 @@ static inline __attribute__((always_inline)) void key_counts(const int NR, const
 }
 
 /* Attention for NR (<= ROWS_PER_PASS) query rows of one cache slot and one key/value head: query heads
-   h0..h0+HN-1 of its G over the row's keys 0..n_r-1 of K/V [*, D], D = 8 nd. Rows and heads are blocked only so
+   h0..h0+HN-1 of its G over the row's keys 0..n_r-1, key j's D = 8 nd values at Kr[j] (its value's at Vr[j]). Rows and heads are blocked only so
    that each key and value row is loaded and widened once for all of them (a prefill has hundreds of rows per slot);
    every (row, head) does the same arithmetic in every block shape:
      score_j = hsum8(q[0] k_j[0] + q[1] k_j[1] + ... ) * scale, one FMA chain over the D / 8 vectors, hsum8's tree;
@@ -285,7 +285,7 @@ static inline __attribute__((always_inline)) void key_counts(const int NR, const
    scratch for eight widened key rows; pt: for the weights key-major. */
 static inline __attribute__((always_inline)) void attend_block(
         const int nd, const int NR, const int HN, int h0, const uint16_t *q0, long q_stride, const int64_t *pos,
-        const uint16_t *Kg, const uint16_t *Vg, uint16_t *o0, long o_stride, int G, int g, float scale,
+        const uint16_t *const *Kr, const uint16_t *const *Vr, uint16_t *o0, long o_stride, int G, int g, float scale,
         float *scores, int ld, float *kf, float *pt) {
     int D = 8 * nd, n[ROWS_PER_PASS], nmax, nmin;
     key_counts(NR, pos, n, &nmin, &nmax);
@@ -303,7 +303,7 @@ static inline __attribute__((always_inline)) void attend_block(
             int nk = nmax - j < 8 ? nmax - j : 8;
             for (int e = 0; e < nk; e++)
                 for (int c = 0; c < nd; c++)
-                    _mm256_storeu_ps(kf + e * D + 8 * c, bf16x8_to_f32(Kg + (size_t)(j + e) * D + 8 * c));
+                    _mm256_storeu_ps(kf + e * D + 8 * c, bf16x8_to_f32(Kr[j + e] + 8 * c));
             for (int e = nk; e < 8; e++) /* past the last key: scores the softmax overwrites with -inf */
                 for (int c = 0; c < nd; c++) _mm256_storeu_ps(kf + e * D + 8 * c, _mm256_setzero_ps());
             for (int r = 0; r < NR; r++) {
@@ -324,16 +324,16 @@ static inline __attribute__((always_inline)) void attend_block(
     }
     float inv[ROWS_PER_PASS][HEADS_PER_PASS];
     attend_softmax(NR, HN, n, scores, ld, inv);
-    attend_pv_fma(nd, NR, HN, h0, n, nmin, Vg, o0, o_stride, G, g, scores, ld, pt, inv);
+    attend_pv_fma(nd, NR, HN, h0, n, nmin, Vr, o0, o_stride, G, g, scores, ld, pt, inv);
 }
 
 /* One pass of a path's attend block: nr (<= ROWS_PER_PASS) query rows x hn (<= HEADS_PER_PASS) query heads of key/value
    head g, with nd, nr and hn turned into compile-time constants (D = 64 and 128 get their own code). */
 #define ATTEND_PARAMS                                                                                                \
-    int nd, int nr, int hn, int h0, const uint16_t *q0, long q_stride, const int64_t *pos, const uint16_t *Kg,      \
-        const uint16_t *Vg, uint16_t *o0, long o_stride, int G, int g, float scale, float *scores, int ld,          \
+    int nd, int nr, int hn, int h0, const uint16_t *q0, long q_stride, const int64_t *pos,                         \
+        const uint16_t *const *Kr, const uint16_t *const *Vr, uint16_t *o0, long o_stride, int G, int g, float scale, float *scores, int ld,          \
         float *kf, float *pt
-#define ATTEND_ARGS h0, q0, q_stride, pos, Kg, Vg, o0, o_stride, G, g, scale, scores, ld, kf, pt
+#define ATTEND_ARGS h0, q0, q_stride, pos, Kr, Vr, o0, o_stride, G, g, scale, scores, ld, kf, pt
 #define ATTEND_ROWS(BLOCK, ND, HN)                                                                                   \
     switch (nr) {                                                                                                    \
         case 1: BLOCK(ND, 1, HN, ATTEND_ARGS); break;                                                                \
@@ -357,18 +357,26 @@ static void attend_pass_avx2(ATTEND_PARAMS) { ATTEND_DISPATCH(attend_block) }
 static void attend_pass_dpbf16(ATTEND_PARAMS); /* the AVX-512 BF16 section's scores */
 #endif
 
+/* Where key (or value) j of slot s, kv head g lies: row (j + key_offset) of the slot's blocks. */
+static inline const uint16_t *kv_row(const peagle_kv *kv, const uint16_t *pool, const int32_t *table, int g, int nkv,
+                                     int D, int j) {
+    int p = j + kv->key_offset, bs = kv->block_size;
+    return pool + (((size_t)table[p / bs] * nkv + g) * bs + (size_t)(p % bs)) * D;
+}
+
 /* Write this call's keys and values into each row's cache slot at its positions, then causal attention over the
    slot, each (query row, head) on its own, so the result never depends on which other rows share the call:
    out[b, t, h] = softmax_{j <= pos}(q[b, t, h] . K[slot_b, g, j] * scale) V[slot_b, g, j], g = h / (nh / nkv).
-   q, k, v rows: base + (b*T + t) * row_stride, heads contiguous (D each). Cache: [slots, nkv, max_len, D].
-   out: [B, T, nh, D] contiguous. D: a multiple of 8, at most 256. dpbf16: the scores by `vdpbf16ps` (the
-   AVX-512 BF16 section) instead of fp32 FMAs; a process uses one or the other for every call. Returns 0; -2
-   (nothing written) when a slot or position lies outside the cache; -3 (nothing written) when dpbf16 is asked of a
-   library built without AVX-512 BF16; -1 when a thread's score buffer could not be allocated (out is incomplete). */
+   q, k, v rows: base + (b*T + t) * row_stride, heads contiguous (D each). The cache is paged (peagle_kv): a pass
+   first lists where its keys' and values' rows lie, and the arithmetic then reads them through that list, so a
+   key's bits never depend on which block holds it. out: [B, T, nh, D] contiguous. D: a multiple of 8, at most 256.
+   dpbf16: the scores by `vdpbf16ps` (the AVX-512 BF16 section) instead of fp32 FMAs; a process uses one or the
+   other for every call. Returns 0; -2 (nothing written) when a slot, a position or a block it needs lies outside
+   the cache; -3 (nothing written) when dpbf16 is asked of a library built without AVX-512 BF16; -1 when a thread's
+   scratch could not be allocated (out is incomplete). */
 int peagle_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, const uint16_t *v, long kv_stride,
-                          uint16_t *kc, uint16_t *vc, const int64_t *slots, const int64_t *positions, uint16_t *out,
-                          int B, int T, int nh, int nkv, int D, int num_slots, int max_len, float scale,
-                          int nthreads, int dpbf16) {
+                          const peagle_kv *kv, const int64_t *slots, const int64_t *positions, uint16_t *out,
+                          int B, int T, int nh, int nkv, int D, float scale, int nthreads, int dpbf16) {
     attend_pass_fn attend_pass = attend_pass_avx2;
     if (dpbf16) {
 #ifndef PEAGLE_NO_AVX512
@@ -377,45 +385,66 @@ int peagle_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, c
         return -3;
 #endif
     }
-    for (int bt = 0; bt < B * T; bt++)
-        if (slots[bt / T] < 0 || slots[bt / T] >= num_slots || positions[bt] < 0 || positions[bt] >= max_len)
-            return -2;
-    for (int bt = 0; bt < B * T; bt++) /* every write lands before any row reads: a window sees its own keys */
-        for (int g = 0; g < nkv; g++) {
-            size_t at = (((size_t)slots[bt / T] * nkv + g) * max_len + (size_t)positions[bt]) * D;
-            memcpy(kc + at, k + (size_t)bt * kv_stride + (size_t)g * D, (size_t)D * 2);
-            memcpy(vc + at, v + (size_t)bt * kv_stride + (size_t)g * D, (size_t)D * 2);
+    int bs = kv->block_size, max_len = kv->max_blocks * bs;
+    for (int b = 0; b < B; b++) { /* every block a row reads or writes is one of the pool's */
+        if (slots[b] < 0 || slots[b] >= kv->num_slots) return -2;
+        const int32_t *table = kv->tables + (size_t)slots[b] * kv->max_blocks;
+        int64_t last = -1;
+        for (int t = 0; t < T; t++) {
+            int64_t p = positions[(size_t)b * T + t];
+            if (p < 0 || p + kv->key_offset >= max_len) return -2;
+            last = p > last ? p : last;
         }
+        for (int i = kv->key_offset / bs; i <= (last + kv->key_offset) / bs; i++)
+            if (table[i] < 0 || table[i] >= kv->num_blocks) return -2;
+    }
+    for (int bt = 0; bt < B * T; bt++) { /* every write lands before any row reads: a window sees its own keys */
+        const int32_t *table = kv->tables + (size_t)slots[bt / T] * kv->max_blocks;
+        for (int g = 0; g < nkv; g++) {
+            memcpy((uint16_t *)kv_row(kv, kv->k, table, g, nkv, D, (int)positions[bt]),
+                   k + (size_t)bt * kv_stride + (size_t)g * D, (size_t)D * 2);
+            memcpy((uint16_t *)kv_row(kv, kv->v, table, g, nkv, D, (int)positions[bt]),
+                   v + (size_t)bt * kv_stride + (size_t)g * D, (size_t)D * 2);
+        }
+    }
     int G = nh / nkv, nd = D / 8, failed = 0;
     #pragma omp parallel num_threads(nthreads)
     {
         int ld = max_len + 8, TB = (T + ROWS_PER_PASS - 1) / ROWS_PER_PASS;
-        /* per thread: the score rows of a pass, the same weights key-major, eight widened key rows (D <= 256) */
+        /* per thread: the score rows of a pass, the same weights key-major, eight widened key rows (D <= 256), and
+           where each key and value row lies */
         size_t rows_ld = (size_t)ROWS_PER_PASS * HEADS_PER_PASS * ld;
         float *scores = malloc((2 * rows_ld + 8 * 256) * sizeof(float));
-        float *pt = scores + rows_ld, *kf = pt + rows_ld;
-        if (!scores) {
+        const uint16_t **Kr = malloc(2 * (size_t)ld * sizeof(*Kr)), **Vr = Kr ? Kr + ld : NULL;
+        float *pt = scores ? scores + rows_ld : NULL, *kf = pt ? pt + rows_ld : NULL;
+        if (!scores || !Kr) {
             #pragma omp atomic write
             failed = 1;
         }
         #pragma omp for schedule(dynamic, 1) collapse(2)
         for (int btb = 0; btb < B * TB; btb++)
             for (int g = 0; g < nkv; g++) {
-                if (!scores) continue;
+                if (!scores || !Kr) continue;
                 int b = btb / TB, t0 = btb % TB * ROWS_PER_PASS, nr = T - t0 < ROWS_PER_PASS ? T - t0 : ROWS_PER_PASS;
                 size_t bt = (size_t)b * T + t0;
-                const uint16_t *Kg = kc + ((size_t)slots[b] * nkv + g) * (size_t)max_len * D;
-                const uint16_t *Vg = vc + ((size_t)slots[b] * nkv + g) * (size_t)max_len * D;
+                const int32_t *table = kv->tables + (size_t)slots[b] * kv->max_blocks;
+                int nkeys = 0;
+                for (int r = 0; r < nr; r++) nkeys = positions[bt + r] + 1 > nkeys ? (int)positions[bt + r] + 1 : nkeys;
+                for (int j = 0; j < nkeys; j++) {
+                    Kr[j] = kv_row(kv, kv->k, table, g, nkv, D, j);
+                    Vr[j] = kv_row(kv, kv->v, table, g, nkv, D, j);
+                }
                 const uint16_t *q0 = q + bt * q_stride;
                 uint16_t *o0 = out + bt * nh * D;
                 long os = (long)nh * D;
                 for (int h0 = 0; h0 < G; h0 += HEADS_PER_PASS) {
                     int hn = G - h0 < HEADS_PER_PASS ? G - h0 : HEADS_PER_PASS;
-                    attend_pass(nd, nr, hn, h0, q0, q_stride, positions + bt, Kg, Vg, o0, os, G, g, scale, scores,
+                    attend_pass(nd, nr, hn, h0, q0, q_stride, positions + bt, Kr, Vr, o0, os, G, g, scale, scores,
                                 ld, kf, pt);
                 }
             }
         free(scores);
+        free(Kr);
     }
     return failed ? -1 : 0;
 }
@@ -965,9 +994,8 @@ static void add_bf16(const uint16_t *a, const uint16_t *b, uint16_t *y, size_t n
    and values into the cache like peagle_attention_bf16. Returns 0; -1 when scratch memory could not be allocated;
    -2 when a slot or position lies outside the cache (y is then incomplete). */
 int peagle_layer_from_input(const peagle_layer *w, const uint16_t *in, int Kin, const uint16_t *res, uint16_t *y,
-                            int B, int T, const uint16_t *cos_, const uint16_t *sin_, uint16_t *kc, uint16_t *vc,
-                            const int64_t *slots, const int64_t *positions, int num_slots, int max_len,
-                            int nthreads) {
+                            int B, int T, const uint16_t *cos_, const uint16_t *sin_, const peagle_kv *kv,
+                            const int64_t *slots, const int64_t *positions, int nthreads) {
     size_t M = (size_t)B * T;
     int H = w->H, I = w->I, nh = w->nh, nkv = w->nkv, D = w->D, W = (nh + 2 * nkv) * D;
     uint16_t *buf = malloc(M * ((size_t)2 * H + W + (size_t)nh * D + 3 * (size_t)I) * 2);
@@ -981,9 +1009,8 @@ int peagle_layer_from_input(const peagle_layer *w, const uint16_t *in, int Kin, 
     }
     if ((rc = w->gemm_qkv(in, Kin, w->qkv, qkv, W, (int)M, W, Kin, nthreads))) goto done;
     peagle_rope_bf16(qkv, cos_, sin_, (int)M, nh + 2 * nkv, nh + nkv, D);
-    if ((rc = peagle_attention_bf16(qkv, W, qkv + (size_t)nh * D, qkv + (size_t)(nh + nkv) * D, W, kc, vc, slots,
-                                    positions, att, B, T, nh, nkv, D, num_slots, max_len, w->scale, nthreads,
-                                    w->attention_dpbf16)))
+    if ((rc = peagle_attention_bf16(qkv, W, qkv + (size_t)nh * D, qkv + (size_t)(nh + nkv) * D, W, kv, slots,
+                                    positions, att, B, T, nh, nkv, D, w->scale, nthreads, w->attention_dpbf16)))
         goto done;
     if ((rc = w->gemm_o(att, (long)nh * D, w->o, out, H, (int)M, H, nh * D, nthreads))) goto done;
     add_bf16(res, out, y, M * H);
@@ -1000,10 +1027,9 @@ done:
 /* y [B*T, H] = the decoder layer applied to x [B*T, H] (rows of B requests with T query tokens each). Returns as
    peagle_layer_from_input. */
 int peagle_decoder_layer(const peagle_layer *w, const uint16_t *x, uint16_t *y, int B, int T, const uint16_t *cos_,
-                         const uint16_t *sin_, uint16_t *kc, uint16_t *vc, const int64_t *slots,
-                         const int64_t *positions, int num_slots, int max_len, int nthreads) {
-    return peagle_layer_from_input(w, NULL, w->H, x, y, B, T, cos_, sin_, kc, vc, slots, positions, num_slots,
-                                   max_len, nthreads);
+                         const uint16_t *sin_, const peagle_kv *kv, const int64_t *slots,
+                         const int64_t *positions, int nthreads) {
+    return peagle_layer_from_input(w, NULL, w->H, x, y, B, T, cos_, sin_, kv, slots, positions, nthreads);
 }
 
 #pragma GCC pop_options

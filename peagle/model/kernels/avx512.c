@@ -191,7 +191,7 @@ static const uint16_t zero_key[256]; /* a key or value row of zeros (past a row'
    full are interleaved once for all of them; each row's last pairs follow, so a row's chain never depends on the
    other rows. Dimensions: 32 per chunk, the last chunk masked. */
 static inline __attribute__((always_inline)) void attend_pv_dpbf16(
-        const int nd, const int NR, const int HN, int h0, const int *n, int nmin, const uint16_t *Vg, uint16_t *o0,
+        const int nd, const int NR, const int HN, int h0, const int *n, int nmin, const uint16_t *const *Vr, uint16_t *o0,
         long o_stride, int G, int g, const float *scores, int ld, float *pt,
         float inv[ROWS_PER_PASS][HEADS_PER_PASS]) {
     const int D = 8 * nd, nz = (D + 31) / 32, W = NR * HN, full = nmin / 2;
@@ -225,8 +225,8 @@ static inline __attribute__((always_inline)) void attend_pv_dpbf16(
             #pragma GCC unroll 4
             for (int i = 0; i < HN; i++) lo[r][i] = hi[r][i] = _mm512_setzero_ps();
         for (int m = 0; m < full; m++) {
-            __m512i a = _mm512_maskz_loadu_epi16(mask, Vg + (size_t)(2 * m) * D + 32 * c);
-            __m512i b = _mm512_maskz_loadu_epi16(mask, Vg + (size_t)(2 * m + 1) * D + 32 * c);
+            __m512i a = _mm512_maskz_loadu_epi16(mask, Vr[2 * m] + 32 * c);
+            __m512i b = _mm512_maskz_loadu_epi16(mask, Vr[2 * m + 1] + 32 * c);
             __m512bh vl = (__m512bh)_mm512_unpacklo_epi16(a, b), vh = (__m512bh)_mm512_unpackhi_epi16(a, b);
             const uint32_t *p = pw + (size_t)m * W;
             #pragma GCC unroll 4
@@ -241,8 +241,8 @@ static inline __attribute__((always_inline)) void attend_pv_dpbf16(
         #pragma GCC unroll 4
         for (int r = 0; r < NR; r++)
             for (int m = full; m < (n[r] + 1) / 2; m++) {
-                __m512i a = _mm512_maskz_loadu_epi16(mask, Vg + (size_t)(2 * m) * D + 32 * c);
-                __m512i b = _mm512_maskz_loadu_epi16(mask, 2 * m + 1 < n[r] ? Vg + (size_t)(2 * m + 1) * D + 32 * c
+                __m512i a = _mm512_maskz_loadu_epi16(mask, Vr[2 * m] + 32 * c);
+                __m512i b = _mm512_maskz_loadu_epi16(mask, 2 * m + 1 < n[r] ? Vr[2 * m + 1] + 32 * c
                                                                               : zero_key);
                 __m512bh vl = (__m512bh)_mm512_unpacklo_epi16(a, b), vh = (__m512bh)_mm512_unpackhi_epi16(a, b);
                 const uint32_t *p = pw + (size_t)m * W + r * HN;
@@ -269,7 +269,7 @@ static inline __attribute__((always_inline)) void attend_pv_dpbf16(
 
 static inline __attribute__((always_inline)) void attend_block_dpbf16(
         const int nd, const int NR, const int HN, int h0, const uint16_t *q0, long q_stride, const int64_t *pos,
-        const uint16_t *Kg, const uint16_t *Vg, uint16_t *o0, long o_stride, int G, int g, float scale,
+        const uint16_t *const *Kr, const uint16_t *const *Vr, uint16_t *o0, long o_stride, int G, int g, float scale,
         float *scores, int ld, float *kf, float *pt) {
     (void)kf;
     const int D = 8 * nd, nz = (D + 31) / 32;
@@ -290,7 +290,7 @@ static inline __attribute__((always_inline)) void attend_block_dpbf16(
             int nk = nmax - j < 8 ? nmax - j : 8;
             const uint16_t *kr[8];
             #pragma GCC unroll 8
-            for (int e = 0; e < 8; e++) kr[e] = e < nk ? Kg + (size_t)(j + e) * D : zero_key;
+            for (int e = 0; e < 8; e++) kr[e] = e < nk ? Kr[j + e] : zero_key;
             for (int r = 0; r < NR; r++) {
                 if (j >= n[r]) continue;
                 for (int i = 0; i < HN; i++) {
@@ -315,7 +315,7 @@ static inline __attribute__((always_inline)) void attend_block_dpbf16(
     }
     float inv[ROWS_PER_PASS][HEADS_PER_PASS];
     attend_softmax(NR, HN, n, scores, ld, inv);
-    attend_pv_dpbf16(nd, NR, HN, h0, n, nmin, Vg, o0, o_stride, G, g, scores, ld, pt, inv);
+    attend_pv_dpbf16(nd, NR, HN, h0, n, nmin, Vr, o0, o_stride, G, g, scores, ld, pt, inv);
 }
 
 static void attend_pass_dpbf16(ATTEND_PARAMS) { ATTEND_DISPATCH(attend_block_dpbf16) }

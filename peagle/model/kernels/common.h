@@ -21,6 +21,16 @@
 #define HEADS_PER_PASS 4  /* attention: query heads of one key/value head computed together */
 #define ROWS_PER_PASS 4   /* attention: query rows of one cache slot computed together */
 
+/* One layer's paged KV cache, as the attention kernels read and write it. Keys and values lie in pools
+   [num_blocks, nkv, block_size, D]; position p of slot s is row p % block_size of block
+   tables[s * max_blocks + p / block_size] (block_size a power of two). key_offset: every query of the call reads
+   and writes its keys that many positions on (where a sliding window starts; 0 otherwise). */
+typedef struct {
+    uint16_t *k, *v;
+    const int32_t *tables;
+    int num_slots, max_blocks, block_size, num_blocks, key_offset;
+} peagle_kv;
+
 /* ---------------------------------------------------------------------------------------------------------------
    Scalar helpers (no ISA needed) */
 
