@@ -42,6 +42,7 @@ from peagle.engine.catch_up import JOINT_PENDING_ROWS, DrafterCatchUp
 from peagle.engine.detokenize import IncrementalDetokenizer
 from peagle.engine.errors import RequestError
 from peagle.engine.grammar import GrammarCompiler, count_forced, stack_bias
+from peagle.engine.kv_memory import pool_blocks
 from peagle.engine.logprobs import token_logprobs
 from peagle.engine.policy import DEFAULT_POLICY, NoSpeculation, make_policy
 from peagle.engine.prefill import Prefill
@@ -49,7 +50,7 @@ from peagle.engine.prefix_cache import BLOCK_SIZE, PrefixCache
 from peagle.engine.prefix_reuse import PrefixReuse
 from peagle.engine.proposers import Proposer, make_proposer
 from peagle.engine.proposers.heads import HeadProposer
-from peagle.engine.request import Request, RequestOutput
+from peagle.engine.request import DrafterBacklog, Request, RequestOutput
 from peagle.engine.sampling import SamplingParams, target_logprobs, target_probs
 from peagle.engine.stats import SpecDecodeStats
 from peagle.engine.step_budget import StepBudget
@@ -59,7 +60,7 @@ from peagle.engine.timing import step_clock
 from peagle.engine.verify import verify_greedy, verify_sampled
 from peagle.model import kernels
 from peagle.model.drafter import Drafter
-from peagle.model.layers import BatchLayout
+from peagle.model.layers import BatchLayout, KVCache
 from peagle.model.target import TargetModel
 
 logger = logging.getLogger("peagle")
@@ -93,7 +94,7 @@ class LLMEngine:
                  speculation_policy: str = DEFAULT_POLICY, enable_prefix_caching: bool = True,
                  prefix_cache_gb: float = prefix_cache.DEFAULT_MEMORY_GB, enable_chunked_prefill: bool = True,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, max_step_time_ms: float | None = None,
-                 calibration_dir: Path | None = None):
+                 calibration_dir: Path | None = None, kv_cache_gb: float | None = None):
         """`speculation_policy`: "adaptive" (the default, as in `peagle serve` and `generate`) treats
         num_speculative_tokens as a maximum and picks K (0 included) every step for the most tokens per second;
         "fixed" verifies num_speculative_tokens drafts every step, as vLLM does. Without a drafter nothing is
@@ -105,7 +106,9 @@ class LLMEngine:
         (None: step_budget.DEFAULT_STEP_TIME_MULTIPLE plain decode steps, as measured here). With
         `calibration_dir` the start-up timings are remembered there, and a later start with the same shapes,
         formats, kernels, threads and CPU takes them instead of timing forwards (calibration.RememberedTimings).
-        None changes any output."""
+        `kv_cache_gb`: the most memory the paged KV cache may take (None: kv_memory's default share of the memory
+        available at start); requests wait for blocks, and the newest running request gives its blocks back and is
+        computed again later when the running ones outgrow them (preemption). None changes any output."""
         spec = speculative_config
         if spec is not None and spec.uses_head and drafter is None:
             spec = spec.without_head()
@@ -125,7 +128,8 @@ class LLMEngine:
         if self.spec and self.spec.max_model_len:
             self.max_model_len = min(self.max_model_len, self.spec.max_model_len)
         self.device = target.device
-        self._build_caches(max_num_batched_tokens, prefix_cache_gb if enable_prefix_caching else None)
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self._build_caches(prefix_cache_gb if enable_prefix_caching else None, kv_cache_gb)
         self.kernels = kernels_in_use(target, drafter)
         logger.info("peagle engine: %s weights, %s, %s", target.weights, kernels.describe(self.device),
                     threads.describe())
@@ -147,15 +151,22 @@ class LLMEngine:
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()  # request threads build the compiler on first use
 
-    def _build_caches(self, max_num_batched_tokens: int, prefix_cache_gb: float | None) -> None:
-        """The target's and the drafter's KV caches, one slot per request, and the prefix cache (None: off)."""
+    def _build_caches(self, prefix_cache_gb: float | None, kv_cache_gb: float | None) -> None:
+        """The target's and the drafter's paged KV caches (a slot per request, blocks from a pool sized by
+        kv_memory.pool_blocks, the same count in both) and the prefix cache (None: off)."""
         target, drafter = self.target, self.drafter
         # Room past max_model_len for the verify window and the drafter's padded rows, whose writes are stale.
         # ... and for a padded prefill's rows past a short chunk's end (a chunk is at most the budget or a prompt).
-        capacity = self.max_model_len + max(JOINT_PENDING_ROWS + 2 * self.k + 2,
-                                            min(max_num_batched_tokens, self.max_model_len))
-        self.target_cache = target.new_cache(self.max_num_seqs, capacity)
-        self.drafter_cache = drafter.new_cache(self.max_num_seqs, capacity) if drafter is not None else None
+        self.capacity = self.max_model_len + max(JOINT_PENDING_ROWS + 2 * self.k + 2,
+                                                 min(self.max_num_batched_tokens, self.max_model_len))
+        probe = [target.new_cache(1, BLOCK_SIZE, 2)] + ([drafter.new_cache(1, BLOCK_SIZE, 2)] if drafter else [])
+        per_slot = KVCache.blocks_for(self.capacity)
+        num_blocks = pool_blocks(sum(c.bytes_per_block for c in probe), self.max_num_seqs * per_slot + 1,
+                                 per_slot + 1, kv_cache_gb)
+        self.target_cache = target.new_cache(self.max_num_seqs, self.capacity, num_blocks)
+        self.drafter_cache = (drafter.new_cache(self.max_num_seqs, self.capacity, num_blocks)
+                              if drafter is not None else None)
+        self.num_preemptions = 0
         self.prefix_cache = (PrefixCache(self.target_cache, self.drafter_cache, target.feature_dim, prefix_cache_gb,
                                          target.norm.weight.dtype) if prefix_cache_gb is not None else None)
 
@@ -365,6 +376,7 @@ class LLMEngine:
             reports: dict[str, RequestOutput] = {}
             self._take_incoming(reports)
             self._admit()
+            self._make_room()
             touched, prefilled = self.prefill.step(self.running)
             if touched and on_first_tokens is not None:
                 on_first_tokens([self._report(r) for r in touched if not r.finished])
@@ -391,19 +403,60 @@ class LLMEngine:
             self.waiting.remove(req)
             self._finish(req, "abort")
             reports[req.request_id] = self._report(req)
+            if req.num_preemptions:  # it had run: what the policy and the proposer keep of it goes
+                self._forget(req)
         for req in [r for r in self.running if r.request_id in aborted]:
             self._finish(req, "abort")
             reports[req.request_id] = self._report(req)
             self._retire_if_finished(req)
 
     def _admit(self) -> None:
-        """Waiting requests take the free slots (their prefill is budgeted step by step: prefill.py)."""
-        while self.waiting and self.free_slots:
+        """Waiting requests take the free slots, in order, while the pool holds their first step beside the running
+        requests' next (their prefill is budgeted step by step: prefill.py)."""
+        while self.waiting and self.free_slots and self._room_for(self.running + [self.waiting[0]]):
             req = self.waiting.popleft()
             req.slot = self.free_slots.pop(0)
             self.running.append(req)
-            if self.prefix_cache is not None and req.params.prompt_logprobs is None:
+            if self.prefix_cache is not None and req.params.prompt_logprobs is None and not req.num_preemptions:
                 self.prefix_cache.queries += len(req.prompt_ids)  # looked up once its prefill begins
+
+    def _step_length(self, req: Request) -> int:
+        """Positions (from 0) a request's forwards may write in its next step: a prefill chunk and the padded rows
+        after it, or a decode step's widest window with forced tokens, and the drafter's rows past it."""
+        if req.prefilling:
+            return min(req.num_computed + self.max_num_batched_tokens, self.capacity)
+        return min(req.num_tokens + self.k + self.max_forced_run + 1, self.capacity)
+
+    def _room_for(self, reqs: list[Request]) -> bool:
+        """Whether the pools hold every request's next step (counting blocks only the prefix cache holds, which it
+        lets go of when asked)."""
+        for cache in (self.target_cache, self.drafter_cache):
+            if cache is None:
+                continue
+            missing = sum(cache.blocks_missing(r.slot, self._step_length(r)) if r.slot >= 0 else
+                          cache.blocks_for(self._step_length(r)) for r in reqs)
+            if missing > cache.num_free_blocks and (self.prefix_cache is None or missing > cache.num_free_blocks
+                                                    + self.prefix_cache.num_idle_blocks(cache)):
+                return False
+        return True
+
+    def _make_room(self) -> None:
+        """While the running requests' next step does not fit the pools, the newest gives its blocks back
+        (vLLM's recompute preemption): it waits at the head of the queue and, readmitted, computes again what it
+        had (taking what the prefix cache still holds), then decodes on as if nothing happened."""
+        while len(self.running) > 1 and not self._room_for(self.running):
+            req = self.running.pop()
+            self.prefix_reuse.store_drafter_entries(req)
+            self._release(req)
+            req.slot = -1
+            req.num_preemptions += 1
+            req.recompute_ids = req.prompt_ids + req.output_ids[:-1] if req.output_ids else None
+            req.num_computed, req.blocks, req.unstored_features = 0, [], []
+            req.backlog = DrafterBacklog()
+            self.waiting.appendleft(req)
+            self.num_preemptions += 1
+            logger.info("peagle engine: request %s preempted (%d running, %d KV blocks free)", req.request_id,
+                        len(self.running), self.target_cache.num_free_blocks)
 
     def _plan(self, reqs: list[Request]) -> StepPlan:
         """This step's windows: the proposer's model-free drafts (None: the head's, if any) and the number of drafts
@@ -551,10 +604,13 @@ class LLMEngine:
             self._release(req)
             req.finished_at = time.perf_counter()
             req.backlog.clear()
-            self.policy.forget(req.request_id)
-            if self.proposer is not None:
-                self.proposer.finish(req)
+            self._forget(req)
             self.num_finished += 1
+
+    def _forget(self, req: Request) -> None:
+        self.policy.forget(req.request_id)
+        if self.proposer is not None:
+            self.proposer.finish(req)
 
     def _release(self, req: Request) -> None:
         """The request's cache slot, and the blocks it holds, go back."""

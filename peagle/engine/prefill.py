@@ -54,7 +54,7 @@ class Prefill:
             if self.proposer is not None:  # index what was prefilled (suffix trees), a chunk at a time
                 started = clock()
                 for req, _ in batch:
-                    if req.decodes:
+                    if req.decodes and req.recompute_ids is None:  # a resumed request's tokens are indexed
                         self.proposer.prefill(req)
                 budget.spend(clock() - started)
         return [req for req, _ in batch if not req.prefilling], sum(n for _, n in batch)
@@ -68,7 +68,7 @@ class Prefill:
             budget.spend(budget.clock() - started)
             if any(_will_compute_its_next_block(other, n, req) for other, n in batch):
                 continue  # the next step finds that block in the cache instead of computing it twice
-            left = len(req.prompt_ids) - req.num_computed
+            left = len(req.prefill_ids) - req.num_computed
             if left <= tokens_budget or not self.chunked:
                 cap = left
             else:  # whole blocks, so that the next chunk starts where a cached block would
@@ -89,7 +89,7 @@ class Prefill:
         width = max(n for _, n in batch)
         every_row = any(req.params.prompt_logprobs is not None for req, _ in batch)
         logit_rows = len(batch) * width if every_row else \
-            sum(req.num_computed + n == len(req.prompt_ids) for req, n in batch)
+            sum(req.num_computed + n == len(req.prefill_ids) for req, n in batch)
         cost = self.budget.target.predict([(width, req.num_computed) for req, _ in batch], logit_rows)
         if drafter:
             cost += sum(self.budget.drafter.predict([(due, req.backlog.start)]) for req, n in batch
@@ -104,12 +104,12 @@ class Prefill:
         T = max(n for _, n in batch)
         tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
         for b, (req, n) in enumerate(batch):
-            tokens[b, :n] = torch.tensor(req.prompt_ids[req.num_computed:req.num_computed + n], device=dev)
+            tokens[b, :n] = torch.tensor(req.prefill_ids[req.num_computed:req.num_computed + n], device=dev)
         starts = torch.tensor([req.num_computed for req, _ in batch], device=dev)
         layout = BatchLayout.build(torch.tensor([req.slot for req, _ in batch], device=dev),
                                    starts[:, None] + torch.arange(T, device=dev)[None])
         every_row = any(req.params.prompt_logprobs is not None for req, _ in batch)
-        finishing = any(req.num_computed + n == len(req.prompt_ids) for req, n in batch)
+        finishing = any(req.num_computed + n == len(req.prefill_ids) for req, n in batch)
         if every_row or finishing:
             last = torch.tensor([n - 1 for _, n in batch], device=dev)[:, None]
             out = self.target(tokens, layout, self.target_cache, logit_index=None if every_row else last,
@@ -123,13 +123,14 @@ class Prefill:
 
     def after_chunk(self, req: Request, n: int, logits: torch.Tensor | None, features: torch.Tensor) -> None:
         """A chunk of n prompt rows is in the cache: logits (every row's, or only the last's) and features [n, F]."""
-        start, m = req.num_computed, len(req.prompt_ids)
+        resumed = req.recompute_ids is not None  # computing again what it had before a preemption
+        start, m = req.num_computed, len(req.prefill_ids)
         end = req.num_computed = start + n
-        if req.params.prompt_logprobs is not None:
+        if req.params.prompt_logprobs is not None and not resumed:
             add_prompt_logprobs(req, start, logits)
-        next_tokens = req.prompt_ids[start + 1:end + 1]  # each row's x_{t+1}; the last prompt row's is the first token
+        next_tokens = req.prefill_ids[start + 1:end + 1]  # each row's x_{t+1}; the last prompt row's: the first token
         if end == m:
-            next_tokens.append(self.first_token(req, logits[-1]))
+            next_tokens.append(req.output_ids[-1] if resumed else self.first_token(req, logits[-1]))
         if self.catch_up.drafts_later(req):  # the rows wait for the drafter
             req.backlog.append(next_tokens, features)
         self.prefix_reuse.store_blocks(req, features)
@@ -139,4 +140,4 @@ def _will_compute_its_next_block(other: Request, n: int, req: Request) -> bool:
     """Whether `other`'s chunk of n rows computes the block `req` needs next (same tokens up to its end)."""
     start, end = req.num_computed, req.num_computed + BLOCK_SIZE
     return (other.num_computed <= start and other.num_computed + n >= end
-            and len(req.prompt_ids) > end and other.prompt_ids[:end] == req.prompt_ids[:end])
+            and len(req.prefill_ids) > end and other.prefill_ids[:end] == req.prefill_ids[:end])

@@ -144,6 +144,12 @@ class PrefixCache:
             key = min(candidates, key=lambda k: (self.blocks[k].last_used, -self.blocks[k].depth))
             self._let_go(self.blocks.pop(key))
 
+    def num_idle_blocks(self, cache: KVCache) -> int:
+        """Blocks of `cache` that only the prefix cache holds (free_blocks could let them go)."""
+        if cache is self.target_cache:
+            return sum(cache.holders(b.kv) == 1 for b in self.blocks.values())
+        return sum(b.drafter_kv is not None and cache.holders(b.drafter_kv) == 1 for b in self.blocks.values())
+
     def _evict(self) -> None:
         """The least recently used block, the deepest first among equals, leaves the cache."""
         key = min(self.blocks, key=lambda k: (self.blocks[k].last_used, -self.blocks[k].depth))

@@ -28,8 +28,9 @@ class PrefixReuse:
         pc, start = self.cache, req.num_computed
         if pc is None or req.params.prompt_logprobs is not None or start != len(req.blocks) * BLOCK_SIZE:
             return
-        m = len(req.prompt_ids)
-        hit = pc.match(req.blocks[-1] if req.blocks else None, req.prompt_ids[start:], (m - 1 - start) // BLOCK_SIZE,
+        ids = req.prefill_ids
+        m = len(ids)
+        hit = pc.match(req.blocks[-1] if req.blocks else None, ids[start:], (m - 1 - start) // BLOCK_SIZE,
                        req.cache_salt)
         if not hit:
             return
@@ -39,7 +40,7 @@ class PrefixReuse:
             reused = 0
             if not req.backlog.tokens and req.backlog.start == start:
                 for j, block in enumerate(hit):
-                    if block.next_token != req.prompt_ids[start + (j + 1) * BLOCK_SIZE]:
+                    if block.next_token != ids[start + (j + 1) * BLOCK_SIZE]:
                         break
                     reused = j + 1
             if reused:
@@ -47,7 +48,7 @@ class PrefixReuse:
                 req.backlog.skip(reused * BLOCK_SIZE)
             mid = start + reused * BLOCK_SIZE
             if mid < end:
-                req.backlog.append(req.prompt_ids[mid + 1:end + 1], features[mid - start:])
+                req.backlog.append(ids[mid + 1:end + 1], features[mid - start:])
         req.blocks += hit
         req.num_computed = req.num_cached_tokens = end
         pc.hits += end - start

@@ -110,8 +110,13 @@ class Request:
     slot: int = -1
     finish_reason: str | None = None
     backlog: DrafterBacklog = field(default_factory=DrafterBacklog)  # real rows the drafter has not run
-    # Prefill progress: prompt positions whose keys and values are in the slot (computed or from the prefix cache).
+    # Prefill progress: positions of prefill_ids whose keys and values are in the slot (computed or from the prefix
+    # cache).
     num_computed: int = 0
+    # After a preemption (the pool ran short and its blocks went back): the tokens to compute again before it
+    # decodes on, its prompt and every output token but the last (None: the prompt).
+    recompute_ids: list[int] | None = None
+    num_preemptions: int = 0
     num_cached_tokens: int = 0  # of them, those the prefix cache supplied
     # The request's chain in the prefix cache (prefix_cache.Block, one per BLOCK_SIZE positions), and the features
     # of the positions after it that do not yet fill a block.
@@ -146,8 +151,14 @@ class Request:
         return self.params.max_tokens > 1
 
     @property
+    def prefill_ids(self) -> list[int]:
+        """The tokens a prefill computes: the prompt, or what a preempted request had (its last token's keys and
+        values come with its next decode step, as after a first prefill)."""
+        return self.recompute_ids if self.recompute_ids is not None else self.prompt_ids
+
+    @property
     def prefilling(self) -> bool:
-        return self.num_computed < len(self.prompt_ids)
+        return self.num_computed < len(self.prefill_ids)
 
     @property
     def last_token(self) -> int:

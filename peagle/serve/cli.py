@@ -117,6 +117,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 def add_prefill_args(parser: argparse.ArgumentParser) -> None:
     """The engine's prefix cache and chunked prefill, as vLLM names them (engine_options turns them into kwargs)."""
     from peagle.engine.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
+    from peagle.engine.kv_memory import DEFAULT_KV_MEMORY_FRACTION
     from peagle.engine.prefix_cache import DEFAULT_MEMORY_GB
     from peagle.engine.step_budget import DEFAULT_STEP_TIME_MULTIPLE
 
@@ -125,6 +126,12 @@ def add_prefill_args(parser: argparse.ArgumentParser) -> None:
                              "start the same way, bit-exactly (default: on)")
     parser.add_argument("--prefix-cache-gb", type=cli_args.positive_float, default=DEFAULT_MEMORY_GB,
                         help=f"memory for cached blocks, least recently used evicted first (default {DEFAULT_MEMORY_GB})")
+    parser.add_argument("--kv-cache-gb", type=cli_args.positive_float, default=None,
+                        help="the most memory the paged KV cache may take; requests wait for blocks beyond it, and "
+                             "the newest running request is preempted and computed again when the others outgrow "
+                             f"it (default: {DEFAULT_KV_MEMORY_FRACTION:.0%} of the memory available at start; "
+                             "memory is committed only as tokens arrive; the no-speculation engine beside it has "
+                             "its own)")
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                         help="prefill long prompts in chunks between decode steps, so running streams keep flowing "
                              "(default: on)")
@@ -251,7 +258,7 @@ def engine_options(args) -> dict:
     from peagle.model.loading import peagle_home
 
     return {"enable_prefix_caching": args.enable_prefix_caching, "prefix_cache_gb": args.prefix_cache_gb,
-            "enable_chunked_prefill": args.enable_chunked_prefill,
+            "kv_cache_gb": args.kv_cache_gb, "enable_chunked_prefill": args.enable_chunked_prefill,
             "max_num_batched_tokens": args.max_num_batched_tokens, "max_step_time_ms": args.max_step_time_ms,
             "calibration_dir": peagle_home() / "calibration"}
 
@@ -278,7 +285,7 @@ def build_server(args, plan):
     if engine.spec is not None and not args.no_baseline:
         baseline = LLMEngine(engine.target, engine.tokenizer, None, None, max_num_seqs=args.baseline_max_num_seqs,
                              max_model_len=engine.max_model_len, model_name=engine.model_name,
-                             # it serves only "speculation": false requests: a quarter of the cache's memory
+                             # it serves only "speculation": false requests: a quarter of the caches' memory
                              **{**engine_options(args), "prefix_cache_gb": args.prefix_cache_gb / 4})
     metrics = Metrics(plan.served[0], engine.k, speculation=plan.speculation)
     aengine = AsyncEngine(engine, baseline, max_waiting=args.max_waiting, metrics=metrics)
