@@ -7,6 +7,7 @@
     python3 benchmarks/serve.py gap                            # a running stream while a huge body is refused
     python3 benchmarks/serve.py gap --limit 4194304 --sizes 5000000 600000      # the default body limit
     python3 benchmarks/serve.py logprobs --rounds 2            # tokens/s with and without logprobs
+    python3 benchmarks/serve.py memory --max-num-seqs 8 32 --concurrency 1 8 32   # resident memory against load
 
 http: requests/s and output tokens/s at each concurrency through the server (streamed chat completions, as `vllm
 bench serve` sends them) and through the same engine configuration in this process, greedy with ignore_eos so the
@@ -21,6 +22,10 @@ the body limit (--limit; the prompt length check refuses it before tokenising: 4
 /health latency meanwhile.
 logprobs: output tokens/s at each concurrency with and without `logprobs` + `top_logprobs` (streamed chat, greedy,
 ignore_eos), interleaved rounds.
+memory: the server's resident memory idle (per --max-num-seqs) and at its peak while N streams of --max-tokens run
+(greedy, ignore_eos, all at once), against the KV cache those tokens in flight need (the model's bytes per token,
+target and head, times the streams' prompt and output tokens); failed requests, preemptions and the pool's peak
+usage from /metrics.
 """
 from __future__ import annotations
 
@@ -374,6 +379,103 @@ def logprobs(args) -> list[dict]:
     return rows
 
 
+# ---- memory
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def kv_bytes_per_token(args) -> int:
+    """Keys and values of one position, every layer of the target and of the head `peagle serve` runs."""
+    from peagle.model.loading import config_dir
+    from peagle.model.speculation import resolve_speculation
+
+    def per_token(folder: Path) -> int:
+        cfg = json.loads((folder / "config.json").read_text())
+        heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+        dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        return 2 * cfg["num_hidden_layers"] * heads * dim * 2  # bf16
+
+    chosen = resolve_speculation(args.model, args.speculative_config)
+    total = per_token(config_dir(Path(chosen.model_path)))
+    if chosen.config is not None and chosen.config.uses_head and chosen.head_path:
+        total += per_token(Path(chosen.head_path))
+    return total
+
+
+def metric(text: str, name: str) -> float:
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+async def watched_streams(proc, concurrency: int, max_tokens: int) -> dict:
+    """`concurrency` streams at once, the server's resident memory and KV usage sampled while they run."""
+    peak = {"rss": rss_bytes(proc.proc.pid), "kv": 0.0}
+    done = asyncio.Event()
+
+    async def sample(http: httpx.AsyncClient):
+        while not done.is_set():
+            peak["rss"] = max(peak["rss"], rss_bytes(proc.proc.pid))
+            peak["kv"] = max(peak["kv"], metric((await http.get(proc.url + "/metrics")).text,
+                                                "vllm:kv_cache_usage_perc"))
+            await asyncio.sleep(0.25)
+
+    failed, tokens = 0, 0
+
+    async def stream(http: httpx.AsyncClient, i: int):
+        nonlocal failed, tokens
+        try:
+            async with http.stream("POST", proc.url + "/v1/chat/completions", json=chat_body(i, max_tokens),
+                                   headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+                if r.status_code != 200:
+                    failed += 1
+                    return
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {") and '"usage":{' in line:
+                        usage = json.loads(line[6:])["usage"]
+                        tokens += usage["prompt_tokens"] + usage["completion_tokens"]
+        except httpx.HTTPError:
+            failed += 1
+
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=3600, limits=limits) as http:
+        sampler = asyncio.create_task(sample(http))
+        t0 = time.perf_counter()
+        await asyncio.gather(*(stream(http, i) for i in range(concurrency)))
+        wall = time.perf_counter() - t0
+        done.set()
+        await sampler
+        text = (await http.get(proc.url + "/metrics")).text
+    return {"peak_rss": peak["rss"], "peak_kv_usage": peak["kv"], "failed": failed, "tokens": tokens,
+            "seconds": wall, "preemptions": metric(text, "vllm:num_preemptions_total")}
+
+
+def memory(args) -> list[dict]:
+    per_token, rows, mb = kv_bytes_per_token(args), [], 2**20
+    for seqs in args.max_num_seqs:
+        extra = ["--max-model-len", str(args.max_model_len)] + (["--kv-cache-gb", str(args.kv_cache_gb)]
+                                                                 if args.kv_cache_gb else [])
+        with server(args, max_num_seqs=seqs, extra=extra) as proc:
+            time.sleep(2)  # past start-up's last allocations
+            idle = rss_bytes(proc.proc.pid)
+            rows.append({"max_num_seqs": seqs, "concurrency": 0, "rss_mb": round(idle / mb)})
+            print(json.dumps(rows[-1]), flush=True)
+            for c in args.concurrency:
+                got = asyncio.run(watched_streams(proc, c, args.max_tokens))
+                kv_needed = got["tokens"] * per_token  # every stream's whole context at once (the peak)
+                rows.append({"max_num_seqs": seqs, "concurrency": c, "rss_mb": round(got["peak_rss"] / mb),
+                             "rss_over_idle_mb": round((got["peak_rss"] - idle) / mb),
+                             "kv_in_flight_mb": round(kv_needed / mb),
+                             "growth_over_kv": round((got["peak_rss"] - idle) / kv_needed, 2) if kv_needed else None,
+                             "peak_kv_usage": round(got["peak_kv_usage"], 3), "failed": got["failed"],
+                             "preemptions": got["preemptions"], "tokens": got["tokens"],
+                             "seconds": round(got["seconds"], 1)})
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -406,6 +508,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--rounds", type=int, default=2)
+    p = command("memory", memory, "resident memory idle and under N streams, against the KV cache they need")
+    p.add_argument("--max-num-seqs", type=int, nargs="+", default=[8, 32])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--max-tokens", type=int, default=580, help="output tokens per stream (with a short prompt: "
+                   "about 600-token contexts)")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--kv-cache-gb", type=float, help="the server's --kv-cache-gb [its default]")
     return ap
 
 

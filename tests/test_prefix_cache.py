@@ -213,3 +213,7 @@ def test_the_server_reports_cached_tokens_and_hits(tmp_path):
         metrics = httpx.get(server.url + "/metrics").text
     hits = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("vllm:prefix_cache_hits")]
     assert hits and hits[0] >= usages[1].prompt_tokens_details.cached_tokens
+    # the cached blocks are blocks of the KV pool, held while no request runs
+    usage = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("vllm:kv_cache_usage_perc")]
+    assert usage and 0 < usage[0] < 1
+    assert any(line.startswith("vllm:num_preemptions_total") for line in metrics.splitlines())

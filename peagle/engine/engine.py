@@ -2,7 +2,8 @@
 requests at once.
 
 Every step, as `step` reads:
-  1. take new requests and aborts, and admit waiting requests into free cache slots;
+  1. take new requests and aborts, admit waiting requests into free cache slots while the KV pool holds their
+     first step, and preempt the newest running requests while it cannot hold every running one's next step;
   2. prefill (prefill.py): a chunk of as many prompts as the step's budgets hold, each continuing from what the
      prefix cache holds (prefix_reuse.py); a prompt's last chunk samples its first token;
   3. plan (step_plan.py): the proposer's model-free drafts and the speculation policy's K_b, from 0 to the widest

@@ -1,4 +1,4 @@
-"""How many blocks an engine's paged KV cache gets (docs/engine.md, "KV cache memory").
+"""How many blocks an engine's paged KV cache gets (docs/memory.md, "KV cache memory").
 
 The pool's tensors are reserved, not written, at start: a block's pages are committed when a request first takes it,
 so resident memory follows the tokens in flight and an idle server holds its weights and little else, whatever

@@ -4,7 +4,7 @@ decoder blocks made of them (Llama's, and Gemma's with norms on both sides of at
 Every forward works on a batch of B rows with T query tokens each. Row b lives in cache slot `slots[b]`, and its
 query i sits at `positions[b, i]`; the cache index of a token *is* its position, so a query attends to every cache
 entry at or before its own position in its own slot. A slot's positions lie in blocks of KV_BLOCK_SIZE from one pool,
-found through the slot's block table (docs/design.md, "Paged KV cache"). Entries past a row's accepted length are
+found through the slot's block table (docs/memory.md, "Paged KV cache"). Entries past a row's accepted length are
 stale and are simply overwritten by later writes (speculative rollback costs nothing).
 """
 from __future__ import annotations

@@ -242,6 +242,8 @@ class AsyncEngine:
                 self._hand_over(outputs)
                 if self.metrics is not None:
                     self.metrics.record_step(engine.step_budget, main=engine is self.engine)
+                if self.metrics is not None and engine is self.engine:
+                    self.metrics.record_kv_cache(engine)
                 if self.metrics is not None and engine.spec is not None:
                     self.metrics.record_spec(engine.stats, engine.proposer_stats)
                 if self.metrics is not None and engine.prefix_cache is not None:

@@ -93,6 +93,13 @@ class Metrics:
         self.step_time_target = Gauge("peagle:step_time_target_seconds",
                                       "Time an engine step in which streams decode may cost (the step budget).",
                                       labels, registry=r)
+        # the main engine's paged KV cache: share of its blocks held (by requests or the prefix cache), and the
+        # running requests that gave theirs back for others to grow (docs/memory.md, "KV cache memory")
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels,
+                              registry=r)
+        self.preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                                   labels, registry=r)
+        self._seen_preemptions = 0
         self.rejected = Counter("peagle:requests_rejected", "Requests refused before reaching the engine.",
                                 labels + ["reason"], registry=r)
         self._create_series(num_speculative_tokens)
@@ -114,7 +121,8 @@ class Metrics:
         """Every labelled series up front, so that a scrape shows zeros rather than nothing."""
         m = self.model_name
         for c in (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.prompt_tokens,
-                  self.generation_tokens, self.prefix_cache_queries, self.prefix_cache_hits):
+                  self.generation_tokens, self.prefix_cache_queries, self.prefix_cache_hits, self.preemptions,
+                  self.kv_usage):
             c.labels(model_name=m)
         for pos in range(num_speculative_tokens):
             self.accepted_per_pos.labels(model_name=m, position=str(pos))
@@ -161,6 +169,13 @@ class Metrics:
         self.prefill_tokens.labels(model_name=m).observe(budget.last.prefill_tokens)
         if main:
             self.step_time_target.labels(model_name=m).set(budget.target_s)
+
+    def record_kv_cache(self, engine) -> None:
+        """The main engine's KV cache after a step: blocks in use, and preemptions since the last call."""
+        m, cache = self.model_name, engine.target_cache
+        self.kv_usage.labels(model_name=m).set(1 - cache.num_free_blocks / (cache.num_blocks - 1))
+        self.preemptions.labels(model_name=m).inc(engine.num_preemptions - self._seen_preemptions)
+        self._seen_preemptions = engine.num_preemptions
 
     def record_output(self, out) -> None:
         """One engine report (a RequestOutput) for one request."""
