@@ -8,6 +8,7 @@
     python3 benchmarks/serve.py gap --limit 4194304 --sizes 5000000 600000      # the default body limit
     python3 benchmarks/serve.py logprobs --rounds 2            # tokens/s with and without logprobs
     python3 benchmarks/serve.py memory --max-num-seqs 8 32 --concurrency 1 8 32   # resident memory against load
+    python3 benchmarks/serve.py soak --minutes 30 --streams 32  # everything at once, a kill -9 half way
 
 http: requests/s and output tokens/s at each concurrency through the server (streamed chat completions, as `vllm
 bench serve` sends them) and through the same engine configuration in this process, greedy with ignore_eos so the
@@ -22,10 +23,15 @@ the body limit (--limit; the prompt length check refuses it before tokenising: 4
 /health latency meanwhile.
 logprobs: output tokens/s at each concurrency with and without `logprobs` + `top_logprobs` (streamed chat, greedy,
 ignore_eos), interleaved rounds.
-memory: the server's resident memory idle (per --max-num-seqs) and at its peak while N streams of --max-tokens run
+memory: the server's resident memory idle (per --max-num-seqs, after one short request) and at its peak while N streams of --max-tokens run
 (greedy, ignore_eos, all at once), against the KV cache those tokens in flight need (the model's bytes per token,
-target and head, times the streams' prompt and output tokens); failed requests, preemptions and the pool's peak
-usage from /metrics.
+target and head, times the streams' prompt and output tokens), and the KV cache the server held at its peak
+(vllm:kv_cache_usage_perc times the pool, vllm:cache_config_info); failed requests and preemptions from /metrics.
+soak: --streams clients for --minutes, each sending multi-turn chats, code edits and plain questions (greedy, a
+tenth cancelled part way), beside a hostile request every 2 s; half way the server is killed (SIGKILL) and started
+again. One line: requests, 5xx, streams that ended without [DONE] (other than those the kill cut), greedy answers
+that differ from the same prompt's answer alone, hostile requests not refused with a 4xx, resident memory's drift
+after warm-up, inter-token gaps (p50, p99, longest; the restart excluded) and the restart's time to healthy.
 """
 from __future__ import annotations
 
@@ -448,7 +454,10 @@ async def watched_streams(proc, concurrency: int, max_tokens: int) -> dict:
         done.set()
         await sampler
         text = (await http.get(proc.url + "/metrics")).text
-    return {"peak_rss": peak["rss"], "peak_kv_usage": peak["kv"], "failed": failed, "tokens": tokens,
+    config = next(line for line in text.splitlines() if line.startswith("vllm:cache_config_info"))
+    labels = dict(kv.split("=") for kv in config[config.index("{") + 1:config.index("}")].replace('"', "").split(","))
+    pool_bytes = int(labels["num_gpu_blocks"]) * int(labels["peagle_block_bytes"])
+    return {"peak_rss": peak["rss"], "peak_kv_bytes": peak["kv"] * pool_bytes, "failed": failed, "tokens": tokens,
             "seconds": wall, "preemptions": metric(text, "vllm:num_preemptions_total")}
 
 
@@ -458,7 +467,8 @@ def memory(args) -> list[dict]:
         extra = ["--max-model-len", str(args.max_model_len)] + (["--kv-cache-gb", str(args.kv_cache_gb)]
                                                                  if args.kv_cache_gb else [])
         with server(args, max_num_seqs=seqs, extra=extra) as proc:
-            time.sleep(2)  # past start-up's last allocations
+            asyncio.run(clients(proc.url, 1, 1, 4))  # one short request first: the code a request runs, loaded
+            time.sleep(1)
             idle = rss_bytes(proc.proc.pid)
             rows.append({"max_num_seqs": seqs, "concurrency": 0, "rss_mb": round(idle / mb)})
             print(json.dumps(rows[-1]), flush=True)
@@ -469,11 +479,144 @@ def memory(args) -> list[dict]:
                              "rss_over_idle_mb": round((got["peak_rss"] - idle) / mb),
                              "kv_in_flight_mb": round(kv_needed / mb),
                              "growth_over_kv": round((got["peak_rss"] - idle) / kv_needed, 2) if kv_needed else None,
-                             "peak_kv_usage": round(got["peak_kv_usage"], 3), "failed": got["failed"],
+                             "kv_held_mb": round(got["peak_kv_bytes"] / mb),
+                             "held_over_kv": round(got["peak_kv_bytes"] / kv_needed, 2) if kv_needed else None,
+                             "failed": got["failed"],
                              "preemptions": got["preemptions"], "tokens": got["tokens"],
                              "seconds": round(got["seconds"], 1)})
                 print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+# ---- soak
+
+EDIT = ("Here is a function:\n\ndef area(w, h):\n    return w * h\n\n"
+        "Rename it to rectangle_area and add a docstring. Reply with the whole function.")
+
+
+def soak_prompt(rng: random.Random, history: list[dict]) -> list[dict]:
+    """The next conversation a client sends: its last one continued, a code edit, or a fresh question."""
+    kind = rng.random()
+    if kind < 0.4 and history:
+        return history + [{"role": "user", "content": rng.choice(PROMPTS)}]
+    if kind < 0.7:
+        return [{"role": "user", "content": EDIT}]
+    return [{"role": "user", "content": rng.choice(PROMPTS)}]
+
+
+def soak(args) -> list[dict]:
+    import signal
+
+    from peagle.bench.loadgen import ServerProcess
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    hostile_todo = hostile_cases()
+    stats = collections.Counter()
+    gaps: list[float] = []
+    rss: list[int] = []
+    solo: dict[str, str] = {}  # conversation -> its greedy answer alone
+    end = time.monotonic() + 60 * args.minutes
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = ServerProcess(args.model, speculative_json(args), args.streams, Path(tmp) / "serve.log",
+                             extra_args=["--api-key", API_KEY, "--max-waiting", str(4 * args.streams)],
+                             threads=args.threads).start()
+        state = {"url": proc.url, "restarting": False}  # the restarted server listens on the same port
+
+        def ask(messages: list[dict], max_tokens: int, cancel_after: int | None = None) -> tuple[str, bool, list]:
+            """(text, ended with [DONE], arrival times)"""
+            body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+            text, done, times = [], False, []
+            with httpx.stream("POST", state["url"] + "/v1/chat/completions", json=body, headers=headers,
+                              timeout=600) as r:
+                stats[f"status {r.status_code}"] += 1
+                if r.status_code != 200:
+                    return "", True, times
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith("data: {"):
+                        times.append(time.perf_counter())
+                        chunk = json.loads(line[6:])
+                        text += [c["delta"].get("content") or "" for c in chunk["choices"]]
+                    if cancel_after is not None and len(times) >= cancel_after:
+                        return "".join(text), True, times
+            return "".join(text), done, times
+
+        def client(seed: int) -> None:
+            rng, history = random.Random(seed), []
+            while time.monotonic() < end:
+                messages = soak_prompt(rng, history)
+                cancel = rng.randrange(2, 20) if rng.random() < 0.1 else None
+                try:
+                    text, done, times = ask(messages, args.max_tokens, cancel)
+                except httpx.HTTPError:
+                    stats["cut by the kill" if state["restarting"] else "connection errors"] += 1
+                    time.sleep(0.5)
+                    continue
+                stats["requests"] += 1
+                if not done:
+                    stats["streams without [DONE]"] += 1
+                if not state["restarting"]:
+                    gaps.extend(b - a for a, b in zip(times, times[1:]))
+                key = json.dumps(messages)
+                if cancel is None and key in solo and solo[key] != text:
+                    stats["greedy mismatches"] += 1
+                if cancel is None:
+                    history = messages + [{"role": "assistant", "content": text}]
+                    if len(history) > 6:
+                        history = []
+
+        def hostile_loop() -> None:
+            rng, i = random.Random(1), 0
+            while time.monotonic() < end:
+                time.sleep(2)
+                name, path, h, raw = hostile_todo[i % len(hostile_todo)] if i % 2 else \
+                    ("random", "/v1/chat/completions", {**headers, "Content-Type": "application/json"}, mutated(rng))
+                i += 1
+                try:
+                    method = "GET" if path == "/v1/models" else "POST"
+                    r = httpx.request(method, state["url"] + path, content=raw if method == "POST" else None,
+                                      headers=h, timeout=120)
+                except httpx.HTTPError:
+                    continue
+                stats["hostile"] += 1
+                if not 400 <= r.status_code < 500:
+                    stats["hostile not refused"] += 1
+
+        for messages in ([{"role": "user", "content": EDIT}], *([{"role": "user", "content": p}] for p in PROMPTS)):
+            solo[json.dumps(messages)] = ask(messages, args.max_tokens)[0]  # each alone, before the load
+        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.streams)]
+        threads.append(threading.Thread(target=hostile_loop, daemon=True))
+        for t in threads:
+            t.start()
+        half, warm, restart_s = time.monotonic() + 30 * args.minutes, time.monotonic() + 6 * args.minutes, None
+        while time.monotonic() < end:
+            time.sleep(5)
+            if time.monotonic() > warm and proc.proc.poll() is None and not state["restarting"]:
+                rss.append(rss_bytes(proc.proc.pid))
+            if restart_s is None and time.monotonic() > half:
+                state["restarting"] = True
+                proc.proc.send_signal(signal.SIGKILL)
+                proc.proc.wait()
+                t0 = time.perf_counter()
+                proc.start()  # on the same port
+                restart_s = time.perf_counter() - t0
+                state["restarting"] = False
+                warm, rss = time.monotonic() + 60, []
+        for t in threads:
+            t.join(timeout=660)
+        proc.stop()
+    gaps.sort()
+    q = (lambda f: gaps[min(len(gaps) - 1, int(f * len(gaps)))] if gaps else float("nan"))
+    row = {"requests": stats["requests"], "5xx": sum(n for k, n in stats.items() if k.startswith("status 5")),
+           "without_done": stats["streams without [DONE]"], "cut_by_kill": stats["cut by the kill"],
+           "connection_errors": stats["connection errors"], "greedy_mismatches": stats["greedy mismatches"],
+           "hostile": stats["hostile"], "hostile_not_refused": stats["hostile not refused"],
+           "rss_drift_pct": round(100 * (rss[-1] / rss[0] - 1), 1) if len(rss) > 1 else None,
+           "itl_p50_s": round(q(0.5), 3), "itl_p99_s": round(q(0.99), 3), "itl_max_s": round(gaps[-1], 3) if gaps
+           else None, "restart_s": round(restart_s, 1) if restart_s else None}
+    print(json.dumps(row), flush=True)
+    return [row]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -515,6 +658,10 @@ def parser() -> argparse.ArgumentParser:
                    "about 600-token contexts)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--kv-cache-gb", type=float, help="the server's --kv-cache-gb [its default]")
+    p = command("soak", soak, "many streams, cancels, hostile requests and a kill -9 half way, for --minutes")
+    p.add_argument("--minutes", type=float, default=30)
+    p.add_argument("--streams", type=int, default=32, help="concurrent clients (and the server's --max-num-seqs)")
+    p.add_argument("--max-tokens", type=int, default=64)
     return ap
 
 

@@ -29,6 +29,11 @@ def test_a_pool_costs_memory_only_for_the_blocks_handed_out():
     assert cache.reserve(0, 100 * KV_BLOCK_SIZE)
     grown = _rss_bytes() - before
     assert 100 * cache.bytes_per_block * 0.9 <= grown < 100 * cache.bytes_per_block + 64 * 2**20
+    cache.release(0)
+    cache.return_free_pages()  # as the engine does after start-up's scratch rows
+    assert _rss_bytes() - before < 64 * 2**20
+    assert cache.reserve(1, 3 * KV_BLOCK_SIZE)  # the pages come back as zeros
+    assert all(float(c[cache.blocks_of(1, 0, 3)].abs().sum()) == 0 for c in (*cache.k, *cache.v))
 
 
 def test_blocks_are_shared_counted_and_handed_back():

@@ -198,10 +198,11 @@ class LLMEngine:
         self.step_budget = StepBudget(self._step_clock, max_step_time_ms)
         self.step_budget.calibrate(timings.prefill_chunk, lambda: timings.target_rows(1),
                                    timings.drafter_rows if self.drafter is not None else None, self.max_model_len)
-        for slot in range(self.max_num_seqs):  # the scratch rows' blocks go back
-            for cache in (self.target_cache, self.drafter_cache):
-                if cache is not None:
+        for cache in (self.target_cache, self.drafter_cache):  # the scratch rows' blocks, and their memory, go back
+            if cache is not None:
+                for slot in range(self.max_num_seqs):
                     cache.release(slot)
+                cache.return_free_pages()
         if remembered is not None:
             remembered.save()
             logger.info("peagle engine: start-up timings %s (%s)", "remembered" if not remembered.measured else

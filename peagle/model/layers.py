@@ -9,6 +9,8 @@ stale and are simply overwritten by later writes (speculative rollback costs not
 """
 from __future__ import annotations
 
+import ctypes
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -106,6 +108,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int
     return rotated if heads == x.shape[2] else torch.cat([rotated, x[:, :, heads:]], dim=2)
 
 
+_MADV_DONTNEED = 4  # Linux: the pages are dropped, and read as zeros when next touched
 KV_BLOCK_SIZE = 16  # positions per block of the KV cache (vLLM's default): the grain of allocation and of prefix reuse
 NULL_BLOCK = 0  # all zeros and never handed out: a table entry no block was given points here
 
@@ -246,6 +249,28 @@ class KVCache:
 
     def holders(self, block: int) -> int:
         return self._holders[block]
+
+    def return_free_pages(self) -> None:
+        """Give the pages of every free block back to the operating system (they read as zeros until written
+        again): after start-up's scratch forwards, so that idle memory does not grow with the slots they spread
+        over. CPU tensors on Linux; a no-op elsewhere."""
+        if self.k[0].device.type != "cpu" or not hasattr(os, "sysconf"):
+            return
+        page, free = os.sysconf("SC_PAGE_SIZE"), sorted(self._free)
+        runs, start = [], 0
+        for i in range(1, len(free) + 1):  # runs of consecutive free blocks
+            if i == len(free) or free[i] != free[i - 1] + 1:
+                runs.append((free[start], free[i - 1] + 1))
+                start = i
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        for t in (*self.k, *self.v):
+            per_block = t[0].numel() * t.element_size()
+            for first, end in runs:
+                lo = -(-(t.data_ptr() + first * per_block) // page) * page
+                hi = (t.data_ptr() + end * per_block) // page * page
+                if hi > lo:
+                    libc.madvise(lo, hi - lo, _MADV_DONTNEED)
 
     def _missing(self, slot: int, length: int) -> list[int]:
         """Indices of the slot's table entries below `length` positions that hold no block yet."""

@@ -288,6 +288,7 @@ def build_server(args, plan):
                              # it serves only "speculation": false requests: a quarter of the caches' memory
                              **{**engine_options(args), "prefix_cache_gb": args.prefix_cache_gb / 4})
     metrics = Metrics(plan.served[0], engine.k, speculation=plan.speculation)
+    metrics.show_cache(engine)
     aengine = AsyncEngine(engine, baseline, max_waiting=args.max_waiting, metrics=metrics)
     model = plan.speculation.model
     app = build_app(aengine, list(plan.served), api_key=args.api_key, model_path=model or engine.model_name,

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
 
 from peagle.config import Speculation
+from peagle.engine.prefix_cache import BLOCK_SIZE
 from peagle.engine.stats import SpecDecodeStats
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -128,6 +129,15 @@ class Metrics:
             self.accepted_per_pos.labels(model_name=m, position=str(pos))
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name=m, finished_reason=reason)
+
+    def show_cache(self, engine) -> None:
+        """`vllm:cache_config_info`: the main engine's KV pool, as vLLM labels it (block size in tokens, blocks),
+        with the bytes of one block (the target's and the head's caches): with vllm:kv_cache_usage_perc, the KV
+        cache's memory in use."""
+        caches = [c for c in (engine.target_cache, engine.drafter_cache) if c is not None]
+        Info("vllm:cache_config", "Information of the LLMEngine CacheConfig", registry=self.registry).info(
+            {"block_size": str(BLOCK_SIZE), "num_gpu_blocks": str(caches[0].num_blocks - 1),
+             "peagle_block_bytes": str(sum(c.bytes_per_block for c in caches))})
 
     # -- called from the engine thread after each step -------------------------------------------------------
     def record_spec(self, stats: SpecDecodeStats, by_proposer: dict[str, SpecDecodeStats] | None = None) -> None:
