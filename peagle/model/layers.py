@@ -172,7 +172,7 @@ class KVCache:
         self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.tables = torch.full((num_slots, self.max_blocks), NULL_BLOCK, dtype=torch.int32, device=device)
         self.layers = [LayerKV(k, v, self.tables) for k, v in zip(self.k, self.v)]
-        self._zero(torch.tensor([NULL_BLOCK]))
+        self._zero(NULL_BLOCK, NULL_BLOCK + 1)
         self._free = list(range(self.num_blocks - 1, NULL_BLOCK, -1))  # pop() hands out block 1 first
         self._holders = [0] * self.num_blocks
         self._never_used = NULL_BLOCK + 1  # blocks from here on were never handed out (their memory is not zeroed)
@@ -287,17 +287,17 @@ class KVCache:
         if not indices:
             return
         blocks = [self._free.pop() for _ in indices]
-        fresh = [b for b in blocks if b >= self._never_used]
+        fresh = [b for b in blocks if b >= self._never_used]  # consecutive: the free list hands them out in order
         if fresh:
-            self._zero(torch.tensor(fresh))  # no NaN a reused allocation left can reach a masked-out read
-            self._never_used = max(fresh) + 1
+            self._zero(fresh[0], fresh[-1] + 1)  # no NaN a reused allocation left can reach a masked-out read
+            self._never_used = fresh[-1] + 1
         for b in blocks:
             self._holders[b] = 1
         self.tables[slot, indices] = torch.tensor(blocks, dtype=torch.int32)
 
-    def _zero(self, blocks: torch.Tensor) -> None:
+    def _zero(self, first: int, end: int) -> None:
         for c in (*self.k, *self.v):
-            c[blocks] = 0
+            c[first:end].zero_()
 
 
 @dataclass
