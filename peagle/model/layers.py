@@ -176,6 +176,7 @@ class KVCache:
         self._free = list(range(self.num_blocks - 1, NULL_BLOCK, -1))  # pop() hands out block 1 first
         self._holders = [0] * self.num_blocks
         self._never_used = NULL_BLOCK + 1  # blocks from here on were never handed out (their memory is not zeroed)
+        self._covered = [0] * num_slots  # per slot: table entries from the first that all hold a block
         # called as reclaim(self, n) when fewer than n blocks are free: whoever holds idle blocks (the prefix cache)
         # may let some go
         self.reclaim: Callable[[KVCache, int], None] | None = None
@@ -198,7 +199,8 @@ class KVCache:
         taken, when the pool has too few."""
         need: dict[int, int] = {}
         for slot, last in zip(slots.tolist(), positions.amax(1).tolist()):
-            need[slot] = max(need.get(slot, 0), last + 1)
+            if last // KV_BLOCK_SIZE >= self._covered[slot]:  # (most forwards stay within blocks already held)
+                need[slot] = max(need.get(slot, 0), last + 1)
         missing = {slot: self._missing(slot, length) for slot, length in need.items()}
         if not self._have(sum(len(m) for m in missing.values())):
             raise KVCacheFull(f"the KV cache needs {sum(len(m) for m in missing.values())} more blocks of "
@@ -224,6 +226,7 @@ class KVCache:
             if b != NULL_BLOCK:
                 self.drop(b)
         self.tables[slot] = NULL_BLOCK
+        self._covered[slot] = 0
 
     def blocks_of(self, slot: int, first: int, count: int) -> list[int]:
         """The blocks that hold positions first * KV_BLOCK_SIZE.. of a slot (count of them)."""
@@ -238,6 +241,7 @@ class KVCache:
             if old != NULL_BLOCK:
                 self.drop(old)
         self.tables[slot, first:first + len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        self._recount(slot)
 
     def hold(self, block: int) -> None:
         self._holders[block] += 1
@@ -275,6 +279,8 @@ class KVCache:
     def _missing(self, slot: int, length: int) -> list[int]:
         """Indices of the slot's table entries below `length` positions that hold no block yet."""
         n = self.blocks_for(min(length, self.max_len))
+        if n <= self._covered[slot]:
+            return []
         return (self.tables[slot, :n] == NULL_BLOCK).nonzero().flatten().tolist()
 
     def _have(self, n: int) -> bool:
@@ -294,6 +300,11 @@ class KVCache:
         for b in blocks:
             self._holders[b] = 1
         self.tables[slot, indices] = torch.tensor(blocks, dtype=torch.int32)
+        self._recount(slot)
+
+    def _recount(self, slot: int) -> None:
+        held = (self.tables[slot, self._covered[slot]:] != NULL_BLOCK).tolist()
+        self._covered[slot] += held.index(False) if False in held else len(held)
 
     def _zero(self, first: int, end: int) -> None:
         for c in (*self.k, *self.v):
