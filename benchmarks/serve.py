@@ -29,8 +29,9 @@ target and head, times the streams' prompt and output tokens), and the KV cache 
 (vllm:kv_cache_usage_perc times the pool, vllm:cache_config_info); failed requests and preemptions from /metrics.
 soak: --streams clients for --minutes, each sending multi-turn chats, code edits and plain questions (greedy, a
 tenth cancelled part way), beside a hostile request every 2 s; half way the server is killed (SIGKILL) and started
-again. One line: requests, 5xx, streams that ended without [DONE] (other than those the kill cut), greedy answers
-that differ from the same prompt's answer alone, hostile requests not refused with a 4xx, resident memory's drift
+again. One line: requests, preemptions, 5xx, streams that ended without [DONE] (other than those the kill cut), greedy answers
+that differ from the same prompt's answer alone, hostile requests not refused with a 4xx (a random mutation may be
+valid: only its 5xx counts), resident memory's drift
 after warm-up, inter-token gaps (p50, p99, longest; the restart excluded) and the restart's time to healthy.
 """
 from __future__ import annotations
@@ -454,10 +455,13 @@ async def watched_streams(proc, concurrency: int, max_tokens: int) -> dict:
         done.set()
         await sampler
         text = (await http.get(proc.url + "/metrics")).text
-    config = next(line for line in text.splitlines() if line.startswith("vllm:cache_config_info"))
-    labels = dict(kv.split("=") for kv in config[config.index("{") + 1:config.index("}")].replace('"', "").split(","))
-    pool_bytes = int(labels["num_gpu_blocks"]) * int(labels["peagle_block_bytes"])
-    return {"peak_rss": peak["rss"], "peak_kv_bytes": peak["kv"] * pool_bytes, "failed": failed, "tokens": tokens,
+    config = next((line for line in text.splitlines() if line.startswith("vllm:cache_config_info")), None)
+    held = None  # a server from before the paged cache reports no pool
+    if config is not None:
+        labels = dict(kv.split("=") for kv in config[config.index("{") + 1:config.index("}")].replace('"', "")
+                      .split(","))
+        held = peak["kv"] * int(labels["num_gpu_blocks"]) * int(labels["peagle_block_bytes"])
+    return {"peak_rss": peak["rss"], "peak_kv_bytes": held, "failed": failed, "tokens": tokens,
             "seconds": wall, "preemptions": metric(text, "vllm:num_preemptions_total")}
 
 
@@ -479,8 +483,9 @@ def memory(args) -> list[dict]:
                              "rss_over_idle_mb": round((got["peak_rss"] - idle) / mb),
                              "kv_in_flight_mb": round(kv_needed / mb),
                              "growth_over_kv": round((got["peak_rss"] - idle) / kv_needed, 2) if kv_needed else None,
-                             "kv_held_mb": round(got["peak_kv_bytes"] / mb),
-                             "held_over_kv": round(got["peak_kv_bytes"] / kv_needed, 2) if kv_needed else None,
+                             "kv_held_mb": round(got["peak_kv_bytes"] / mb) if got["peak_kv_bytes"] else None,
+                             "held_over_kv": round(got["peak_kv_bytes"] / kv_needed, 2)
+                             if kv_needed and got["peak_kv_bytes"] else None,
                              "failed": got["failed"],
                              "preemptions": got["preemptions"], "tokens": got["tokens"],
                              "seconds": round(got["seconds"], 1)})
@@ -504,6 +509,10 @@ def soak_prompt(rng: random.Random, history: list[dict]) -> list[dict]:
     return [{"role": "user", "content": rng.choice(PROMPTS)}]
 
 
+def preemptions(url: str) -> int:
+    return int(metric(httpx.get(url + "/metrics", timeout=60).text, "vllm:num_preemptions_total"))
+
+
 def soak(args) -> list[dict]:
     import signal
 
@@ -517,8 +526,9 @@ def soak(args) -> list[dict]:
     solo: dict[str, str] = {}  # conversation -> its greedy answer alone
     end = time.monotonic() + 60 * args.minutes
     with tempfile.TemporaryDirectory() as tmp:
+        extra = ["--api-key", API_KEY, "--max-waiting", str(4 * args.streams)]
         proc = ServerProcess(args.model, speculative_json(args), args.streams, Path(tmp) / "serve.log",
-                             extra_args=["--api-key", API_KEY, "--max-waiting", str(4 * args.streams)],
+                             extra_args=extra + (["--kv-cache-gb", str(args.kv_cache_gb)] if args.kv_cache_gb else []),
                              threads=args.threads).start()
         state = {"url": proc.url, "restarting": False}  # the restarted server listens on the same port
 
@@ -580,7 +590,8 @@ def soak(args) -> list[dict]:
                 except httpx.HTTPError:
                     continue
                 stats["hostile"] += 1
-                if not 400 <= r.status_code < 500:
+                # a fixed case is refused; a random mutation may still be a valid request, but never a 5xx
+                if r.status_code >= 500 or (name != "random" and not 400 <= r.status_code < 500):
                     stats["hostile not refused"] += 1
 
         for messages in ([{"role": "user", "content": EDIT}], *([{"role": "user", "content": p}] for p in PROMPTS)):
@@ -595,6 +606,7 @@ def soak(args) -> list[dict]:
             if time.monotonic() > warm and proc.proc.poll() is None and not state["restarting"]:
                 rss.append(rss_bytes(proc.proc.pid))
             if restart_s is None and time.monotonic() > half:
+                stats["preemptions"] += preemptions(state["url"])
                 state["restarting"] = True
                 proc.proc.send_signal(signal.SIGKILL)
                 proc.proc.wait()
@@ -605,10 +617,11 @@ def soak(args) -> list[dict]:
                 warm, rss = time.monotonic() + 60, []
         for t in threads:
             t.join(timeout=660)
+        stats["preemptions"] += preemptions(state["url"])
         proc.stop()
     gaps.sort()
     q = (lambda f: gaps[min(len(gaps) - 1, int(f * len(gaps)))] if gaps else float("nan"))
-    row = {"requests": stats["requests"], "5xx": sum(n for k, n in stats.items() if k.startswith("status 5")),
+    row = {"requests": stats["requests"], "preemptions": stats["preemptions"], "5xx": sum(n for k, n in stats.items() if k.startswith("status 5")),
            "without_done": stats["streams without [DONE]"], "cut_by_kill": stats["cut by the kill"],
            "connection_errors": stats["connection errors"], "greedy_mismatches": stats["greedy mismatches"],
            "hostile": stats["hostile"], "hostile_not_refused": stats["hostile not refused"],
@@ -662,6 +675,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--minutes", type=float, default=30)
     p.add_argument("--streams", type=int, default=32, help="concurrent clients (and the server's --max-num-seqs)")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--kv-cache-gb", type=float, help="the server's --kv-cache-gb (small: preemptions) [its default]")
     return ap
 
 

@@ -429,6 +429,13 @@ class LLMEngine:
             return min(req.num_computed + self.max_num_batched_tokens, self.capacity)
         return min(req.num_tokens + self.k + self.max_forced_run + 1, self.capacity)
 
+    def _admission_length(self, req: Request) -> int:
+        """Positions a waiting request needs room for to be admitted: its first step, or, preempted before, all it
+        had and a decode step (else, readmitted at once as the newest, it would be the first to go again)."""
+        if req.num_preemptions:
+            return min(len(req.prefill_ids) + self.k + self.max_forced_run + 1, self.capacity)
+        return self._step_length(req)
+
     def _room_for(self, reqs: list[Request]) -> bool:
         """Whether the pools hold every request's next step (counting blocks only the prefix cache holds, which it
         lets go of when asked)."""
@@ -436,7 +443,7 @@ class LLMEngine:
             if cache is None:
                 continue
             missing = sum(cache.blocks_missing(r.slot, self._step_length(r)) if r.slot >= 0 else
-                          cache.blocks_for(self._step_length(r)) for r in reqs)
+                          cache.blocks_for(self._admission_length(r)) for r in reqs)
             if missing > cache.num_free_blocks and (self.prefix_cache is None or missing > cache.num_free_blocks
                                                     + self.prefix_cache.num_idle_blocks(cache)):
                 return False
