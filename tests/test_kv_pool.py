@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from peagle.engine import LLMEngine, SamplingParams
+from peagle.engine import SamplingParams
 from peagle.engine.kv_memory import available_memory_bytes, pool_blocks
 from peagle.model.layers import KV_BLOCK_SIZE, KVCache, KVCacheFull
 from tests.conftest import needs_native_kernels
