@@ -137,12 +137,14 @@ class PrefixCache:
             kv = b.kv if cache is self.target_cache else b.drafter_kv
             return kv is not None and cache.holders(kv) == 1
 
-        while cache.num_free_blocks < wanted:
-            candidates = [k for k, b in self.blocks.items() if idle(b)]
-            if not candidates:
-                return
-            key = min(candidates, key=lambda k: (self.blocks[k].last_used, -self.blocks[k].depth))
+        if cache.num_free_blocks >= wanted:
+            return
+        candidates = sorted((k for k, b in self.blocks.items() if idle(b)),
+                            key=lambda k: (self.blocks[k].last_used, -self.blocks[k].depth))
+        for key in candidates:  # one pass, however many blocks must go
             self._let_go(self.blocks.pop(key))
+            if cache.num_free_blocks >= wanted:
+                return
 
     def num_idle_blocks(self, cache: KVCache) -> int:
         """Blocks of `cache` that only the prefix cache holds (free_blocks could let them go)."""
