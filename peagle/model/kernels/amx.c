@@ -131,25 +131,30 @@ int peagle_amx_gemm(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y
    products of many rows
 
    The same qpanels as AVX2 and VNNI, and the same fp32 chain per output (common.h, "Block-quantized weights"), so
-   the same bits; only the exact integer block sums are made differently. A tile of h activation rows (A: h rows x
-   one block's 32 int8 codes) times one block of 16 output columns (B: 8 rows of 4 inputs x 16 columns, int8) gives
-   every row's and column's block sum in one `tdpbssd` (C: h x 16 int32). The qpanels already hold the B rows: chunk
-   t of two neighbouring groups is inputs 4t..4t+3 of 16 columns (low nibbles) and 16+4t..19+4t (high ones), as the
-   VNNI path loads them. Each column pair's blocks are unpacked once per call into signed int8 B tiles in a small
-   per-thread buffer (Q4_0's codes minus 8 and Q5_0's minus 16, so the sums need no -8 sx correction: the same exact
-   integer isum), with their fp16 scales widened to fp32 (exact), and every row tile of the call reuses them. Block
-   sums go through tmm0..3 in turn, AMX_AHEAD blocks ahead of the chain, which each row then runs in block order:
-     acc = fma((float)isum, d * dx, acc);   acc = fma(m, dx * sx, acc)   [Q4_1, Q5_1]
-   with the row's fp32 accumulators (16 columns each) in registers. Activations are quantized per row by
-   quantize_rows_q8 (quantize_rows_q8k for the K-quants), as on the other paths; the rows of a call are split into
-   tiles of equal height (at most 16).
+   the same bits; only the exact integer sums of each block (or K-quant sub-block: a "unit") are made differently,
+   by `tdpbssd`: A (activation codes, int8) times B (4-input rows x 16 output columns, int8) into C (int32).
+   The qpanels already hold the B rows: chunk t of two neighbouring groups is inputs 4t..4t+3 of 16 columns (low
+   nibbles) and 16+4t..19+4t (high ones), as the VNNI path loads them. A column pair's units are unpacked into
+   signed int8 B tiles in a small per-thread buffer (Q4_0's codes minus 8 and Q5_0's minus 16, so the sums need no
+   -8 sx correction: the same exact integer isum), with their fp16 scales widened to fp32 (exact).
 
-   A block is only 32 inputs, half of what a tile product can take, and its sums must leave the tile before the
-   next block's scale applies; so each block costs a tile product, a store and a reload whatever the rows, and a
-   product of few rows is faster on VNNI: the entry points send fewer than amx_min_rows rows there (one row always).
-   The K-quants: each sub-block is a tile product as above (Q4_K/Q5_K: 32 codes 0..15 or 0..31 as int8; Q6_K: 16
-   codes q - 32, on tiles 16 bytes wide), and each row adds sc_j times the sub-block's sums (and Q4_K/Q5_K's sum_j
-   m_j bsum32_j) in exact int32 vectors before the super-block's fp32 steps, the VNNI path's chain. */
+   Every unit's sums must leave the tile before its scale applies (the chain below is fixed by the other paths'
+   bits), and a tile store costs the same whatever rows it holds; so a C tile is filled: a span of 64 inputs (the
+   widest A row) holds J units (J = 2 blocks of 32; Q6_K's 4 sub-blocks of 16), and its A tile stacks them as J h
+   rows (row j h + r: row r's codes with all but unit j's bytes zeroed, made once per call by amx_expand_rows), so
+   one product and one store give the J units' sums of a row tile of h <= 16 / J rows. The row tiles of a call have
+   equal heights; a thread runs them one after the other on each of its column pairs, the first unpacking the pair's
+   spans AMX_UNPACK_AHEAD spans before their products (so the unpacking, from memory, overlaps the tiles and the B
+   tiles stay in L1), the others reusing them. Span sums go through tmm0..3 in turn, AMX_AHEAD spans ahead of the
+   chain, which each row runs in unit order with its accumulators in registers (at most 8 rows a tile):
+     acc = fma((float)isum, d * dx, acc);   acc = fma(m, dx * sx, acc)   [Q4_1, Q5_1]
+   Activations are quantized per row by quantize_rows_q8 (quantize_rows_q8k for the K-quants), as on the other
+   paths. The K-quants: each row adds sc_j times sub-block j's sums (and Q4_K/Q5_K's sum_j m_j bsum32_j, four
+   vpdpwssd) in exact int32 vectors before the super-block's fp32 steps, the VNNI path's chain.
+
+   What a row costs is that chain (a conversion, a product and an fma per unit and 16 columns) and its share of the
+   tile products and stores; the unpacking costs the same whatever the rows, so few rows run faster on VNNI: the
+   entry points send fewer than amx_min_rows rows there (one row always). */
 
 #if !defined(PEAGLE_NO_AMX) && !defined(PEAGLE_NO_AVX512)
 #ifdef _OPENMP
@@ -222,7 +227,7 @@ int peagle_amx_init(void) { return 1; } /* nothing to ask the OS for */
 #endif
 
 #define AMX_AHEAD 3 /* spans whose sums are being made while a span's are read: tmm0..3 in turn */
-#define AMX_UNPACK_AHEAD 8
+#define AMX_UNPACK_AHEAD 8 /* spans unpacked before their product (the stores must land before the tile loads) */
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -578,13 +583,13 @@ static inline __attribute__((always_inline)) int qgemm_amx(const int format, con
     return 0;
 }
 
-/* The path's entry points, one per format: amx_min_rows or more rows on tiles, else VNNI's kernel. A call's tiles
-   cost a fixed time per block and column pair, whatever their rows (the tile products' latency, which few rows
-   cannot hide), so the kernel alone is faster on VNNI below about 12 rows, and a whole SmolLM2 forward (its small
-   matrices, each call's set-up) up to 24 rows; from 32 rows and in prefill the tiles win (docs/performance.md,
-   "Block-quantized weights on AMX int8 tiles", has the measurements). The bits are the same either way. peagle_qgemm_amx_min_rows sets the threshold (at least 2; 0
-   leaves it) and returns the one before: the tests run every row count on tiles, the benchmarks compare. */
-static int amx_min_rows = 32;
+/* The path's entry points, one per format: amx_min_rows or more rows on tiles, else VNNI's kernel. The unpacking
+   and each span's tile product and store cost the same whatever the rows, so a product of 4 rows runs faster on
+   VNNI; from 8 rows the tiles win, in the kernel alone and in a whole SmolLM2 forward (docs/performance.md,
+   "Block-quantized weights on AMX int8 tiles", has the measurements). The bits are the same either way.
+   peagle_qgemm_amx_min_rows sets the threshold (at least 2; 0 leaves it) and returns the one before: the tests run
+   every row count on tiles, the benchmarks compare. */
+static int amx_min_rows = 8;
 int peagle_qgemm_amx_min_rows(int rows) {
     int before = amx_min_rows;
     if (rows > 0) amx_min_rows = rows < 2 ? 2 : rows;
@@ -593,7 +598,7 @@ int peagle_qgemm_amx_min_rows(int rows) {
 #define QGEMM_EXPORT_AMX(name, F)                                                                                \
     int peagle_qgemm_amx_##name(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy, int M,   \
                                 int N, int K, int nthreads) {                                                    \
-        if (M < amx_min_rows)                                                                    \
+        if (M < amx_min_rows)                                                                                    \
             return peagle_qgemm_vnni_##name(x, ldx, wp, y, ldy, M, N, K, nthreads);                              \
         return qgemm_amx(F, x, ldx, (const uint8_t *)wp, y, ldy, M, N, K, nthreads);                             \
     }
