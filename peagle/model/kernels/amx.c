@@ -139,14 +139,15 @@ int peagle_amx_gemm(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y
    -8 sx correction: the same exact integer isum), with their fp16 scales widened to fp32 (exact).
 
    Every unit's sums must leave the tile before its scale applies (the chain below is fixed by the other paths'
-   bits), and a tile store costs the same whatever rows it holds; so a C tile is filled: a span of 64 inputs (the
-   widest A row) holds J units (J = 2 blocks of 32; Q6_K's 4 sub-blocks of 16), and its A tile stacks them as J h
+   bits), and a tile store costs the same whatever rows it holds, so C tiles are filled: a product spans J units
+   (2 blocks of 32 = 64 inputs, the widest A row; Q6_K 2 or 4 sub-blocks of 16), its A tile stacking them as J h
    rows (row j h + r: row r's codes with all but unit j's bytes zeroed, made once per call by amx_expand_rows), so
-   one product and one store give the J units' sums of a row tile of h <= 16 / J rows. The row tiles of a call have
-   equal heights; a thread runs them one after the other on each of its column pairs, the first unpacking the pair's
-   spans AMX_UNPACK_AHEAD spans before their products (so the unpacking, from memory, overlaps the tiles and the B
-   tiles stay in L1), the others reusing them. Span sums go through tmm0..3 in turn, AMX_AHEAD spans ahead of the
-   chain, which each row runs in unit order with its accumulators in registers (at most 8 rows a tile):
+   one product and one store give the J units' sums of a row tile of h <= 8 rows (J h <= 16). The row tiles have
+   equal heights and run in chunks (their A tiles within L2); a thread runs a chunk's tiles one after the other on
+   each of its column pairs, the first unpacking the pair's spans AMX_UNPACK_AHEAD spans before their products (so
+   the unpacking, from memory, overlaps the tiles and the B tiles stay in L1), the others reusing them. Span sums go
+   through tmm0..3 in turn, AMX_AHEAD spans ahead of the chain, which each row runs in unit order with its
+   accumulators in registers:
      acc = fma((float)isum, d * dx, acc);   acc = fma(m, dx * sx, acc)   [Q4_1, Q5_1]
    Activations are quantized per row by quantize_rows_q8 (quantize_rows_q8k for the K-quants), as on the other
    paths. The K-quants: each row adds sc_j times sub-block j's sums (and Q4_K/Q5_K's sum_j m_j bsum32_j, four
@@ -228,6 +229,7 @@ int peagle_amx_init(void) { return 1; } /* nothing to ask the OS for */
 
 #define AMX_AHEAD 3 /* spans whose sums are being made while a span's are read: tmm0..3 in turn */
 #define AMX_UNPACK_AHEAD 8 /* spans unpacked before their product (the stores must land before the tile loads) */
+#define AMX_A_BYTES (1024 * 1024) /* A tiles a chunk of row tiles reads (qgemm_amx) */
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -235,15 +237,15 @@ typedef struct {
     uint8_t rows[16];
 } int8_tilecfg;
 
-/* tmm0..3 C (crows rows x 16 int32), tmm4/5 A (crows rows x 64 codes), tmm6/7 B (16 rows of 4 inputs x 16
-   columns): crows = J h, a row tile's h rows times the J units of a span (amx_expand_rows). */
-static void config_int8_tiles(int crows) {
+/* tmm0..3 C (crows rows x 16 int32), tmm4/5 A (crows rows x a span's sw codes), tmm6/7 B (sw / 4 rows of 4 inputs
+   x 16 columns): crows = J h, a row tile's h rows times the J units of a span (amx_expand_rows). */
+static void config_int8_tiles(int crows, int sw) {
     int8_tilecfg c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int t = 0; t < 8; t++) {
-        c.rows[t] = t < 6 ? (uint8_t)crows : 16;
-        c.colsb[t] = 64;
+        c.rows[t] = t < 6 ? (uint8_t)crows : (uint8_t)(sw / 4);
+        c.colsb[t] = t == 4 || t == 5 ? (uint16_t)sw : 64;
     }
     _tile_loadconfig(&c);
 }
@@ -360,30 +362,31 @@ static inline __attribute__((always_inline)) void amx_unpack_q6k(const uint8_t *
     }
 }
 
-/* The rows' codes as A tiles, one per row tile and span of 64 inputs: tile t's span s at
-   out + (t S + s) 64 J h, its row j h + r holding row t h + r's 64 codes of the span with all but unit j's 64 / J
-   bytes zeroed (and those past K, and whole rows past M). One tile product then gives J units' sums of h rows
-   (C row j h + r: unit j of row r), a whole C tile where a unit's own codes would fill only h of its 16 rows. */
-static void amx_expand_rows(const int8_t *qx, int M, int K, int J, int h, int tiles, int8_t *out) {
-    const int S = (K + 63) / 64, w = 64 / J;
-    memset(out, 0, (size_t)tiles * S * 64 * J * h);
+/* The rows' codes as A tiles, one per row tile and span of J units of w inputs (sw = J w bytes a row): tile t's
+   span s at out + (t S + s) sw J h, its row j h + r holding row t h + r's codes of the span with all but unit j's
+   w bytes zeroed (and whole rows past M, and a last span's units past K). One tile product then gives J units'
+   sums of h rows (C row j h + r: unit j of row r): a C tile of J h rows where a unit's own codes would fill h. */
+static void amx_expand_rows(const int8_t *qx, int M, int K, int J, int w, int h, int tiles, int8_t *out) {
+    const int sw = J * w, S = (K + sw - 1) / sw;
+    memset(out, 0, (size_t)tiles * S * sw * J * h);
     for (int t = 0; t < tiles; t++)
         for (int r = 0; r < h && t * h + r < M; r++)
             for (int u = 0; u * w < K; u++) /* unit u: span u / J, j = u % J */
-                memcpy(out + ((size_t)t * S + u / J) * 64 * J * h + (size_t)64 * ((u % J) * h + r) + (u % J) * w,
+                memcpy(out + ((size_t)t * S + u / J) * sw * J * h + (size_t)sw * ((u % J) * h + r) + (u % J) * w,
                        qx + (size_t)(t * h + r) * K + (size_t)u * w, (size_t)w);
 }
 
 /* What a row tile's chain reads: its A tiles, its rows' dx (row r, block b at dx[r Kb + b]) and sums (sx: the
-   32-input formats' one per block, the K-quants' kq_sums words), the unpacked column pair (B tiles, d, m or dmin,
-   the K-quants' sub-block scales and minimums), the C buffers, and where its rows go. */
+   32-input formats' one per block, the K-quants' kq_sums words), the column pair's unpacked units (B tiles, d, m or
+   dmin, the K-quants' sub-block scales and minimums: written here when w is set), the C buffers, and where its rows
+   go. */
 typedef struct {
-    const int8_t *a, *bt;
-    const float *dx, *d, *m;
-    const int32_t *sx, *sc, *mn;
-    float *ud, *um;            /* where the unpacking writes d, m (dmin) ... */
-    int8_t *ubt;
-    int32_t *usc, *umn;        /* ... the B tiles and the K-quants' scales and minimums */
+    const int8_t *a;
+    int8_t *bt;
+    const float *dx;
+    float *d, *m;
+    const int32_t *sx;
+    int32_t *sc, *mn;
     const uint8_t *w;          /* the column pair's first group, unpacked span by span; NULL: already unpacked */
     size_t gstride;
     int two;                   /* whether the pair has its second group */
@@ -393,9 +396,12 @@ typedef struct {
     int K, rows, ncols;
 } amx_rows_args;
 
-/* Unpack the chunk of spans starting at span c (a super-block's 4 spans for the K-quants, a block pair else). */
-static inline __attribute__((always_inline)) void amx_unpack_chunk(const int format, const amx_rows_args *p, int c) {
-    const int Kb = p->K / block_inputs(format), b0 = is_kquant(format) ? c / 4 : 2 * c;
+/* Unpack the chunk of spans starting at span c: a super-block's spans (per_b / J of them) for the K-quants, a block
+   pair (one span) else. */
+static inline __attribute__((always_inline)) void amx_unpack_chunk(const int format, const int J, const amx_rows_args *p,
+                                                                   int c) {
+    const int per_b = format == Q6_K ? 16 : 8, Kb = p->K / block_inputs(format);
+    const int b0 = is_kquant(format) ? c * J / per_b : 2 * c;
     const int b1 = is_kquant(format) ? b0 + 1 : (b0 + 2 < Kb ? b0 + 2 : Kb), rb = qformats[format].record_bytes;
     /* the records a few chunks on, from memory (the VNNI path's distance: 8 blocks of 32, or 2 super-blocks) */
     const uint8_t *ahead = p->w + (size_t)(is_kquant(format) ? b0 + 2 : b0 + 8) * rb;
@@ -403,22 +409,22 @@ static inline __attribute__((always_inline)) void amx_unpack_chunk(const int for
         _mm_prefetch((const char *)(ahead + l), _MM_HINT_T0);
         if (p->two) _mm_prefetch((const char *)(ahead + p->gstride + l), _MM_HINT_T0);
     }
-    if (format == Q6_K && p->two) amx_unpack_q6k(p->w, p->gstride, 1, b0, b1, p->ubt, p->ud, p->usc);
-    else if (format == Q6_K) amx_unpack_q6k(p->w, p->gstride, 0, b0, b1, p->ubt, p->ud, p->usc);
+    if (format == Q6_K && p->two) amx_unpack_q6k(p->w, p->gstride, 1, b0, b1, p->bt, p->d, p->sc);
+    else if (format == Q6_K) amx_unpack_q6k(p->w, p->gstride, 0, b0, b1, p->bt, p->d, p->sc);
     else if (is_kquant(format) && p->two)
-        amx_unpack_k(format, p->w, p->gstride, 1, b0, b1, p->ubt, p->ud, p->um, p->usc, p->umn);
-    else if (is_kquant(format)) amx_unpack_k(format, p->w, p->gstride, 0, b0, b1, p->ubt, p->ud, p->um, p->usc, p->umn);
-    else if (p->two) amx_unpack(format, p->w, p->gstride, 1, b0, b1, p->ubt, p->ud, p->um);
-    else amx_unpack(format, p->w, p->gstride, 0, b0, b1, p->ubt, p->ud, p->um);
+        amx_unpack_k(format, p->w, p->gstride, 1, b0, b1, p->bt, p->d, p->m, p->sc, p->mn);
+    else if (is_kquant(format)) amx_unpack_k(format, p->w, p->gstride, 0, b0, b1, p->bt, p->d, p->m, p->sc, p->mn);
+    else if (p->two) amx_unpack(format, p->w, p->gstride, 1, b0, b1, p->bt, p->d, p->m);
+    else amx_unpack(format, p->w, p->gstride, 0, b0, b1, p->bt, p->d, p->m);
 }
 
-/* Span s's sums into tile C, stored to cbuf[C]: A = the row tile's J h rows of span s, B = the span's 64 inputs
-   (units J s .. J s + J - 1, unpacked 1024 bytes a span) x 16 columns. */
+/* Span s's sums into tile C, stored to cbuf[C]: A = the row tile's J h rows of span s, B = the span's sw inputs
+   (units J s .. J s + J - 1, unpacked 16 sw bytes a span) x 16 columns. */
 #define AMX_SPAN_SUM(C, TA, TB, s)                                                                               \
     do {                                                                                                         \
         _tile_zero(C);                                                                                           \
-        _tile_loadd(TA, p->a + (size_t)64 * J * R * (s), 64);                                                    \
-        _tile_loadd(TB, p->bt + (size_t)1024 * (s), 64);                                                         \
+        _tile_loadd(TA, p->a + (size_t)sw * J * R * (s), sw);                                                    \
+        _tile_loadd(TB, p->bt + (size_t)16 * sw * (s), 64);                                                      \
         _tile_dpbssd(C, TA, TB);                                                                                 \
         _tile_stored(C, p->cbuf[C], 64);                                                                         \
     } while (0)
@@ -441,19 +447,20 @@ static inline __attribute__((always_inline)) void amx_unpack_chunk(const int for
        exact int32, then acc = fma((float)isum, d * dx, acc);  acc = fnmadd((float)msum, dmin * dx, acc)
      Q6_K (unit = sub-block k of 16):  isum = sum_k sc_k ((q - 32).qx)_k, then acc = fma((float)isum, d * dx, acc). */
 static inline __attribute__((always_inline)) void amx_rows(const int format, const int R, const amx_rows_args *p) {
-    const int kq = is_kquant(format), J = format == Q6_K ? 4 : 2, per_b = format == Q6_K ? 16 : kq ? 8 : 1;
+    const int kq = is_kquant(format), per_b = format == Q6_K ? 16 : kq ? 8 : 1;
+    const int J = format == Q6_K && R <= 4 ? 4 : 2, sw = J * (format == Q6_K ? 16 : 32); /* as qgemm_amx */
     const int Kb = p->K / block_inputs(format), units = per_b * Kb, S = (units + J - 1) / J;
     const int has_m = qformats[format].m.size != 0;
     __m512 acc[8];
     __m512i isum[8];
     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), isum[r] = _mm512_setzero_si512();
-    const int chunk = kq ? 4 : 1; /* spans a chunk unpacks */
+    const int chunk = kq ? per_b / J : 1; /* spans a chunk unpacks */
     for (int s = 0; s < AMX_UNPACK_AHEAD && s < S; s += chunk)
-        if (p->w) amx_unpack_chunk(format, p, s);
+        if (p->w) amx_unpack_chunk(format, J, p, s);
     for (int s = 0; s < AMX_AHEAD && s < S; s++) AMX_SUMS(s);
     for (int s = 0; s < S; s++) {
         const int next = s + AMX_UNPACK_AHEAD;
-        if (next < S && p->w && next % chunk == 0) amx_unpack_chunk(format, p, next);
+        if (next < S && p->w && next % chunk == 0) amx_unpack_chunk(format, J, p, next);
         if (s + AMX_AHEAD < S) AMX_SUMS(s + AMX_AHEAD);
         _Pragma("GCC unroll 4") for (int j = 0; j < J; j++) {
             const int u = J * s + j, b = u / per_b, k = u % per_b;
@@ -502,8 +509,7 @@ static inline __attribute__((always_inline)) void amx_rows(const int format, con
 #undef AMX_SUMS
 #undef AMX_SPAN_SUM
 
-/* amx_rows per format and row count (a row tile's height: up to 8 rows, Q6_K's up to 4, so C's J h rows are 16
-   at most), one function each. */
+/* amx_rows per format and row count (a row tile's height, at most 8), one function each. */
 typedef void (*amx_rows_fn)(const amx_rows_args *);
 #define AMX_ROWS_FN(F, R) static void amx_rows_##F##_##R(const amx_rows_args *p) { amx_rows(F, R, p); }
 #define AMX_ROWS_4(F) AMX_ROWS_FN(F, 1) AMX_ROWS_FN(F, 2) AMX_ROWS_FN(F, 3) AMX_ROWS_FN(F, 4)
@@ -511,27 +517,32 @@ typedef void (*amx_rows_fn)(const amx_rows_args *);
 #define AMX_TABLE_4(F) 0, amx_rows_##F##_1, amx_rows_##F##_2, amx_rows_##F##_3, amx_rows_##F##_4
 #define AMX_TABLE_8(F) AMX_TABLE_4(F), amx_rows_##F##_5, amx_rows_##F##_6, amx_rows_##F##_7, amx_rows_##F##_8
 AMX_ROWS_8(Q4_0) AMX_ROWS_8(Q4_1) AMX_ROWS_8(Q8_0) AMX_ROWS_8(Q5_0) AMX_ROWS_8(Q5_1) AMX_ROWS_8(Q4_K)
-AMX_ROWS_8(Q5_K) AMX_ROWS_4(Q6_K)
+AMX_ROWS_8(Q5_K) AMX_ROWS_8(Q6_K)
 static const amx_rows_fn amx_rows_table[QFORMATS][9] = {
     [Q4_0] = {AMX_TABLE_8(Q4_0)}, [Q4_1] = {AMX_TABLE_8(Q4_1)}, [Q8_0] = {AMX_TABLE_8(Q8_0)},
     [Q5_0] = {AMX_TABLE_8(Q5_0)}, [Q5_1] = {AMX_TABLE_8(Q5_1)}, [Q4_K] = {AMX_TABLE_8(Q4_K)},
-    [Q5_K] = {AMX_TABLE_8(Q5_K)}, [Q6_K] = {AMX_TABLE_4(Q6_K)},
+    [Q5_K] = {AMX_TABLE_8(Q5_K)}, [Q6_K] = {AMX_TABLE_8(Q6_K)},
 };
 
-/* y[M, N] = x[M, K] @ W^T on AMX (M >= 1; the entry points send one row to VNNI). Rows in ceil(M / H) row tiles of
-   equal height h (H = 8, Q6_K's 4: J h <= 16); threads split the column pairs, each unpacking its pair once and
-   running every row tile on it. Returns 0, or -1 when memory for the quantized activations or the tiles could not
+/* y[M, N] = x[M, K] @ W^T on AMX (M >= 1; the entry points send one row to VNNI). Rows in ceil(M / 8) row tiles of
+   equal height h <= 8, run in chunks; threads split the column pairs, each unpacking its
+   pair once per chunk and running the chunk's row tiles on it. Returns 0, or -1 when memory for the quantized activations or the tiles could not
    be allocated (y untouched). */
 static inline __attribute__((always_inline)) int qgemm_amx(const int format, const uint16_t *x, long ldx,
                                                            const uint8_t *wp, uint16_t *y, long ldy, int M, int N,
                                                            int K, int nthreads) {
     const int kq = is_kquant(format), Kb = K / block_inputs(format), G = (N + QCOLS - 1) / QCOLS, P = (G + 1) / 2;
     const int words = kq ? QK_PAIRS : 1, q6 = format == Q6_K; /* activation sums per block; Q6_K: sub-blocks of 16 */
-    const int J = q6 ? 4 : 2, units = q6 ? 16 * Kb : kq ? 8 * Kb : Kb, S = (K + 63) / 64; /* units a span; spans */
-    const int tiles = (M + 16 / J - 1) / (16 / J), h = (M + tiles - 1) / tiles, Mp = tiles * h;
-    const size_t gstride = (size_t)Kb * qformats[format].record_bytes, a_tile = (size_t)S * 64 * J * h;
+    const int tiles = (M + 7) / 8, h = (M + tiles - 1) / tiles, Mp = tiles * h, units = q6 ? 16 * Kb : kq ? 8 * Kb : Kb;
+    /* J units of w inputs a span: 2, or Q6_K's 4 sub-blocks of 16 for tiles of up to 4 rows (a product's time grows
+       with its width, so taller tiles stack fewer units: J h <= 16 rows of C either way) */
+    const int J = q6 && h <= 4 ? 4 : 2, w = q6 ? 16 : 32, sw = J * w, S = (K + sw - 1) / sw;
+    const size_t gstride = (size_t)Kb * qformats[format].record_bytes, a_tile = (size_t)S * sw * J * h;
+    /* row tiles a chunk: their A tiles (read again for every column pair) within AMX_A_BYTES, so they stay in L2;
+       each chunk unpacks the pairs again */
+    const int chunk = a_tile < AMX_A_BYTES ? (int)(AMX_A_BYTES / a_tile) : 1;
     /* per thread: B tiles (whole spans), d, m (dmin), and the K-quants' sub-block scales and minimums */
-    const size_t scratch = (size_t)S * 1024 + (size_t)Kb * 2 * 16 * sizeof(float) +
+    const size_t scratch = (size_t)S * 16 * sw + (size_t)Kb * 2 * 16 * sizeof(float) +
                            (kq ? (size_t)units * 2 * 16 * sizeof(int32_t) : 0);
     if (nthreads < 1) nthreads = 1;
     /* codes of M rows, dx and sx of Mp rows (zero past M), then the A tiles */
@@ -550,7 +561,7 @@ static inline __attribute__((always_inline)) int qgemm_amx(const int format, con
     else quantize_rows_q8(x, ldx, M, K, 1, qx, dx, sx);
     memset(dx + (size_t)M * Kb, 0, (size_t)(Mp - M) * Kb * sizeof(float));
     memset(sx + (size_t)M * Kb * words, 0, (size_t)(Mp - M) * Kb * words * sizeof(int32_t));
-    amx_expand_rows(qx, M, K, J, h, tiles, at);
+    amx_expand_rows(qx, M, K, J, w, h, tiles, at);
     const amx_rows_fn rows_fn = amx_rows_table[format][h];
     #pragma omp parallel num_threads(nthreads)
     {
@@ -559,21 +570,24 @@ static inline __attribute__((always_inline)) int qgemm_amx(const int format, con
 #else
         int8_t *bt = wbuf;
 #endif
-        float *d = (float *)(bt + (size_t)S * 1024), *m = d + (size_t)Kb * 16;
+        float *d = (float *)(bt + (size_t)S * 16 * sw), *m = d + (size_t)Kb * 16;
         int32_t *sc = (int32_t *)(m + (size_t)Kb * 16), *mn = sc + (size_t)units * 16;
         int32_t cbuf[4][16][16] __attribute__((aligned(64)));
-        memset(bt + (size_t)units * 16 * (64 / J), 0, (size_t)S * 1024 - (size_t)units * 16 * (64 / J)); /* odd Kb */
-        config_int8_tiles(J * h);
-        #pragma omp for schedule(static)
-        for (int pair = 0; pair < P; pair++) {
-            const int g = 2 * pair, two = g + 1 < G, ncols = N - g * QCOLS < 2 * QCOLS ? N - g * QCOLS : 2 * QCOLS;
-            for (int t = 0; t < tiles; t++) {
-                const amx_rows_args args = {at + a_tile * t, bt, dx + (size_t)t * h * Kb, d, m,
-                                            sx + (size_t)t * h * Kb * words, sc, mn, d, m, bt, sc, mn,
-                                            t ? NULL : wp + g * gstride, gstride, two, cbuf,
-                                            y + (size_t)t * h * ldy + g * QCOLS, (size_t)ldy, K,
-                                            M - t * h < h ? M - t * h : h, ncols};
-                rows_fn(&args);
+        memset(bt + (size_t)units * 16 * w, 0, (size_t)(S * J - units) * 16 * w); /* an odd Kb's last span */
+        config_int8_tiles(J * h, sw);
+        for (int t0 = 0; t0 < tiles; t0 += chunk) { /* a chunk of row tiles on every column pair, then the next */
+            #pragma omp for schedule(static)
+            for (int pair = 0; pair < P; pair++) {
+                const int g = 2 * pair, two = g + 1 < G;
+                const int ncols = N - g * QCOLS < 2 * QCOLS ? N - g * QCOLS : 2 * QCOLS;
+                for (int t = t0; t < t0 + chunk && t < tiles; t++) {
+                    const amx_rows_args args = {at + a_tile * t, bt, dx + (size_t)t * h * Kb, d, m,
+                                                sx + (size_t)t * h * Kb * words, sc, mn,
+                                                t > t0 ? NULL : wp + g * gstride, gstride, two, cbuf,
+                                                y + (size_t)t * h * ldy + g * QCOLS, (size_t)ldy, K,
+                                                M - t * h < h ? M - t * h : h, ncols};
+                    rows_fn(&args);
+                }
             }
         }
         _tile_release();
