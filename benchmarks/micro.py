@@ -216,6 +216,10 @@ def forward(args) -> None:
     machine's streaming read) and the cost relative to the first row count; then a --prefill-token prefill."""
     from peagle.model.loading import resolve_model
 
+    from peagle.model import kernels
+
+    if args.amx_min_rows and hasattr(kernels.library(), "peagle_qgemm_amx_min_rows"):
+        kernels.library().peagle_qgemm_amx_min_rows(args.amx_min_rows)
     models = {name if bp is None else f"{name} {bp}": load_format(name, args.model, bp)
               for name in args.formats for bp in (args.block_paths or [None])}
     caches = {name: filled_cache(m, 1, args.context, max(args.rows) + 1) for name, m in models.items()}
@@ -598,6 +602,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true", help="a torch.profiler table of the first format's step")
     p.add_argument("--block-paths", nargs="+", default=None, help="load each format once per quantized-weight path "
                    "(peagle.model.kernels.QUANT_PATHS), measured side by side [this machine's default only]")
+    p.add_argument("--amx-min-rows", type=int, default=None, help="amx-int8: the fewest rows a product runs on tiles "
+                   "(fewer run VNNI's kernel) [the library's default]")
 
     p = command("matmul", matmul, "fp32 against bf16 matrix products at a head's training shapes")
     p.add_argument("--repeats", type=int, default=5)

@@ -51,7 +51,7 @@ LIBRARIES = {"real": real_amx, "emulated": emulated_amx}
 
 @pytest.fixture
 def on_tiles():
-    """lib -> lib with every product of 2 or more rows on tiles (the path's default sends fewer than 32 rows to VNNI,
+    """lib -> lib with every product of 2 or more rows on tiles (the path's default sends fewer than 8 rows to VNNI,
     which is faster there), restored after the test."""
     changed = []
 

@@ -51,8 +51,8 @@ _CPU_FLAGS_NEEDED = {
     "amx-int8": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile", "amx_int8"},
 }
 # Block-quantized weights' integer dot products (kernels/common.h, "Block-quantized weights"), fastest first; every
-# path gives the same bits. "amx-int8" (kernels/amx.c): AMX tiles for products of 32 or more rows (prefill; every
-# block format), VNNI's kernels for fewer rows.
+# path gives the same bits. "amx-int8" (kernels/amx.c): AMX tiles for products of 8 or more rows (verify windows
+# of K >= 7, batched decode, prefill; every block format), VNNI's kernels for fewer rows.
 QUANT_PATHS = ("amx-int8", "avx512-vnni", "avx2")
 _QGEMM_PREFIX = {"amx-int8": "peagle_qgemm_amx_", "avx512-vnni": "peagle_qgemm_vnni_", "avx2": "peagle_qgemm_"}
 # The block formats each quantized path runs, in kernels.c's order (a format's id is its index here).
