@@ -16,8 +16,10 @@ imports torch, so that every peagle process (the `peagle` command and `import pe
                         (docs/engine.md, "Threads", has the measurements). Set only where the user set neither
                         GOMP_SPINCOUNT nor OMP_WAIT_POLICY.
 
-Nothing here overrides a value the user set in the environment; `--threads` on `peagle serve`, `generate` and
-`bench` sets the count after start-up (`set_threads`). Processes peagle starts inherit the values, and the names
+The default count is where the engine starts: it then runs each decode step on 1 to N threads, whichever its
+measured step times say is faster now (peagle/engine/thread_count.py), for as long as the count stays peagle's
+(`adaptive`). Nothing here overrides a value the user set in the environment; `--threads` on `peagle serve`,
+`generate` and `bench` sets the count after start-up (`set_threads`), and either keeps it fixed. Processes peagle starts inherit the values, and the names
 peagle filled in are recorded with their values in PEAGLE_THREAD_DEFAULTS, so a peagle child decides its own
 defaults again instead of taking them for a user's choice (a value changed since, e.g. by `peagle bench --threads`
 for its servers, is a choice).
@@ -39,7 +41,8 @@ _VARS = ("OMP_NUM_THREADS", *_WAIT_VARS)
 # where cgroup v2 (cpu.max) and v1 (cpu/cpu.cfs_quota_us) keep CPU quotas
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 
-_state = {"source": None, "torch_first": False, "user": {}}
+# source: who chose the count; count: the count peagle set last (the engine may change it: adaptive())
+_state = {"source": None, "torch_first": False, "user": {}, "count": None}
 
 
 def affinity_cores() -> int:
@@ -116,13 +119,15 @@ def apply_defaults(environ: dict | None = None) -> dict:
         _state["user"] = user
         _state["torch_first"] = "torch" in sys.modules
         _state["source"] = "OMP_NUM_THREADS" if "OMP_NUM_THREADS" in user else "default"
+        _state["count"] = int(filled["OMP_NUM_THREADS"]) if "OMP_NUM_THREADS" in filled else None
         if _state["torch_first"] and "OMP_NUM_THREADS" in filled:
             sys.modules["torch"].set_num_threads(int(filled["OMP_NUM_THREADS"]))
     return user
 
 
-THREADS_HELP = ("CPU threads for the forward (default: the cores this process may use, from its CPU affinity and any "
-                "cgroup CPU quota; OMP_NUM_THREADS overrides that default). A thread that waits for the others "
+THREADS_HELP = ("CPU threads for the forward, fixed (default: up to the cores this process may use, from its CPU "
+                "affinity and any cgroup CPU quota, fewer while measured steps run faster on fewer because other "
+                "work holds cores; OMP_NUM_THREADS fixes the count too). A thread that waits for the others "
                 f"spins briefly, then sleeps (GOMP_SPINCOUNT={SPIN_COUNT} unless it or OMP_WAIT_POLICY is set), so "
                 "two threads beside other busy processes do not collapse (docs/engine.md, \"Threads\")")
 
@@ -141,11 +146,30 @@ def apply_threads_arg(args) -> None:
 
 
 def set_threads(n: int, source: str = "--threads") -> None:
-    """Run torch (and peagle's kernels, which ask torch) on `n` threads from now on."""
+    """Run torch (and peagle's kernels, which ask torch) on `n` threads from now on; `source` "default" leaves the
+    count peagle's to change step by step again (adaptive())."""
     import torch
 
     torch.set_num_threads(n)
     _state["source"] = source
+    _state["count"] = n
+
+
+def adaptive() -> bool:
+    """Whether the count is peagle's to change step by step (peagle/engine/thread_count.py): it is the default, and
+    nothing has set another since (OMP_NUM_THREADS, `--threads`, torch.set_num_threads)."""
+    import torch
+
+    return _state["source"] == "default" and torch.get_num_threads() == _state["count"]
+
+
+def set_adaptive_count(n: int) -> None:
+    """Run the next steps on `n` threads, keeping the count peagle's to change."""
+    import torch
+
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    _state["count"] = n
 
 
 def wait_settings() -> str:

@@ -57,6 +57,7 @@ from peagle.engine.stats import SpecDecodeStats
 from peagle.engine.step_budget import StepBudget
 from peagle.model.quant import release_freed_memory
 from peagle.engine.step_plan import Outcome, StepPlan, Window
+from peagle.engine.thread_count import StepThreads
 from peagle.engine.timing import step_clock
 from peagle.engine.verify import verify_greedy, verify_sampled
 from peagle.model import kernels
@@ -132,6 +133,7 @@ class LLMEngine:
         self.max_num_batched_tokens = max_num_batched_tokens
         self._build_caches(prefix_cache_gb if enable_prefix_caching else None, kv_cache_gb)
         self.kernels = kernels_in_use(target, drafter)
+        self.step_threads = StepThreads(self.kernels["greedy_bit_exact"])  # each decode step's thread count
         logger.info("peagle engine: %s weights, %s, %s", target.weights, kernels.describe(self.device),
                     threads.describe())
         self.eos_token_ids = set(target.config.eos_token_ids)
@@ -481,6 +483,7 @@ class LLMEngine:
         """Draft the windows, fit them to the grammars, verify every request's [x_n, window] in one target forward,
         then accept and commit each window and record its outcome."""
         started = self._step_clock()
+        self.step_threads.start_step()
         self._draft_windows(plan)
         if any(w.request.matcher is not None for w in plan.windows):
             self._grammar_windows(plan)
@@ -488,6 +491,7 @@ class LLMEngine:
             self._accept(w, logits, features)
         # Timed after the backlogs (work earlier plain steps skipped, not this step's); not a step that verified
         # forced tokens after its drafts, whose layout the cost model does not describe.
+        self.step_threads.end_step((plan.rows, len(plan.head_windows), plan.head_k, plan.verifies_forced_tokens))
         if not plan.verifies_forced_tokens:
             self.policy.observe_step(plan.rows, len(plan.head_windows), plan.head_k, self._step_clock() - started)
 
