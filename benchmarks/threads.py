@@ -1,8 +1,9 @@
-"""Plain decoding on one and two threads, on a quiet machine and beside CPU-bound work, under today's and peagle's
-OpenMP defaults (docs/engine.md, "Threads"), side by side in one run:
+"""Plain decoding on one and two threads fixed and on the count the engine chooses step by step ("auto"), on a quiet
+machine and beside CPU-bound work, under peagle's OpenMP defaults and others (docs/engine.md, "Threads"), side by
+side in one run:
 
     python3 benchmarks/threads.py --make-model                 # once: a random SmolLM2-1.7B-shaped model under /tmp
-    python3 benchmarks/threads.py --out docs/benchmarks/threads.json     # about 45 minutes on 2 cores
+    python3 benchmarks/threads.py --out docs/benchmarks/threads.json     # about 30 minutes on 2 cores
 
 OpenMP reads its wait policy once, when torch is imported, so every variant is its own long-lived worker process
 (this script with --worker) holding the models; the coordinator asks the workers in turn. "before" imports torch
@@ -11,7 +12,10 @@ a barrier, then sleep); "after" imports peagle first, which fills in its default
 is a worker with those variables set (torch imported first). A round is, for each load (quiet, then HOGS CPU-bound
 busy loops started by this script, unpinned, each stopped at the end of its block and bounded by --hog-limit), for
 each model, every (variant, threads) cell once, their order rotated round by round. A cell decodes --tokens tokens
-greedily (ignore EOS) after a short prompt; tokens/s is wall time from the first generated token to the last.
+greedily (ignore EOS) after a short prompt; tokens/s is wall time from the first generated token to the last. A
+fixed count is set as `--threads` sets it; "auto" hands the count back to the engine, whose choice carries over from
+cell to cell as in a server, and before a load block's cells each worker decodes --settle-tokens untimed on "auto",
+so the timed cells show an engine settled on that load (the first seconds after a load changes are not timed).
 Beside each cell the script records the CPU seconds the worker used per token and how many cores other processes
 (not this script's) kept busy meanwhile (from /proc/stat less our processes' times): "quiet" is only as quiet as that.
 """
@@ -34,11 +38,12 @@ SHAPE_1_7B = dict(vocab_size=49152, hidden_size=2048, intermediate_size=8192, nu
                   num_attention_heads=32, num_key_value_heads=32, head_dim=64, max_position_embeddings=8192,
                   rms_norm_eps=1e-5, tie_word_embeddings=True, rope_theta=130000.0, bos_token_id=1, eos_token_id=2)
 MODELS = ("1.7b-q4_0", "smollm2-bf16")  # the random 1.7B shape quantized to Q4_0 at load; the embedded model
-# today's defaults, peagle's, and sleeping at once (what the issue tried)
-VARIANTS = ("before", "after", "passive:OMP_WAIT_POLICY=PASSIVE")
-THREADS = (1, 2)
+# "before": torch first, libgomp's own wait; "after": peagle's defaults; "passive": sleeping at once
+VARIANTS = ("after",)
+THREADS = ("1", "2", "auto")  # fixed counts, and the engine's choice step by step
 HOGS = (0, 1, 2)  # busy loops per load block: 0 = quiet, 1 = one core busy, 2 = both
 TOKENS = {"1.7b-q4_0": 32, "smollm2-bf16": 64}
+SETTLE_TOKENS = {"1.7b-q4_0": 48, "smollm2-bf16": 128}  # untimed on "auto" before each load block's cells
 PROMPT_TOKENS = 16
 ROUNDS = 3
 HOG_LIMIT_S = 900  # a busy loop exits on its own after this, whatever happens to this script
@@ -152,18 +157,29 @@ def worker(args) -> None:
             raise SystemExit(f"unknown model {name}")
         engines[name] = LLMEngine(target, None, max_num_seqs=1, max_model_len=1024, enable_prefix_caching=False)
     prompt = list(range(100, 100 + PROMPT_TOKENS))
+
+    def use(count: str) -> None:
+        if count == "auto":
+            threads.set_threads(threads.default_threads(), "default")  # the engine's to choose
+        else:
+            threads.set_threads(int(count), "benchmark")
+
     for name, engine in engines.items():  # warm-up on every thread count
         for t in args.threads:
-            torch.set_num_threads(t)
+            use(t)
             engine.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
     out = sys.stdout
     print(json.dumps({"ready": variant, "pid": os.getpid(), "env": {k: os.environ.get(k) for k in SCRUB},
                       "threads": threads.summary(), "kernels": kernels.describe()}), file=out, flush=True)
     for line in sys.stdin:
         req = json.loads(line)
-        torch.set_num_threads(req["threads"])
+        use(req["threads"])
         engine = engines[req["model"]]
         params = SamplingParams(max_tokens=req["tokens"], ignore_eos=True)
+        if req.get("settle"):
+            engine.generate([prompt], params)
+            print(json.dumps(engine.step_threads.summary()), file=out, flush=True)
+            continue
         stamps = []
         cpu0 = time.process_time()
         for o in engine.stream(prompt, params, chat=False):
@@ -171,7 +187,8 @@ def worker(args) -> None:
         cpu = time.process_time() - cpu0
         (t0, n0), (t1, n1) = stamps[0], stamps[-1]
         print(json.dumps({"tokens_per_s": (n1 - n0) / (t1 - t0), "tokens": n1, "cpu_s_per_token": cpu / n1,
-                          "wall_s": t1 - t0}), file=out, flush=True)
+                          "wall_s": t1 - t0, **(engine.step_threads.summary() if req["threads"] == "auto" else {})}),
+              file=out, flush=True)
 
 
 # ---- the coordinator
@@ -216,7 +233,7 @@ class Worker:
             env.update(dict(a.split("=", 1) for a in assigns.split(";") if a))
         self.name = name
         cmd = [sys.executable, __file__, "--worker", name, "--model-dir", str(args.model_dir), "--models",
-               *args.models, "--threads", *map(str, args.threads)]
+               *args.models, "--threads", *args.threads]
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      cwd=ROOT)
         self.info = json.loads(self.proc.stdout.readline())
@@ -247,7 +264,7 @@ def stop_hogs(hogs: list[subprocess.Popen]) -> None:
         h.wait()
 
 
-def measure(w: Worker, hogs: list, model: str, threads: int, tokens: int) -> dict:
+def measure(w: Worker, hogs: list, model: str, threads: str, tokens: int) -> dict:
     ours = [w.proc.pid, *(h.pid for h in hogs)]
     (busy0, steal0), ours0, t0 = _jiffies(), sum(map(_proc_jiffies, ours)), time.perf_counter()
     r = w.ask(model=model, threads=threads, tokens=tokens)
@@ -259,7 +276,7 @@ def measure(w: Worker, hogs: list, model: str, threads: int, tokens: int) -> dic
     return r
 
 
-def cell_key(model: str, hogs: int, variant: str, threads: int) -> str:
+def cell_key(model: str, hogs: int, variant: str, threads: str) -> str:
     return f"{model}|{hogs}|{variant}|{threads}"
 
 
@@ -271,7 +288,11 @@ def summarize(samples: dict) -> dict:
                       "cpu_s_per_token": statistics.median(r["cpu_s_per_token"] for r in rs),
                       "other_cores_busy": statistics.median(r["other_cores_busy"] for r in rs),
                       "other_cores_all": [round(r["other_cores_busy"], 2) for r in rs],
-                      "steal_cores": statistics.median(r["steal_cores"] for r in rs)}
+                      "steal_cores": statistics.median(r["steal_cores"] for r in rs),
+                      # auto: the count the engine ran on at the cell's end, and its probes and moves so far
+                      **({"threads_now_all": [r["threads_now"] for r in rs],
+                          "thread_probes_all": [r["thread_probes"] for r in rs],
+                          "thread_moves_all": [r["thread_moves"] for r in rs]} if "threads_now" in rs[0] else {})}
     return cells
 
 
@@ -284,24 +305,31 @@ def ratio(a: dict, b: dict) -> float:
     return statistics.median(x / y for x, y in zip(a["all"], b["all"]))
 
 
+def thr(count: str) -> str:
+    return "auto" if count == "auto" else f"{count} thr"
+
+
 def markdown(res: dict) -> str:
     """Two tables: medians of tokens/s per cell (and how many cores other processes kept busy meanwhile), then the
     ratios, each the median of the rounds' own ratios (cells of one round run minutes apart at most)."""
-    cells, variants, threads = res["cells"], res["variants"], res["threads"]
-    t1, t2 = threads[0], threads[-1]
+    cells, variants, threads = res["cells"], res["variants"], [str(t) for t in res["threads"]]
+    fixed = [t for t in threads if t != "auto"]
+    t1, t2 = fixed[0], fixed[-1]
+    # the fixed counts against each other, and the engine's choice against each fixed count
+    pairs = [(t2, t1), *(("auto", t) for t in fixed if "auto" in threads)]
     rows = [(model, hogs, {(v, t): cells[cell_key(model, hogs, v, t)] for v in variants for t in threads})
             for model in res["models"] for hogs in res["hogs"]]
-    head = ["model", "load", *(f"{v}, {t} thr" for v in variants for t in threads), "other processes, cores"]
+    head = ["model", "load", *(f"{v}, {thr(t)}" for v in variants for t in threads), "other processes, cores"]
     speed = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
     for model, hogs, c in rows:
         speed.append("| " + " | ".join([model, load_name(hogs), *(f"{c[v, t]['tokens_per_s']:.1f}" for v in variants
                                                                    for t in threads),
                                         f"{statistics.median(x['other_cores_busy'] for x in c.values()):.2f}"]) + " |")
-    head = ["model", "load", *(f"{v}: {t2} thr / {t1}" for v in variants),
-            *(f"{v} / {variants[0]}, {t2} thr" for v in variants[1:])]
+    head = ["model", "load", *(f"{v}: {thr(a)} / {thr(b)}" for v in variants for a, b in pairs),
+            *(f"{v} / {variants[0]}, {thr(t2)}" for v in variants[1:])]
     ratios = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
     for model, hogs, c in rows:
-        cols = [*(f"{ratio(c[v, t2], c[v, t1]):.2f}x" for v in variants),
+        cols = [*(f"{ratio(c[v, a], c[v, b]):.2f}x" for v in variants for a, b in pairs),
                 *(f"{ratio(c[v, t2], c[variants[0], t2]):.2f}x" for v in variants[1:])]
         ratios.append("| " + " | ".join([model, load_name(hogs), *cols]) + " |")
     return "tokens/s (medians)\n\n" + "\n".join(speed) + "\n\nratios\n\n" + "\n".join(ratios)
@@ -321,7 +349,10 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS),
                     help="before, after, or NAME:VAR=VALUE;VAR=VALUE (default: %(default)s)")
-    ap.add_argument("--threads", nargs="+", type=int, default=list(THREADS))
+    ap.add_argument("--threads", nargs="+", default=list(THREADS),
+                    help="thread counts, and auto: the engine's choice (default: %(default)s)")
+    ap.add_argument("--settle-tokens-1.7b", dest="settle_big", type=int, default=SETTLE_TOKENS["1.7b-q4_0"])
+    ap.add_argument("--settle-tokens-smollm2", dest="settle_small", type=int, default=SETTLE_TOKENS["smollm2-bf16"])
     ap.add_argument("--hogs", nargs="+", type=int, default=list(HOGS),
                     help="busy loops per load block, 0 = quiet (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=ROUNDS)
@@ -350,6 +381,7 @@ def main() -> None:
     if "1.7b-q4_0" in args.models and not (args.model_dir / "config.json").exists():
         raise SystemExit(f"no model in {args.model_dir}: run with --make-model first")
     tokens = {"1.7b-q4_0": args.tokens_big, "smollm2-bf16": args.tokens_small}
+    settle = {"1.7b-q4_0": args.settle_big, "smollm2-bf16": args.settle_small}
     command = "python3 benchmarks/threads.py " + " ".join(a if " " not in a else repr(a) for a in sys.argv[1:])
     spins = spin_microseconds([1000, 3000, 10000, 300000])
     print(f"{cpu_name()}, {os.cpu_count()} CPUs; load average {os.getloadavg()}; libgomp's spin counts take "
@@ -378,14 +410,17 @@ def main() -> None:
                     loads.append({"round": rnd, "hogs": hogs_n, "loadavg_1min": os.getloadavg()[0],
                                   **({"other_cores_before": round(before, 2)} if before is not None else {})})
                     for model in args.models:
+                        for w in workers if "auto" in args.threads else ():
+                            chose = w.ask(model=model, threads="auto", tokens=settle[model], settle=True)
+                            print(f"  {w.name} {model} settled on auto: {chose}", flush=True)
                         rot = rnd % len(order)
                         for w, t in order[rot:] + order[:rot]:
                             r = measure(w, hogs, model, t, tokens[model])
                             samples.setdefault(cell_key(model, hogs_n, w.name, t), []).append(r)
-                            print(f"  round {rnd + 1}/{args.rounds} {load_name(hogs_n)} {model} {w.name} {t} thr: "
+                            print(f"  round {rnd + 1}/{args.rounds} {load_name(hogs_n)} {model} {w.name} {thr(t)}: "
                                   f"{r['tokens_per_s']:.2f} tok/s, {r['cpu_s_per_token'] * 1000:.0f} ms CPU/token, "
-                                  f"other work {r['other_cores_busy']:.2f} cores, steal {r['steal_cores']:.2f}",
-                                  flush=True)
+                                  f"other work {r['other_cores_busy']:.2f} cores, steal {r['steal_cores']:.2f}"
+                                  + (f", now on {r['threads_now']}" if "threads_now" in r else ""), flush=True)
                 finally:
                     stop_hogs(hogs)
             if args.fresh_workers:
@@ -401,7 +436,7 @@ def main() -> None:
            "models": args.models, "variants": [v.split(":", 1)[0] for v in args.variants],
            "variant_env": {v.split(":", 1)[0]: (v.split(":", 1)[1] if ":" in v else v) for v in args.variants},
            "threads": args.threads, "hogs": args.hogs, "rounds": args.rounds, "fresh_workers": args.fresh_workers,
-           "tokens": {m: tokens[m] for m in args.models}, "spin_microseconds": spins, "workers": infos, "loads": loads,
+           "tokens": {m: tokens[m] for m in args.models}, "settle_tokens": {m: settle[m] for m in args.models}, "spin_microseconds": spins, "workers": infos, "loads": loads,
            "seconds": round(time.time() - t_start), "cells": summarize(samples)}
     table = markdown(res)
     res["table"] = table

@@ -13,13 +13,13 @@ from tests.conftest import needs_native_kernels
 SHAPE = (1, 0, 0, False)  # a plain decode step of one request
 
 
-def run(choice: ThreadCount, seconds, steps: int, shape=SHAPE) -> list[int]:
-    """Feed `steps` decode steps whose wall time is seconds(count); the counts they ran on."""
+def run(choice: ThreadCount, seconds, steps: int, shape=lambda n: SHAPE) -> list[int]:
+    """Feed `steps` decode steps whose wall time is seconds(count) and shape shape(count); the counts they ran on."""
     counts = []
     for _ in range(steps):
         n = choice.next_count()
         counts.append(n)
-        choice.observe(shape, seconds(n))
+        choice.observe(shape(n), seconds(n))
     return counts
 
 
@@ -74,10 +74,9 @@ def test_noise_does_not_flap_the_count():
 
 def test_only_steps_of_the_same_shape_are_compared():
     choice = ThreadCount(2)
-    run(choice, QUIET, 100, shape=(1, 0, 0, False))
-    # the probe's steps verify 4 rows: no such step on two threads to compare with, so nothing moves
-    counts = run(choice, {1: 0.001, 2: 0.028}.get, 2 * thread_count.PROBE_MAX_STEPS, shape=(4, 1, 3, False))
-    assert choice.current == 2 and choice.moves == 0 and counts.count(1) <= thread_count.PROBE_MAX_STEPS
+    # every step on one thread verifies 4 rows, every step on two 1: never a pair to compare, so nothing moves
+    run(choice, {1: 0.001, 2: 0.028}.get, 2000, shape=lambda n: (4 if n == 1 else 1, 0, 0, False))
+    assert choice.current == 2 and choice.moves == 0 and choice.probes > 3
 
 
 def test_more_cores_climb_one_count_at_a_time():
