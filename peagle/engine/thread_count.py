@@ -13,8 +13,9 @@ shared machine comes and goes within a fraction of a second, and neighbouring st
 count moves when the median of PROBE_STEPS such ratios shows a gain of MARGIN or more (hysteresis against noise).
 A probe comes after a stretch of decoding that doubles each time a probe finds the current count still the faster
 (from PROBE_AFTER_S up to PROBE_AFTER_MAX_S), so a settled engine spends a few steps in a thousand on the other
-count; and at once when the current count's steps get DRIFT times slower than at the last probe (other work
-started).
+count; and sooner when the current count's steps get DRIFT times slower than after the last probe (other work
+started), though not within DRIFT_AFTER_S of decoding of the last probe, so load that comes and goes every few
+steps costs at most a probe per DRIFT_AFTER_S.
 
 peagle's kernels compute every row's result the same way whatever the thread count, so switching between steps
 changes no output; PyTorch's kernels make no such promise, so where they run the count stays fixed.
@@ -33,8 +34,9 @@ PROBE_MAX_STEPS = 16  # a probe ends after this many steps even if too few had a
 PROBE_AFTER_S = 0.5  # seconds of decoding before the first probe, and after the count moved
 PROBE_AFTER_MAX_S = 16.0  # the longest stretch between probes (the probes' cost: a few steps per stretch)
 MARGIN = 0.05  # move only to a count whose steps took at most 95% of the current count's
-DRIFT = 1.3  # probe at once when the current count's steps take 1.3x what they took at the last probe
-DRIFT_STEPS = 3  # the current count's latest steps of a shape whose median is compared with the last probe's
+DRIFT = 1.3  # probe sooner when the current count's steps take 1.3x what they took after the last probe
+DRIFT_STEPS = 8  # the current count's latest steps of a shape, whose median is compared with the first after a probe
+DRIFT_AFTER_S = 2.0  # seconds of decoding after a probe before a drift may start the next
 
 
 class ThreadCount:
@@ -99,7 +101,7 @@ class ThreadCount:
 
     def _drifted(self) -> bool:
         """Whether the current count's latest steps took DRIFT times as long as the first after the last probe."""
-        if not self._recent:
+        if not self._recent or self._since_probe < DRIFT_AFTER_S:
             return False
         shape = self._recent[-1][0]
         times = self._latest(shape)
