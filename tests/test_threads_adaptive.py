@@ -37,7 +37,7 @@ def test_a_quiet_machine_keeps_every_core_and_probes_rarely():
     counts = run(choice, QUIET, 20000)  # 9 minutes of decoding
     assert choice.current == 2 and choice.moves == 0
     assert time_lost(counts, QUIET) < 0.006
-    assert time_lost(counts[-2000:], QUIET) < 0.005  # settled: one 3-step probe per 16 s of decoding
+    assert time_lost(counts[-4000:], QUIET) < 0.004  # settled: 4 steps on one thread per 32 s of decoding
 
 
 def test_a_busy_machine_moves_to_one_thread_soon_and_stays():
@@ -130,9 +130,9 @@ class EveryStep(ThreadCount):
 @needs_native_kernels
 @pytest.mark.parametrize("quantization", [None, "q4_0"])
 def test_greedy_output_is_the_same_when_the_count_switches_every_step(smollm2_dir, quantization):
+    from peagle.config import SpeculativeConfig
     from peagle.engine import LLMEngine, SamplingParams
     from peagle.model.checkpoint import random_head
-    from peagle.config import SpeculativeConfig
     from peagle.model.target import TargetModel
 
     target = TargetModel.from_pretrained(smollm2_dir, quantization=quantization)

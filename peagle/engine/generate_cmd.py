@@ -108,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
         "speculation_origin": chosen.origin,
         "what_runs": chosen.describe(),
         **engine.kernels,
+        **engine.step_threads.summary(),  # where the engine's thread count ended, if it chooses one
         **{k: v for k, v in final.spec.as_dict().items()},
         "proposers": by_proposer(engine.proposer_stats),
     }

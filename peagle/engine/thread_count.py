@@ -32,7 +32,7 @@ from peagle import threads
 PROBE_STEPS = 4  # steps a probe times on the other count, each between two on the current count
 PROBE_MAX_STEPS = 16  # a probe ends after this many steps even if too few had a neighbour of the same shape
 PROBE_AFTER_S = 0.5  # seconds of decoding before the first probe, and after the count moved
-PROBE_AFTER_MAX_S = 16.0  # the longest stretch between probes (the probes' cost: a few steps per stretch)
+PROBE_AFTER_MAX_S = 32.0  # the longest stretch between probes (their cost on a quiet machine: under 0.5%)
 MARGIN = 0.05  # move only to a count whose steps took at most 95% of the current count's
 DRIFT = 1.3  # probe sooner when the current count's steps take 1.3x what they took after the last probe
 DRIFT_STEPS = 8  # the current count's latest steps of a shape, whose median is compared with the first after a probe
@@ -154,7 +154,7 @@ class StepThreads:
 
     def summary(self) -> dict:
         """For stats: the count steps run on now, and how often it was probed and moved (absent when fixed)."""
-        if self.choice is None:
+        if self.choice is None or not threads.adaptive():
             return {}
         c = self.choice
         return {"threads_now": c.current, "thread_probes": c.probes, "thread_moves": c.moves}
