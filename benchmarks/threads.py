@@ -436,7 +436,8 @@ def main() -> None:
            "models": args.models, "variants": [v.split(":", 1)[0] for v in args.variants],
            "variant_env": {v.split(":", 1)[0]: (v.split(":", 1)[1] if ":" in v else v) for v in args.variants},
            "threads": args.threads, "hogs": args.hogs, "rounds": args.rounds, "fresh_workers": args.fresh_workers,
-           "tokens": {m: tokens[m] for m in args.models}, "settle_tokens": {m: settle[m] for m in args.models}, "spin_microseconds": spins, "workers": infos, "loads": loads,
+           "tokens": {m: tokens[m] for m in args.models}, "settle_tokens": {m: settle[m] for m in args.models},
+           "spin_microseconds": spins, "workers": infos, "loads": loads,
            "seconds": round(time.time() - t_start), "cells": summarize(samples)}
     table = markdown(res)
     res["table"] = table

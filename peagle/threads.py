@@ -19,10 +19,10 @@ imports torch, so that every peagle process (the `peagle` command and `import pe
 The default count is where the engine starts: it then runs each decode step on 1 to N threads, whichever its
 measured step times say is faster now (peagle/engine/thread_count.py), for as long as the count stays peagle's
 (`adaptive`). Nothing here overrides a value the user set in the environment; `--threads` on `peagle serve`,
-`generate` and `bench` sets the count after start-up (`set_threads`), and either keeps it fixed. Processes peagle starts inherit the values, and the names
-peagle filled in are recorded with their values in PEAGLE_THREAD_DEFAULTS, so a peagle child decides its own
-defaults again instead of taking them for a user's choice (a value changed since, e.g. by `peagle bench --threads`
-for its servers, is a choice).
+`generate` and `bench` sets the count after start-up (`set_threads`), and either keeps it fixed. Processes peagle
+starts inherit the values, and the names peagle filled in are recorded with their values in PEAGLE_THREAD_DEFAULTS,
+so a peagle child decides its own defaults again instead of taking them for a user's choice (a value changed since,
+e.g. by `peagle bench --threads` for its servers, is a choice).
 
 This module must not import torch at module level: it runs before torch's OpenMP runtime is loaded.
 """
