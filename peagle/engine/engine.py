@@ -489,9 +489,9 @@ class LLMEngine:
             self._grammar_windows(plan)
         for w, logits, features in zip(plan.windows, *self._verify(plan)):
             self._accept(w, logits, features)
+        self.step_threads.end_step((plan.rows, len(plan.head_windows), plan.head_k, plan.verifies_forced_tokens))
         # Timed after the backlogs (work earlier plain steps skipped, not this step's); not a step that verified
         # forced tokens after its drafts, whose layout the cost model does not describe.
-        self.step_threads.end_step((plan.rows, len(plan.head_windows), plan.head_k, plan.verifies_forced_tokens))
         if not plan.verifies_forced_tokens:
             self.policy.observe_step(plan.rows, len(plan.head_windows), plan.head_k, self._step_clock() - started)
 
