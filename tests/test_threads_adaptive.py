@@ -114,6 +114,22 @@ def test_a_count_set_by_anyone_else_stays():
         threads.set_threads(before, "default")
 
 
+def test_a_new_engine_starts_on_the_default_count():
+    from peagle.engine.thread_count import StepThreads
+
+    before = torch.get_num_threads()
+    try:
+        threads.set_threads(threads.default_threads(), "default")
+        threads.set_adaptive_count(1)  # where another engine in the process moved it
+        StepThreads(switchable=True)
+        assert torch.get_num_threads() == threads.default_threads() and threads.adaptive()
+        threads.set_adaptive_count(1)
+        StepThreads(switchable=False)  # PyTorch's kernels: nothing is chosen, nothing changes
+        assert torch.get_num_threads() == 1
+    finally:
+        threads.set_threads(before, "default")
+
+
 class EveryStep(ThreadCount):
     """Switches the count at every decode step: 1, 2, 1, 2, ..."""
 

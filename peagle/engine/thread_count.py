@@ -141,6 +141,10 @@ class StepThreads:
         most = threads.default_threads()
         self.choice = ThreadCount(most) if switchable and most > 1 else None
         self._started: float | None = None
+        if self.choice is not None and threads.adaptive():
+            # start-up's timings (and the step clock, which follows the count) are taken on the count it starts on,
+            # whatever another engine in this process moved it to
+            threads.set_adaptive_count(most)
 
     def start_step(self) -> None:
         self._started = None
