@@ -9,6 +9,7 @@
     python3 benchmarks/serve.py logprobs --rounds 2            # tokens/s with and without logprobs
     python3 benchmarks/serve.py memory --max-num-seqs 8 32 --concurrency 1 8 32   # resident memory against load
     python3 benchmarks/serve.py soak --minutes 30 --streams 32  # everything at once, a kill -9 half way
+    python3 benchmarks/serve.py restart --restarts 3            # launch, then kill -9 and restart, to /health 200
 
 http: requests/s and output tokens/s at each concurrency through the server (streamed chat completions, as `vllm
 bench serve` sends them) and through the same engine configuration in this process, greedy with ignore_eos so the
@@ -33,6 +34,8 @@ again. One line: requests, preemptions, 5xx, streams that ended without [DONE] (
 that differ from the same prompt's answer alone, hostile requests not refused with a 4xx (a random mutation may be
 valid: only its 5xx counts), resident memory's drift
 after warm-up, inter-token gaps (p50, p99, longest; the restart excluded) and the restart's time to healthy.
+restart: seconds from launch to a 200 from /health, for a first start and then --restarts times after a SIGKILL
+(the start-up timings remembered since the first: docs/serving.md, "Restarts").
 """
 from __future__ import annotations
 
@@ -632,6 +635,28 @@ def soak(args) -> list[dict]:
     return [row]
 
 
+# ---- restart
+
+def restart(args) -> list[dict]:
+    import signal
+
+    from peagle.bench.loadgen import ServerProcess
+
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = ServerProcess(args.model, speculative_json(args), 8, Path(tmp) / "serve.log", threads=args.threads)
+        seconds = []
+        for i in range(args.restarts + 1):
+            if i:
+                proc.proc.send_signal(signal.SIGKILL)
+                proc.proc.wait()
+            proc.start()
+            seconds.append(round(proc.startup_s, 1))
+        proc.stop()
+    row = {"first_start_s": seconds[0], "restarts_s": seconds[1:]}
+    print(json.dumps(row), flush=True)
+    return [row]
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -676,6 +701,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--streams", type=int, default=32, help="concurrent clients (and the server's --max-num-seqs)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--kv-cache-gb", type=float, help="the server's --kv-cache-gb (small: preemptions) [its default]")
+    p = command("restart", restart, "time to healthy: a first start, then restarts after kill -9")
+    p.add_argument("--restarts", type=int, default=3)
     return ap
 
 

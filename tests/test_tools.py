@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 HELP = {
     "benchmarks/ab.py": None, "benchmarks/acceptance.py": None, "benchmarks/engine_decode.py": None,
     "benchmarks/micro.py": ["quant", "forward", "matmul", "verify", "suffix", "accuracy", "memory"],
-    "benchmarks/prefix_cache.py": None, "benchmarks/serve.py": ["http", "hostile", "gap", "logprobs", "memory", "soak"],
+    "benchmarks/prefix_cache.py": None, "benchmarks/serve.py": ["http", "hostile", "gap", "logprobs", "memory", "soak", "restart"],
     "benchmarks/structured_outputs.py": None, "benchmarks/training.py": ["throughput", "memory", "regen"],
     "benchmarks/perplexity.py": None, "benchmarks/threads.py": None,
     "benchmarks/vs_llama_cpp.py": None, "scripts/bundle_head.py": None, "scripts/device_check.py": None,
