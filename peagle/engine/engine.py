@@ -148,6 +148,7 @@ class LLMEngine:
         self._lock = threading.Lock()
         self.stats = SpecDecodeStats(self.k)  # engine-wide, since start
         self.num_finished = 0
+        self.num_preemptions = 0  # running requests that gave their blocks back (_make_room)
         self._build_speculation(speculation_policy, head_k)
         self._build_phases(max_num_batched_tokens, enable_chunked_prefill, max_step_time_ms, calibration_dir, head_k)
         self.max_forced_run = MAX_FORCED_RUN  # 0: verify no forced tokens past the drafts (token-by-token reference)
@@ -169,7 +170,6 @@ class LLMEngine:
         self.target_cache = target.new_cache(self.max_num_seqs, self.capacity, num_blocks)
         self.drafter_cache = (drafter.new_cache(self.max_num_seqs, self.capacity, num_blocks)
                               if drafter is not None else None)
-        self.num_preemptions = 0
         self.prefix_cache = (PrefixCache(self.target_cache, self.drafter_cache, target.feature_dim, prefix_cache_gb,
                                          target.norm.weight.dtype) if prefix_cache_gb is not None else None)
 
