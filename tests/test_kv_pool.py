@@ -14,13 +14,6 @@ from tests.conftest import needs_native_kernels
 from tests.test_prefix_cache import engine, reference, same, target  # noqa: F401 (the module's fixture)
 
 
-def _rss_bytes() -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
-
-
 _POOL_MEMORY = """
 import json, torch
 from peagle.model.layers import KV_BLOCK_SIZE, KVCache
