@@ -43,6 +43,11 @@ DEFAULT_SPECULATION_POLICY = "adaptive"
 SPECULATION_POLICY_ENV = "SM_VLLM_SPECULATION_POLICY"  # `peagle serve` maps every flag to SM_VLLM_<NAME>; generate too
 # The drafter's block formats ("quantization"): peagle.model.quant.QUANTIZATIONS, named here without importing torch.
 DRAFTER_FORMATS = ("q4_0", "q4_1", "q8_0")
+# Draft trees (peagle/engine/draft_tree.py): a head's candidates kept per draft position (the target's token is in the
+# bundled heads' top 8 three times in four at the first position), and the most nodes one tree verifies (the policy's
+# cost model is measured that far; past 32 rows a forward costs nearly twice one row even on AMX).
+TREE_TOP_M = 8
+MAX_TREE_NODES = 32
 
 
 class SpeculativeConfigError(ValueError):
@@ -66,7 +71,12 @@ class SpeculativeConfig(BaseModel):
     quantization: str | None = None
     revision: str | None = None
     code_revision: str | None = None
+    # vLLM's static tree: nodes as tuples of candidate ranks along their branch, e.g. "[(0,), (1,), (0, 0)]"
     speculative_token_tree: str | None = None
+    # The head's draft trees: "auto" (the adaptive policy picks each step's tree from the measured cost of rows and
+    # the head's calibrated probabilities; chains under the fixed policy), a node budget every step (best first by
+    # branch probability), or 0 (chains only). Not a vLLM key: for_vllm() leaves it out.
+    draft_tree_nodes: Literal["auto"] | int = "auto"
     # method "ngram" (vLLM's prompt lookup): the last n tokens, n from max down to min, matched in the request's own
     # prompt and output; None: the other one's value, or DEFAULT_PROMPT_LOOKUP for both.
     prompt_lookup_min: int | None = None
@@ -145,9 +155,16 @@ class SpeculativeConfig(BaseModel):
 
     @field_validator("speculative_token_tree")
     @classmethod
-    def _unsupported(cls, v, info):
+    def _token_tree(cls, v: str | None) -> str | None:
         if v is not None:
-            raise ValueError("not supported by peagle's engine; leave it unset")
+            token_tree_paths(v)
+        return v
+
+    @field_validator("draft_tree_nodes")
+    @classmethod
+    def _tree_nodes(cls, v):
+        if v != "auto" and not 0 <= v <= MAX_TREE_NODES:
+            raise ValueError(f"must be \"auto\" or a node budget from 0 (chains only) to {MAX_TREE_NODES}, got {v}")
         return v
 
     @model_validator(mode="after")
@@ -164,6 +181,8 @@ class SpeculativeConfig(BaseModel):
             if self.prompt_lookup_min > self.prompt_lookup_max:
                 raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
                                  f"({self.prompt_lookup_max})")
+        if self.num_speculative_tokens is None and self.speculative_token_tree is not None:
+            self.num_speculative_tokens = max(map(len, token_tree_paths(self.speculative_token_tree)))
         if self.num_speculative_tokens is None:
             self.num_speculative_tokens = (DEFAULT_NGRAM_TOKENS if self.method == "ngram" else
                                            self.suffix_decoding_max_tree_depth if self.method == "suffix" else
@@ -171,10 +190,26 @@ class SpeculativeConfig(BaseModel):
         if self.num_speculative_tokens > MAX_MODEL_FREE_TOKENS:  # suffix's default: its tree's depth
             raise ValueError(f"num_speculative_tokens must be at most {MAX_MODEL_FREE_TOKENS}, got "
                              f"{self.num_speculative_tokens} (from suffix_decoding_max_tree_depth)")
+        if self.speculative_token_tree is not None:
+            paths = token_tree_paths(self.speculative_token_tree)
+            if not self.uses_head:
+                raise ValueError(f"speculative_token_tree shapes a head's drafts; method {self.method!r} has no head")
+            depth = max(map(len, paths))
+            if self.num_speculative_tokens < depth:
+                raise ValueError(f"speculative_token_tree is {depth} deep but num_speculative_tokens is "
+                                 f"{self.num_speculative_tokens}: raise it to {depth} or leave it unset")
+            if not self.parallel_drafting and any(any(p[:-1]) for p in paths):
+                raise ValueError("an EAGLE-3 head drafts one chain: only its top tokens have children (nodes such "
+                                 "as (0, 0, 1), never (1, 0)); draft in parallel with a P-EAGLE head for any shape")
         if self.method == HYBRID_METHOD and self.suffix_decoding_max_tree_depth > MAX_MODEL_FREE_TOKENS:
             raise ValueError(f"suffix_decoding_max_tree_depth must be at most {MAX_MODEL_FREE_TOKENS} in the hybrid "
                              f"(its suffix drafts run that long), got {self.suffix_decoding_max_tree_depth}")
         return self
+
+    @property
+    def token_tree(self) -> list[tuple[int, ...]] | None:
+        """The static tree's nodes, parents first (None: none given)."""
+        return token_tree_paths(self.speculative_token_tree) if self.speculative_token_tree else None
 
     def without_head(self) -> "SpeculativeConfig | None":
         """What still drafts when the head this config names is not loaded: the hybrid's suffix trees alone (at its
@@ -225,6 +260,8 @@ class SpeculativeConfig(BaseModel):
         trainer's hint, benchmark servers) writes this form. parallel_drafting appears only when true: vLLM releases
         before parallel drafting refuse the field, and false is their behaviour anyway."""
         d = self.model_dump(exclude_none=True)
+        if d["draft_tree_nodes"] == "auto" or not self.uses_head:
+            del d["draft_tree_nodes"]
         if not d["parallel_drafting"] or not self.uses_head:
             del d["parallel_drafting"]
         if not self.uses_suffix_tree:  # vLLM sets them on every config; written only where they are used
@@ -237,7 +274,7 @@ class SpeculativeConfig(BaseModel):
     def for_vllm(self) -> "SpeculativeConfig":
         """The config `vllm serve` is given for this one: vLLM has no hybrid, so it runs the hybrid's head alone."""
         if self.method != HYBRID_METHOD:
-            return self
+            return self.model_copy(update={"draft_tree_nodes": "auto"})  # peagle's own key; vLLM's trees are static
         return SpeculativeConfig.for_head(self.model, self.num_speculative_tokens, self.parallel_drafting)
 
     @classmethod
@@ -322,3 +359,29 @@ class Speculation:
                 "speculation_policy": self.policy if self.config is not None else None,
                 "head": str(self.head_path or self.config.model) if self.config and self.config.uses_head else None,
                 "origin": self.origin, "what_runs": self.describe()}
+
+
+def token_tree_paths(text: str) -> list[tuple[int, ...]]:
+    """vLLM's speculative_token_tree, e.g. "[(0,), (1,), (0, 0)]": each node as the ranks of the head's candidates
+    along its branch, sorted parents first; ValueError naming the fault."""
+    import ast
+
+    example = 'e.g. "[(0,), (1,), (0, 0)]"'
+    try:
+        nodes = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        raise ValueError(f"must be a list of tuples of candidate ranks, {example}; got {text!r}") from None
+    if not isinstance(nodes, (list, tuple)) or not nodes:
+        raise ValueError(f"must be a non-empty list of tuples of candidate ranks, {example}")
+    for node in nodes:
+        if not (isinstance(node, tuple) and node and len(node) <= MAX_SPECULATIVE_TOKENS
+                and all(isinstance(r, int) and 0 <= r < TREE_TOP_M for r in node)):
+            raise ValueError(f"node {node!r} is not a tuple of at most {MAX_SPECULATIVE_TOKENS} candidate ranks in "
+                             f"[0, {TREE_TOP_M}), {example}")
+    paths = sorted(set(nodes), key=lambda p: (len(p), p))
+    if len(paths) > MAX_TREE_NODES:
+        raise ValueError(f"has {len(paths)} nodes; peagle verifies at most {MAX_TREE_NODES}")
+    for p in paths:
+        if len(p) > 1 and p[:-1] not in paths:
+            raise ValueError(f"node {p} has no parent {p[:-1]} in the tree")
+    return paths

@@ -214,6 +214,30 @@ def test_attention_bits_do_not_depend_on_where_the_blocks_lie(path):
 
 @needs_native_kernels
 @pytest.mark.parametrize("path", ATTENTION_PATHS)
+def test_a_tree_row_reads_its_listed_keys_with_a_chain_rows_bits(path):
+    """A draft tree's rows (x_n, then nodes written one after another, each reading the keys before x_n and its own
+    branch) give each branch the bits the same rows give as a chain at consecutive positions."""
+    nh, nkv, D, max_len, n = 4, 2, 64, 96, 40
+    kc, vc = bf16(1, nkv, max_len, D, seed=40), bf16(1, nkv, max_len, D, seed=41)
+    q, k, v = bf16(1, 4, nh, D, seed=42), bf16(1, 4, nkv, D, seed=43), bf16(1, 4, nkv, D, seed=44)
+    # x_n -> {a, b}, b -> c: rows x_n, a, b, c at positions n..n+3
+    keys = torch.tensor([[0, n + 1, 0, 0, 0], [0, n + 1, 1, n + 1, 0], [0, n + 1, 1, n + 2, 0],
+                         [0, n + 1, 2, n + 2, n + 3]], dtype=torch.int32)
+    slot, positions = torch.tensor([0]), (n + torch.arange(4))[None]
+    with torch.inference_mode():
+        tree = kernels.attention_bf16(q, k, v, paged(kc, vc, seed=7).reading(keys), slot, positions, path=path)
+        for branch in ([0, 1], [0, 2, 3]):
+            chain = kernels.attention_bf16(q[:, branch], k[:, branch], v[:, branch], paged(kc, vc, seed=8), slot,
+                                           (n + torch.arange(len(branch)))[None], path=path)
+            assert torch.equal(chain[0], tree[0, branch]), branch
+        with pytest.raises(IndexError):  # a listed key outside the cache is refused, nothing written
+            bad = keys.clone()
+            bad[3, 4] = max_len
+            kernels.attention_bf16(q, k, v, paged(kc, vc).reading(bad), slot, positions, path=path)
+
+
+@needs_native_kernels
+@pytest.mark.parametrize("path", ATTENTION_PATHS)
 @pytest.mark.parametrize("D", [8, 48, 128, 256])
 def test_attention_head_sizes(D, path):
     nh, nkv, max_len = 4, 2, 64

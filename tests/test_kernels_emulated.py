@@ -143,6 +143,7 @@ def test_avx512_bf16_attention_keeps_its_promises(emulated_in_place):
     for D in (8, 48, 128, 256):
         test_kernels.test_attention_head_sizes(D, "avx512-bf16")
     test_kernels.test_attention_ignores_stale_cache_entries_past_each_rows_keys("avx512-bf16")
+    test_kernels.test_a_tree_row_reads_its_listed_keys_with_a_chain_rows_bits("avx512-bf16")
 
 
 @pytest.fixture(scope="module")

@@ -102,11 +102,12 @@ def spec_engine(target: TargetModel, k: int, exact: dict[tuple, float]) -> LLMEn
     real_draft = engine._draft
 
     def draft(reqs, slots, window):
-        drafts = real_draft(reqs, slots, window).clone()
+        drafts, candidates = real_draft(reqs, slots, window)
+        drafts = drafts.clone()
         for b, req in enumerate(reqs):
             for i in range(window):
                 drafts[b, i] = modes.get(len(req.output_ids) + i, 0)
-        return drafts
+        return drafts, candidates
 
     engine._draft = draft
     return engine
@@ -125,18 +126,15 @@ def test_speculative_sampling_matches_target_distribution(small_vocab_target, pa
     assert not rejects, f"chi2 {stat:.1f} > critical {crit:.1f}: speculation changed the distribution"
 
 
-def biased_verify(drafts, probs, generator):
+def biased_verify(tree, probs, generator):
     """A wrong rule: on rejection, resample from p without removing the rejected draft."""
-    out = []
-    for i in range(drafts.shape[0]):
-        d = int(drafts[i])
+    path, row = [], 0
+    for i, d in enumerate(tree.tokens):  # a chain: node i at depth i + 1
         if float(torch.rand(1, generator=generator)) < float(probs[i, d]):
-            out.append(d)
+            path.append(i)
             continue
-        out.append(int(torch.multinomial(probs[i], 1, generator=generator)))
-        return out
-    out.append(int(torch.multinomial(probs[-1], 1, generator=generator)))
-    return out
+        return path, [tree.tokens[j] for j in path] + [int(torch.multinomial(probs[i], 1, generator=generator))]
+    return path, list(tree.tokens) + [int(torch.multinomial(probs[-1], 1, generator=generator))]
 
 
 def test_the_test_catches_a_biased_acceptance_rule(small_vocab_target, monkeypatch):
@@ -147,14 +145,19 @@ def test_the_test_catches_a_biased_acceptance_rule(small_vocab_target, monkeypat
     assert rejects, f"chi2 {stat:.1f} <= critical {crit:.1f}: the test cannot see a biased sampler"
 
 
-def test_verify_greedy_prefix_rule():
+def test_verify_greedy_follows_the_targets_tokens_down_the_tree():
+    from peagle.engine.draft_tree import DraftTree
     from peagle.engine.verify import verify_greedy
 
-    drafts = torch.tensor([[1, 2, 3], [1, 9, 3], [7, 2, 3]])
-    argmax = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4]])
-    n, emitted = verify_greedy(drafts, argmax)
-    assert n.tolist() == [3, 1, 0]
-    assert [emitted[b, : n[b] + 1].tolist() for b in range(3)] == [[1, 2, 3, 4], [1, 2], [1]]
+    chain = DraftTree.chain([1, 2, 3])
+    assert verify_greedy(chain, [1, 2, 3, 4]) == ([0, 1, 2], [1, 2, 3, 4])
+    assert verify_greedy(chain, [1, 9, 3, 4]) == ([0], [1, 9])
+    assert verify_greedy(chain, [7, 2, 3, 4]) == ([], [7])
+    # x_n -> {5, 6}; 5 -> 7; 6 -> {8, 9}: the target's tokens 6, 9 go down the second branch
+    tree = DraftTree((5, 6, 7, 8, 9), (-1, -1, 0, 1, 1))
+    assert verify_greedy(tree, [6, 0, 9, 0, 0, 4]) == ([1, 4], [6, 9, 4])
+    assert verify_greedy(tree, [5, 7, 0, 1, 0, 0]) == ([0, 2], [5, 7, 1])
+    assert verify_greedy(tree, [3, 0, 0, 0, 0, 0]) == ([], [3])
 
 
 def test_top_p_top_k_processing():

@@ -35,12 +35,13 @@ from pathlib import Path
 import torch
 
 from peagle import threads
-from peagle.config import Speculation, SpeculativeConfig
+from peagle.config import MAX_TREE_NODES, TREE_TOP_M, Speculation, SpeculativeConfig
 from peagle.engine import prefix_cache
 from peagle.engine.acceptance import Candidate
 from peagle.engine.calibration import RememberedTimings, ScratchTimings, timings_key
 from peagle.engine.catch_up import JOINT_PENDING_ROWS, DrafterCatchUp
 from peagle.engine.detokenize import IncrementalDetokenizer
+from peagle.engine.draft_tree import Candidates, DraftTree, TreeShaper
 from peagle.engine.errors import RequestError
 from peagle.engine.grammar import GrammarCompiler, count_forced, stack_bias
 from peagle.engine.kv_memory import pool_blocks
@@ -121,6 +122,10 @@ class LLMEngine:
             spec.check_head(drafter.config.parallel_capable, spec.model or "the head")
         self.k = spec.max_draft_tokens if spec else 0  # the widest window any proposer drafts
         head_k = spec.num_speculative_tokens if drafter is not None else 0
+        # the most positions a head's draft tree takes past its window (its nodes beyond its depth)
+        tree_nodes = (0 if drafter is None else len(spec.token_tree) if spec.token_tree else
+                      MAX_TREE_NODES if spec.draft_tree_nodes == "auto" else spec.draft_tree_nodes)
+        self.tree_rows = max(0, tree_nodes - head_k)
         self.model_name = model_name
         self.max_num_seqs = max_num_seqs
         if max_num_batched_tokens < BLOCK_SIZE:
@@ -161,7 +166,7 @@ class LLMEngine:
         target, drafter = self.target, self.drafter
         # Room past max_model_len for the verify window and the drafter's padded rows, whose writes are stale.
         # ... and for a padded prefill's rows past a short chunk's end (a chunk is at most the budget or a prompt).
-        self.capacity = self.max_model_len + max(JOINT_PENDING_ROWS + 2 * self.k + 2,
+        self.capacity = self.max_model_len + max(JOINT_PENDING_ROWS + 2 * self.k + self.tree_rows + 2,
                                                  min(self.max_num_batched_tokens, self.max_model_len))
         probe = [target.new_cache(1, BLOCK_SIZE, 2)] + ([drafter.new_cache(1, BLOCK_SIZE, 2)] if drafter else [])
         per_slot = KVCache.blocks_for(self.capacity)
@@ -176,8 +181,14 @@ class LLMEngine:
     def _build_speculation(self, speculation_policy: str, head_k: int) -> None:
         """The policy that picks each step's windows, the head's proposer and the proposer the engine asks."""
         spec = self.spec
-        self.policy = (make_policy(speculation_policy, self.k, self.max_num_seqs, spec.disable_by_batch_size, head_k)
-                       if spec else NoSpeculation())
+        # "auto" trees share one tree's extra rows per step (the shaper sizes each tree to what the step has left);
+        # a fixed or static tree's come with every request
+        step_tree_rows = self.tree_rows * (1 if spec and spec.draft_tree_nodes == "auto" and not spec.token_tree
+                                           else self.max_num_seqs)
+        self.policy = (make_policy(speculation_policy, self.k, self.max_num_seqs, spec.disable_by_batch_size, head_k,
+                                   step_tree_rows) if spec else NoSpeculation())
+        self.trees = TreeShaper(spec.draft_tree_nodes if self.tree_rows else 0, spec.token_tree if spec else None,
+                                self.policy.cost)
         self.head = (HeadProposer(self.drafter, self.drafter_cache, spec.parallel_drafting, self.device)
                      if self.drafter is not None else None)
         self.proposer: Proposer | None = make_proposer(spec, self.head, self.policy) if spec else None
@@ -193,7 +204,7 @@ class LLMEngine:
         if calibration_dir is not None:
             remembered = RememberedTimings(calibration_dir, timings_key(
                 self.target, self.head, self.max_num_seqs, self.max_model_len, policy=type(self.policy).__name__,
-                k=self.k, head_k=head_k, max_step_time_ms=max_step_time_ms))
+                k=self.k, head_k=head_k, tree_rows=self.tree_rows, max_step_time_ms=max_step_time_ms))
         timings = ScratchTimings(self.target, self.target_cache, self.head, self.max_num_seqs, self.max_model_len,
                                  self._step_clock, remembered)
         self.policy.calibrate(timings.target_rows, timings.head_draft)
@@ -429,13 +440,13 @@ class LLMEngine:
         after it, or a decode step's widest window with forced tokens, and the drafter's rows past it."""
         if req.prefilling:
             return min(req.num_computed + self.max_num_batched_tokens, self.capacity)
-        return min(req.num_tokens + self.k + self.max_forced_run + 1, self.capacity)
+        return min(req.num_tokens + self.k + self.tree_rows + self.max_forced_run + 1, self.capacity)
 
     def _admission_length(self, req: Request) -> int:
         """Positions a waiting request needs room for to be admitted: its first step, or, preempted before, all it
         had and a decode step (else, readmitted at once as the newest, it would be the first to go again)."""
         if req.num_preemptions:
-            return min(len(req.prefill_ids) + self.k + self.max_forced_run + 1, self.capacity)
+            return min(len(req.prefill_ids) + self.k + self.tree_rows + self.max_forced_run + 1, self.capacity)
         return self._step_length(req)
 
     def _room_for(self, reqs: list[Request]) -> bool:
@@ -502,9 +513,12 @@ class LLMEngine:
         heads = plan.head_windows
         if heads:
             reqs = [w.request for w in heads]
-            made = self._draft(reqs, torch.tensor([r.slot for r in reqs], device=self.device), plan.head_k)
+            made, candidates = self._draft(reqs, torch.tensor([r.slot for r in reqs], device=self.device),
+                                           plan.head_k)
             for w, tokens in zip(heads, made.tolist()):
                 w.tokens = tokens[: w.k]
+            if candidates is not None:
+                self._shape_trees(plan, heads, candidates)
         for w in plan.windows:
             if w.k and w.draft is not None:
                 w.tokens = w.draft.tokens[: w.k]
@@ -513,10 +527,26 @@ class LLMEngine:
                     w.request.matcher.propose_tokens(w.tokens)
             w.drafted = len(w.tokens)
 
-    def _draft(self, reqs: list[Request], slots: torch.Tensor, k: int) -> torch.Tensor:
-        """The head's drafts [B, k] as target ids (proposers/heads.py); its drafter runs every request's pending
-        real rows on the way."""
-        return self.head.draft(reqs, slots, k)
+    def _draft(self, reqs: list[Request], slots: torch.Tensor, k: int
+               ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The head's drafts [B, k] as target ids (proposers/heads.py), and its candidates for draft trees when
+        trees are on; its drafter runs every request's pending real rows on the way."""
+        return self.head.draft(reqs, slots, k, TREE_TOP_M if self.trees.enabled else 0)
+
+    def _shape_trees(self, plan: StepPlan, heads: list[Window], candidates: tuple[torch.Tensor, torch.Tensor]
+                     ) -> None:
+        """Each unconstrained head window's tree (draft_tree.TreeShaper), one window at a time against the rows
+        the step has so far. A constrained window keeps its chain: the grammar picked its drafts."""
+        ids, logprobs = (c.tolist() for c in candidates)
+        rows = sum(1 + (w.k if w.draft is None else len(w.draft.tokens[: w.k])) for w in plan.windows)
+        seconds = (lambda n: self.policy.cost.predict(n, len(heads), plan.head_k)) if self.policy.cost else None
+        for w, b in zip(heads, range(len(heads))):
+            if w.request.matcher is not None:
+                continue
+            cands = Candidates([r for r in ids[b][: w.k]], [r for r in logprobs[b][: w.k]], self.head.parallel)
+            w.tree = self.trees.shape(cands, len(plan.windows), rows - w.k, seconds)
+            w.tokens = list(w.tree.tokens)
+            rows += len(w.tree) - w.k
 
     def _grammar_windows(self, plan: StepPlan) -> None:
         """Verify windows under grammars. A constrained request's drafts were proposed under its mask (`_draft`),
@@ -540,34 +570,54 @@ class LLMEngine:
 
     def _verify(self, plan: StepPlan) -> tuple:
         """The target's forward over every request's window [x_n, tokens...] at positions n..n+K_b: per request,
-        logits [K_b + 1, V] and features [K_b + 1, 3H]. One K for all: a [B, K + 1] batch. Different K: every row
-        its own batch entry ([sum (K_b + 1), 1]), so no request pays for a wider neighbour's rows (attention and
-        the matrix kernels compute each row alone, so the layout never changes a row's result)."""
+        logits [K_b + 1, V] and features [K_b + 1, 3H]. One K for all: a [B, K + 1] batch. Different K, or a draft
+        tree: every row its own batch entry ([sum (K_b + 1), 1]), so no request pays for a wider neighbour's rows
+        (attention and the matrix kernels compute each row alone, so the layout never changes a row's result); a
+        tree's rows are rotated as their depth and read their own branch (draft_tree.DraftTree.verify_keys)."""
         dev, windows = self.device, plan.windows
         slots = torch.tensor([w.request.slot for w in windows], device=dev)
         rows = [[w.request.last_token, *w.tokens] for w in windows]
         n = [w.request.num_tokens - 1 for w in windows]  # position of x_n, the newest token
         sizes = [len(r) for r in rows]
-        if len(set(sizes)) == 1:
+        trees = any(w.branches for w in windows)
+        if len(set(sizes)) == 1 and not trees:
             positions = torch.tensor(n, device=dev)[:, None] + torch.arange(sizes[0], device=dev)[None, :]
             out = self.target(torch.tensor(rows, device=dev), BatchLayout.build(slots, positions), self.target_cache,
                               num_logits=None)
             return out.logits, out.features
         tokens = torch.tensor([t for r in rows for t in r], device=dev)[:, None]
-        positions = torch.cat([p + torch.arange(size, device=dev) for p, size in zip(n, sizes)])
-        layout = BatchLayout.build(slots.repeat_interleave(torch.tensor(sizes, device=dev)), positions[:, None])
+        positions = torch.cat([p + torch.arange(size, device=dev) for p, size in zip(n, sizes)])[:, None]
+        layout = BatchLayout.build(slots.repeat_interleave(torch.tensor(sizes, device=dev)), positions)
+        if trees:
+            rope, keys = [], []
+            for w, p, size in zip(windows, n, sizes):
+                tree = w.tree if w.branches else DraftTree.chain(w.tokens)
+                r, k = tree.verify_keys(p)
+                rope += r
+                keys += k
+            stride = max(map(len, keys))
+            layout = BatchLayout.tree(layout.slots, positions, torch.tensor(rope, device=dev)[:, None], torch.tensor(
+                [k + [0] * (stride - len(k)) for k in keys], dtype=torch.int32, device=dev))
         out = self.target(tokens, layout, self.target_cache, num_logits=None)
         return out.logits[:, 0].split(sizes), out.features[:, 0].split(sizes)
 
     def _accept(self, w: Window, logits: torch.Tensor, features: torch.Tensor) -> None:
         """Accept one window against the target's logits [len(w.tokens) + 1, V] (masked as its grammar's states
         allow), commit what it emits, and record its outcome. `features`: the target's at the window's positions,
-        the drafter's next real rows and the prefix cache's next blocks."""
+        the drafter's next real rows and the prefix cache's next blocks. A tree's accepted branch is moved to the
+        positions its tokens now hold, and its rows taken as a chain's."""
         req = w.request
         masks = req.matcher.window_masks() if req.matcher is not None else None
         if masks is not None:
             logits = req.matcher.mask_logits(logits, stack_bias(masks))
-        emitted = self._verified_tokens(w, logits)
+        path, emitted = self._verified_path(w, logits)
+        if w.branches:
+            n = req.num_tokens - 1
+            moved = [(n + 1 + i, n + 1 + j) for j, i in enumerate(path) if i != j]
+            if moved:
+                self.target_cache.move(req.slot, *map(list, zip(*moved)))
+            rows = [0] + [i + 1 for i in path]
+            logits, features = logits[rows], features[rows]
         if self.drafter is not None:  # positions n..n+a are now verified: the drafter's next real rows
             req.backlog.append(emitted, features[: len(emitted)])
         before = len(req.output_ids)
@@ -580,18 +630,18 @@ class LLMEngine:
         if kept > 0:
             self.prefix_reuse.store_blocks(req, features[: min(kept, len(emitted) - 1) + 1])
         forced = count_forced(masks, kept) if masks is not None else 0
-        self._record(w.outcome(emitted, forced, self.head.name if self.head is not None else None))
+        self._record(w.outcome(path, forced, self.head.name if self.head is not None else None))
 
-    def _verified_tokens(self, w: Window, logits: torch.Tensor) -> list[int]:
-        """What a window emits: its accepted drafts and then the target's own token (a plain window: sampled)."""
+    def _verified_path(self, w: Window, logits: torch.Tensor) -> tuple[list[int], list[int]]:
+        """What a window accepts (its drafts' node indices) and emits: the accepted drafts, then the target's own
+        token (a plain window: sampled)."""
         req = w.request
         if not w.tokens:
-            return [self._sample_one(req, logits[0])]
-        drafts = torch.tensor(w.tokens, device=self.device)
+            return [], [self._sample_one(req, logits[0])]
+        tree = w.tree if w.branches else DraftTree.chain(w.tokens)
         if req.params.greedy:
-            num_acc, emitted = verify_greedy(drafts[None], logits.argmax(-1)[None])
-            return emitted[0, : int(num_acc[0]) + 1].tolist()
-        return verify_sampled(drafts, target_probs(logits, req.params), req.generator)
+            return verify_greedy(tree, logits.argmax(-1).tolist())
+        return verify_sampled(tree, target_probs(logits, req.params), req.generator)
 
     def _record(self, outcome: Outcome) -> None:
         """The one place a window's outcome is counted: the request's and the engine's statistics (steps by K,
@@ -600,15 +650,17 @@ class LLMEngine:
         for stats in (req.spec, self.stats):
             stats.num_forced_tokens += outcome.forced
             if self.spec is not None:
-                stats.record(outcome.drafted, outcome.accepted)
+                stats.record(outcome.drafted, outcome.accepted, outcome.depth)
         if self.spec is None:
             return
         if outcome.drafted:
-            self.proposer_stats[outcome.proposer].record(outcome.drafted, outcome.accepted)
+            self.proposer_stats[outcome.proposer].record(outcome.drafted, outcome.accepted, outcome.depth)
         if outcome.draft is not None:
             self.proposer.observe(req, outcome.draft, outcome.drafted, outcome.accepted)
-        elif outcome.drafted:
-            self.policy.observe(req.request_id, outcome.drafted, outcome.accepted)
+        elif outcome.drafted:  # the policy's estimate is of the head's chain: what its first children would do
+            self.policy.observe(req.request_id, outcome.depth, outcome.chain_accepted)
+            if outcome.tree is not None:
+                self.trees.observe(outcome.tree, outcome.accepted)
 
     def _retire_if_finished(self, req: Request) -> None:
         if req.finished and req in self.running:

@@ -59,12 +59,13 @@ class StepCostModel:
     calibrated tables, each with a correction per cell learnt from real steps, and one drift factor shared by all
     cells (the machine getting slower or faster)."""
 
-    def __init__(self, max_batch: int, max_k: int, max_draft_k: int | None = None):
+    def __init__(self, max_batch: int, max_k: int, max_draft_k: int | None = None, tree_rows: int = 0):
         """Windows up to max_k verified drafts per request; the head drafts at most max_draft_k of them (default:
-        max_k; fewer where model-free drafts, which cost no drafter forward, run longer)."""
+        max_k; fewer where model-free drafts, which cost no drafter forward, run longer); a draft tree may add up to
+        tree_rows rows to a step."""
         max_draft_k = max_k if max_draft_k is None else max_draft_k
         self.max_batch, self.max_k, self.max_draft_k = max_batch, max_k, max_draft_k
-        self.max_rows = max_batch * (max_k + 1)
+        self.max_rows = self.rows_for(max_batch, max_k, tree_rows)
         self.target = [float(n) for n in range(self.max_rows + 1)]  # until calibrated
         self.draft = [[0.5 * m * k for k in range(max_draft_k + 1)] for m in range(max_batch + 1)]
         self.target_cell = [1.0] * (self.max_rows + 1)
@@ -73,10 +74,16 @@ class StepCostModel:
         self.draft_drift = 1.0
 
     @staticmethod
-    def grid(max_batch: int, max_k: int, max_draft_k: int | None = None) -> tuple[list[int], list[int], list[int]]:
+    def rows_for(max_batch: int, max_k: int, tree_rows: int = 0) -> int:
+        """The most rows a step verifies: every request's widest window, and a draft tree's rows past its window."""
+        return max_batch * (max_k + 1) + tree_rows
+
+    @staticmethod
+    def grid(max_batch: int, max_k: int, max_draft_k: int | None = None,
+             tree_rows: int = 0) -> tuple[list[int], list[int], list[int]]:
         """The shapes calibration times (row counts of the target; requests and windows of the drafter); the rest
         is interpolated between them."""
-        max_rows = max_batch * (max_k + 1)
+        max_rows = StepCostModel.rows_for(max_batch, max_k, tree_rows)
         max_draft_k = max_k if max_draft_k is None else max_draft_k
         rows = sorted({n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if n < max_rows} | {max_rows})
         bs = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < max_batch} | {1, max_batch})
@@ -89,7 +96,8 @@ class StepCostModel:
         For each number of requests the drafter's windows get the least-squares line through the timed ones (one
         noisy timing must not make a window look cheap: a cell the policy then never chooses is never corrected);
         shapes in between are interpolated."""
-        rows, bs, ks = self.grid(self.max_batch, self.max_k, self.max_draft_k)
+        rows, bs, ks = self.grid(self.max_batch, self.max_k, self.max_draft_k, self.max_rows - self.rows_for(
+            self.max_batch, self.max_k))
         timed_rows = {n: time_target(n) for n in rows}
         for n in range(1, self.max_rows + 1):
             n0, n1 = _bracket(rows, n)
@@ -132,9 +140,11 @@ class StepCostModel:
 class SpeculationPolicy(Protocol):
     """What the engine asks of a policy, in the order it asks: `choose` before a step (the only call that decides
     anything), then `observe` for each request that drafted and `observe_step` for the step's cost; `forget` when a
-    request leaves. `calibrate` once, at start-up, with functions that time the target and the drafter."""
+    request leaves. `calibrate` once, at start-up, with functions that time the target and the drafter. `cost`: the
+    step-cost model it chooses by (None: it chooses without one), which also shapes draft trees."""
     name: str
     max_k: int
+    cost: StepCostModel | None
 
     def choose(self, requests: Sequence[Candidate]) -> list[int]: ...
     def value(self, request: Candidate, batch: int = 1) -> float: ...
@@ -150,6 +160,7 @@ class NoSpeculation:
 
     name = "none"
     max_k = 0
+    cost = None
 
     def choose(self, requests: Sequence[Candidate]) -> list[int]:
         return [0] * len(requests)
@@ -193,12 +204,13 @@ class AdaptiveK(NoSpeculation):
 
     name = "adaptive"
 
-    def __init__(self, max_k: int, max_batch: int, cost: StepCostModel | None = None, head_k: int | None = None):
+    def __init__(self, max_k: int, max_batch: int, cost: StepCostModel | None = None, head_k: int | None = None,
+                 tree_rows: int = 0):
         """Windows of up to max_k drafts; the head's up to head_k (default max_k; 0: no head, model-free drafts
-        only)."""
+        only), and a draft tree's up to tree_rows rows more."""
         self.max_k = max_k
         self.head_k = max_k if head_k is None else head_k
-        self.cost = cost or StepCostModel(max_batch, max_k, self.head_k)
+        self.cost = cost or StepCostModel(max_batch, max_k, self.head_k, tree_rows)
         self.acceptance = MeasuredAcceptance(self.head_k)  # the head's
         self.plain_steps_in_a_row = 0
         self.probe_after = PROBE_AFTER
@@ -303,7 +315,7 @@ class OffAtBatchSize:
 
     def __init__(self, policy: SpeculationPolicy, batch_size: int):
         self.policy, self.batch_size = policy, batch_size
-        self.name, self.max_k = policy.name, policy.max_k
+        self.name, self.max_k, self.cost = policy.name, policy.max_k, policy.cost
 
     def choose(self, requests: Sequence[Candidate]) -> list[int]:
         return [0] * len(requests) if len(requests) >= self.batch_size else self.policy.choose(requests)
@@ -325,14 +337,14 @@ class OffAtBatchSize:
 
 
 def make_policy(name: str, max_k: int, max_batch: int, disable_by_batch_size: int | None = None,
-                head_k: int | None = None) -> SpeculationPolicy:
-    """The policy called `name` for drafts up to max_k (the head's up to head_k, default max_k), off while
-    disable_by_batch_size requests run."""
+                head_k: int | None = None, tree_rows: int = 0) -> SpeculationPolicy:
+    """The policy called `name` for drafts up to max_k (the head's up to head_k, default max_k; draft trees up to
+    tree_rows rows more), off while disable_by_batch_size requests run."""
     policy: SpeculationPolicy
     if name == "fixed":
         policy = FixedK(max_k, head_k)
     elif name == "adaptive":
-        policy = AdaptiveK(max_k, max_batch, head_k=head_k)
+        policy = AdaptiveK(max_k, max_batch, head_k=head_k, tree_rows=tree_rows)
     else:
         raise ValueError(f"unknown speculation policy {name!r}: choose one of {', '.join(POLICIES)} "
                      f"(--speculation-policy or {SPECULATION_POLICY_ENV})")

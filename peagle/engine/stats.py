@@ -27,10 +27,11 @@ class SpecDecodeStats:
         self.accepted_per_position += [0] * (k - len(self.accepted_per_position))
         self.steps_per_k += [0] * (k + 1 - len(self.steps_per_k))
 
-    def record(self, num_drafted: int, num_accepted: int) -> None:
+    def record(self, num_drafted: int, num_accepted: int, depth: int | None = None) -> None:
         """One decode step that verified `num_drafted` drafts (0: a plain step) and accepted the first
-        `num_accepted` of them."""
-        self.steps_per_k[num_drafted] += 1
+        `num_accepted` of them; a draft tree's `depth` is its K (num_drafted counts all its nodes, as vLLM counts
+        draft tokens)."""
+        self.steps_per_k[num_drafted if depth is None else depth] += 1
         if num_drafted == 0:
             return
         self.num_drafts += 1
@@ -79,6 +80,11 @@ class SpecDecodeStats:
         return [n / self.num_drafts if self.num_drafts else 0.0 for n in self.accepted_per_position]
 
     @property
+    def mean_draft_tokens(self) -> float:
+        """Draft tokens verified per drafting step: a chain's K, a draft tree's nodes."""
+        return self.num_draft_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    @property
     def mean_k(self) -> float:
         """Drafts verified per decode step, plain steps included (K itself under a fixed policy)."""
         steps = sum(self.steps_per_k)
@@ -95,6 +101,7 @@ class SpecDecodeStats:
             "mean_acceptance_length": round(self.mean_acceptance_length, 4),
             "steps_per_k": list(self.steps_per_k),
             "mean_k": round(self.mean_k, 4),
+            "mean_draft_tokens": round(self.mean_draft_tokens, 4),
             "num_forced_tokens": self.num_forced_tokens,
         }
 

@@ -3,7 +3,8 @@ request and carries the `StepPlan` through every phase, each filling in its part
 
     plan     the proposer's model-free draft (`draft`) and the policy's number of drafts (`k`)
     catch up a head that is still behind after its slice of the drafter's backlog gets k = 0
-    draft    the window's tokens: the head's drafts or the model-free draft, cut to k
+    draft    the window's tokens: the head's drafts or the model-free draft, cut to k; a head's as a tree where
+             draft trees are on (`tree`: its nodes are `tokens`)
     grammar  under a constraint, the tokens the grammar allowed (`drafted` of them) and the forced ones after them
     verify   every window [x_n, tokens...] in one target forward
     commit   each window's `Outcome`, the one record every statistic and estimate is derived from
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from peagle.engine.draft_tree import DraftTree
 
 if TYPE_CHECKING:
     from peagle.engine.acceptance import Draft
@@ -26,17 +29,26 @@ class Window:
     draft: Draft | None = None  # the model-free draft made before the policy chose (None: the head's, if k)
     tokens: list[int] = field(default_factory=list)  # verified after x_n: its drafts, then any forced tokens
     drafted: int = 0  # how many of `tokens` were drafted (the rest are the only tokens a grammar allowed)
+    tree: DraftTree | None = None  # the head's drafts as shaped into a tree (None: `tokens` is a chain)
+
+    @property
+    def branches(self) -> bool:
+        """Whether its drafts branch (verified with per-node keys, and the accepted branch moved into place)."""
+        return self.tree is not None and not self.tree.is_chain
 
     @property
     def by_head(self) -> bool:
         """Whether the head drafts this window (one drafter forward for all such windows)."""
         return self.k > 0 and self.draft is None
 
-    def outcome(self, emitted: list[int], forced: int, head: str | None) -> Outcome:
-        """What this window came to: `emitted` the tokens verification gave (accepted drafts and the target's
-        own), `forced` the committed tokens the grammar forced, `head` the name of the head's proposer."""
+    def outcome(self, path: list[int], forced: int, head: str | None) -> Outcome:
+        """What this window came to: `path` the drafts verification accepted (node indices), `forced` the committed
+        tokens the grammar forced, `head` the name of the head's proposer."""
         proposer = self.draft.proposer if self.draft is not None else head
-        return Outcome(self.request, self.draft, proposer, self.drafted, min(len(emitted) - 1, self.drafted), forced)
+        tree = self.tree or DraftTree.chain(self.tokens[: self.drafted])
+        accepted = min(len(path), self.drafted)
+        return Outcome(self.request, self.draft, proposer, self.drafted, accepted, forced, tree.depth,
+                       tree.first_children(path[:accepted]), self.tree)
 
 
 @dataclass
@@ -71,5 +83,8 @@ class Outcome:
     draft: Draft | None  # the model-free draft it was offered, verified or not (its proposer learns either way)
     proposer: str | None  # who drafted (None: no drafter ran)
     drafted: int  # drafts verified: forced tokens verified after them do not count
-    accepted: int  # the first `accepted` of them matched the target
+    accepted: int  # the first `accepted` of them matched the target (a tree's: the accepted branch's length)
     forced: int  # committed tokens that were the only one the grammar allowed
+    depth: int  # the deepest draft verified (a chain's: `drafted`)
+    chain_accepted: int  # what the tree's first-child chain would have accepted (a chain's: `accepted`)
+    tree: DraftTree | None  # the head's shaped tree (None: a chain with nothing to calibrate)

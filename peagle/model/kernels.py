@@ -458,18 +458,25 @@ class _PagedKV(ctypes.Structure):
     """kernels.c's peagle_kv: one layer's paged cache (layers.LayerKV)."""
     _fields_ = [("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("tables", ctypes.c_void_p),
                 ("num_slots", ctypes.c_int), ("max_blocks", ctypes.c_int), ("block_size", ctypes.c_int),
-                ("num_blocks", ctypes.c_int), ("key_offset", ctypes.c_int)]
+                ("num_blocks", ctypes.c_int), ("key_offset", ctypes.c_int), ("keys", ctypes.c_void_p),
+                ("keys_stride", ctypes.c_int)]
 
 
-def paged_kv(k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, key_offset: int = 0) -> _PagedKV | None:
+def paged_kv(k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, key_offset: int = 0,
+             keys: torch.Tensor | None = None) -> _PagedKV | None:
     """The kernels' view of a layer's paged cache: pools k, v [num_blocks, nkv, block_size, D] and block tables
-    [num_slots, max_blocks] (int32), or None where the kernels cannot read it."""
+    [num_slots, max_blocks] (int32), or None where the kernels cannot read it. `keys` [rows, stride] (int32): where
+    each query row of the forwards that read this view finds its keys, when not at positions 0..its own (a draft
+    tree: common.h's peagle_kv)."""
     if not (_usable(k, v) and k.is_contiguous() and v.is_contiguous() and k.shape == v.shape
             and tables.dtype == torch.int32 and tables.is_contiguous()):
         return None
+    if keys is not None and not (keys.dtype == torch.int32 and keys.is_contiguous() and keys.dim() == 2):
+        return None
     num_blocks, _, block_size, _ = k.shape
     return _PagedKV(k.data_ptr(), v.data_ptr(), tables.data_ptr(), tables.shape[0], tables.shape[1], block_size,
-                    num_blocks, key_offset)
+                    num_blocks, key_offset, keys.data_ptr() if keys is not None else None,
+                    keys.shape[1] if keys is not None else 0)
 
 
 def attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv, slots: torch.Tensor,

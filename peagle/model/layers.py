@@ -122,20 +122,26 @@ class LayerKV:
     """One layer's view of a paged cache: key and value pools [num_blocks, nkv, KV_BLOCK_SIZE, D], the block tables
     [num_slots, max_blocks] (int32, shared by every layer), and `key_offset`: every query reads and writes its keys
     that many positions on (where a sliding window starts; window_attention). `native` is the same view as the
-    kernels read it, built on first use."""
+    kernels read it, built on first use. `keys`: None, or where each query row of a forward finds its keys when
+    they are not simply positions 0..its own (a draft tree: BatchLayout.keys)."""
 
-    __slots__ = ("k", "v", "tables", "key_offset", "_native")
+    __slots__ = ("k", "v", "tables", "key_offset", "keys", "_native")
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, key_offset: int = 0):
-        self.k, self.v, self.tables, self.key_offset, self._native = k, v, tables, key_offset, None
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, key_offset: int = 0,
+                 keys: torch.Tensor | None = None):
+        self.k, self.v, self.tables, self.key_offset, self.keys, self._native = k, v, tables, key_offset, keys, None
 
     def moved(self, key_offset: int) -> "LayerKV":
         return LayerKV(self.k, self.v, self.tables, key_offset)
 
+    def reading(self, keys: torch.Tensor | None) -> "LayerKV":
+        """This layer's cache for a forward whose rows read the keys `keys` lists (itself when None)."""
+        return self if keys is None else LayerKV(self.k, self.v, self.tables, self.key_offset, keys)
+
     @property
     def native(self):
         if self._native is None:
-            self._native = kernels.paged_kv(self.k, self.v, self.tables, self.key_offset)
+            self._native = kernels.paged_kv(self.k, self.v, self.tables, self.key_offset, self.keys)
         return self._native
 
     def gather(self, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,6 +249,14 @@ class KVCache:
         self.tables[slot, first:first + len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         self._recount(slot)
 
+    def move(self, slot: int, sources: list[int], destinations: list[int]) -> None:
+        """Copy the keys and values at positions `sources` of a slot to `destinations` in every layer (an accepted
+        tree branch, written where its nodes were, to where its tokens now sit); every source is read first."""
+        src, dst = (torch.tensor(p, device=self.tables.device) for p in (sources, destinations))
+        src_blocks, dst_blocks = (self.tables[slot, p // KV_BLOCK_SIZE].long() for p in (src, dst))
+        for c in (*self.k, *self.v):
+            c[dst_blocks, :, dst % KV_BLOCK_SIZE] = c[src_blocks, :, src % KV_BLOCK_SIZE]
+
     def hold(self, block: int) -> None:
         self._holders[block] += 1
 
@@ -318,10 +332,47 @@ class BatchLayout:
     slots: torch.Tensor | None  # [B] long; None for a dense (cache-free) forward
     positions: torch.Tensor  # [B, T] long
     dense_mask: torch.Tensor | None = None  # [B, T, T] bool for a dense forward (training)
+    # A draft tree's verify forward: each query's rotary position (its depth below x_n, not where it is written) and
+    # the cache positions it reads, [B * T, stride] int32 as kernels' peagle_kv.keys (draft_tree.verify_keys)
+    rope_positions: torch.Tensor | None = None
+    keys: torch.Tensor | None = None
 
     @classmethod
     def build(cls, slots: torch.Tensor, positions: torch.Tensor) -> "BatchLayout":
         return cls(slots, positions)
+
+    @classmethod
+    def tree(cls, slots: torch.Tensor, positions: torch.Tensor, rope_positions: torch.Tensor,
+             keys: torch.Tensor) -> "BatchLayout":
+        """Queries written at `positions`, rotated as `rope_positions`, each reading the keys `keys` lists."""
+        return cls(slots, positions, None, rope_positions, keys)
+
+    @property
+    def rotary_positions(self) -> torch.Tensor:
+        return self.positions if self.rope_positions is None else self.rope_positions
+
+    def window_keys(self, window: int | None) -> torch.Tensor | None:
+        """`keys` less the keys `window` or more rotary positions before each query (a tree node's branch always
+        lies within its window: the branch is shorter than any window)."""
+        if self.keys is None or window is None:
+            return self.keys
+        if window not in self._window_masks:
+            keys = self.keys.clone()
+            keys[:, 0] = torch.maximum(keys[:, 0], (self.rope_positions.flatten() - window + 1).to(keys.dtype))
+            self._window_masks[window] = keys
+        return self._window_masks[window]
+
+    def _keys_mask(self, keys: torch.Tensor) -> torch.Tensor:
+        """[B, 1, T, L] from per-query key lists: keys first..end-1 and the listed ones."""
+        B, T = self.positions.shape
+        k = keys.view(B, T, -1).long()
+        j = torch.arange(self.kv_len, device=keys.device)
+        seen = (j >= k[..., :1]) & (j < k[..., 1:2])
+        listed = k[..., 3:]
+        valid = torch.arange(listed.shape[-1], device=keys.device) < k[..., 2:3]
+        hits = torch.zeros(B, T, self.kv_len, dtype=torch.int32, device=keys.device)
+        hits.scatter_add_(-1, torch.where(valid, listed, 0), valid.to(torch.int32))
+        return (seen | (hits > 0))[:, None]
 
     @classmethod
     def dense(cls, positions: torch.Tensor, mask: torch.Tensor) -> "BatchLayout":
@@ -338,6 +389,8 @@ class BatchLayout:
         """[B, 1, T, L]: query may see key. From the cache, key j is visible iff j <= the query's position."""
         if self.dense_mask is not None:
             return self.dense_mask[:, None]
+        if self.keys is not None:
+            return self._keys_mask(self.keys)
         keys = torch.arange(self.kv_len, device=self.positions.device)
         return (keys[None, None, :] <= self.positions[:, :, None])[:, None]
 
@@ -345,6 +398,8 @@ class BatchLayout:
         """`mask`, less the keys `window` or more positions before the query (sliding-window attention)."""
         if window is None:
             return self.mask
+        if self.keys is not None:
+            return self._keys_mask(self.window_keys(window))
         if window not in self._window_masks:
             keys = self.positions if self.dense_mask is not None else torch.arange(self.kv_len,
                                                                                    device=self.positions.device)
@@ -370,9 +425,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayou
     several."""
     native_scale = scale is None or scale == q.shape[-1] ** -0.5
     if kv is not None:
-        out = window_attention(q, k, v, kv, layout, window) if native_scale else None
-        if out is not None:
-            return out
+        if native_scale:  # a tree's queries each read the keys they list (windows included)
+            out = (window_attention(q, k, v, kv, layout, window) if layout.keys is None else
+                   kernels.attention_bf16(q, k, v, kv.reading(layout.window_keys(window)), layout.slots,
+                                          layout.positions))
+            if out is not None:
+                return out
         kv.write(layout.slots, layout.positions, k, v)
         k, v = kv.gather(layout.slots, layout.kv_len)
     else:

@@ -244,7 +244,7 @@ class TargetModel(nn.Module):
         h = self.embed_tokens(tokens)
         if self.embed_scale is not None:
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
-        ropes = {kind: rotary(layout.positions, h.dtype) for kind, rotary in self.rotaries.items()}
+        ropes = {kind: rotary(layout.rotary_positions, h.dtype) for kind, rotary in self.rotaries.items()}
         cache.ensure(layout.slots, layout.positions)
         native = self.native_layers is not None and h.dtype == torch.bfloat16 and h.is_cpu
         if native:  # the whole layer in one call; the same bits as the modules below
@@ -255,7 +255,7 @@ class TargetModel(nn.Module):
                 feats[i] = h
             rope = ropes[self.config.layer_types[i]]
             if native:
-                h = self.native_layers[i](h, *rope, cache.layers[i], slots, positions)
+                h = self.native_layers[i](h, *rope, cache.layers[i].reading(layout.keys), slots, positions)
             else:
                 h = layer(h, rope, layout, cache.layers[i])
         return h, torch.cat([feats[i] for i in self.feature_layer_ids], dim=-1)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from peagle.engine.acceptance import Draft
+from peagle.engine.draft_tree import top_candidates
 from peagle.engine.proposers.base import NoModelFreeDrafts
 from peagle.engine.timing import timed
 
@@ -33,12 +34,26 @@ class HeadProposer(NoModelFreeDrafts):
     def draft_fn(self):
         return self.drafter.draft_parallel if self.parallel else self.drafter.draft_chain
 
-    def draft(self, reqs: list["Request"], slots: torch.Tensor, k: int) -> torch.Tensor:
-        """Drafts [B, k] as target ids; the drafter runs every request's pending real rows on the way."""
+    def draft(self, reqs: list["Request"], slots: torch.Tensor, k: int, top: int = 0
+              ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Drafts [B, k] as target ids, and with `top` each position's `top` best candidates for draft trees
+        (target ids and log-probabilities, [B, k, top] each; draft_tree.Candidates); the drafter runs every
+        request's pending real rows on the way."""
         tokens, feats, num_real, start = self.pending_batch(reqs)
         for r in reqs:
             r.backlog.consume()
-        return self.draft_fn(tokens, feats, num_real, start, slots, self.cache, k, pick=self.grammar_pick(reqs))
+        pick, seen = self.grammar_pick(reqs) or self.drafter.greedy_pick, []
+        if top:
+            choose = pick
+
+            def pick(depth: int, logits: torch.Tensor) -> torch.Tensor:
+                seen.append(top_candidates(logits, self.drafter.to_target_ids, top))
+                return choose(depth, logits)
+
+        drafts = self.draft_fn(tokens, feats, num_real, start, slots, self.cache, k, pick=pick)
+        if not seen:
+            return drafts, None
+        return drafts, (torch.stack([ids for ids, _ in seen], 1), torch.stack([lp for _, lp in seen], 1))
 
     def pending_batch(self, reqs: list["Request"]):
         """Every request's unseen real rows, left-aligned: tokens [B, R], features [B, R, 3Ht], counts, starts."""

@@ -397,6 +397,14 @@ int peagle_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, c
         }
         for (int i = kv->key_offset / bs; i <= (last + kv->key_offset) / bs; i++)
             if (table[i] < 0 || table[i] >= kv->num_blocks) return -2;
+        for (int t = 0; kv->keys && t < T; t++) { /* a tree's rows read the positions they list */
+            const int32_t *r = kv->keys + ((size_t)b * T + t) * kv->keys_stride;
+            if (r[0] < 0 || r[1] < r[0] || r[2] < 0 || r[2] > kv->keys_stride - 3) return -2;
+            for (int j = 0; j < r[1] - r[0] + r[2]; j++) {
+                int64_t p = (j < r[1] - r[0] ? r[0] + j : r[3 + j - (r[1] - r[0])]) + kv->key_offset;
+                if (p < 0 || p >= max_len || table[p / bs] < 0 || table[p / bs] >= kv->num_blocks) return -2;
+            }
+        }
     }
     for (int bt = 0; bt < B * T; bt++) { /* every write lands before any row reads: a window sees its own keys */
         const int32_t *table = kv->tables + (size_t)slots[bt / T] * kv->max_blocks;
@@ -410,7 +418,8 @@ int peagle_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, c
     int G = nh / nkv, nd = D / 8, failed = 0;
     #pragma omp parallel num_threads(nthreads)
     {
-        int ld = max_len + 8, TB = (T + ROWS_PER_PASS - 1) / ROWS_PER_PASS;
+        /* a tree's rows each read their own keys: one row per pass */
+        int ld = max_len + 8, per_pass = kv->keys ? 1 : ROWS_PER_PASS, TB = (T + per_pass - 1) / per_pass;
         /* per thread: the score rows of a pass, the same weights key-major, eight widened key rows (D <= 256), and
            where each key and value row lies */
         size_t rows_ld = (size_t)ROWS_PER_PASS * HEADS_PER_PASS * ld;
@@ -425,22 +434,37 @@ int peagle_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, c
         for (int btb = 0; btb < B * TB; btb++)
             for (int g = 0; g < nkv; g++) {
                 if (!scores || !Kr) continue;
-                int b = btb / TB, t0 = btb % TB * ROWS_PER_PASS, nr = T - t0 < ROWS_PER_PASS ? T - t0 : ROWS_PER_PASS;
+                int b = btb / TB, t0 = btb % TB * per_pass, nr = T - t0 < per_pass ? T - t0 : per_pass;
                 size_t bt = (size_t)b * T + t0;
                 const int32_t *table = kv->tables + (size_t)slots[b] * kv->max_blocks;
-                int nkeys = 0;
-                for (int r = 0; r < nr; r++) nkeys = positions[bt + r] + 1 > nkeys ? (int)positions[bt + r] + 1 : nkeys;
-                for (int j = 0; j < nkeys; j++) {
-                    Kr[j] = kv_row(kv, kv->k, table, g, nkv, D, j);
-                    Vr[j] = kv_row(kv, kv->v, table, g, nkv, D, j);
+                const int64_t *pos = positions + bt;
+                int64_t last_key;
+                if (kv->keys) { /* the row's listed keys, then the arithmetic of a row at position (their count - 1) */
+                    const int32_t *r = kv->keys + bt * kv->keys_stride;
+                    int span = r[1] - r[0];
+                    for (int j = 0; j < span + r[2]; j++) {
+                        int p = j < span ? r[0] + j : r[3 + j - span];
+                        Kr[j] = kv_row(kv, kv->k, table, g, nkv, D, p);
+                        Vr[j] = kv_row(kv, kv->v, table, g, nkv, D, p);
+                    }
+                    last_key = span + r[2] - 1;
+                    pos = &last_key;
+                } else {
+                    int nkeys = 0;
+                    for (int r = 0; r < nr; r++)
+                        nkeys = positions[bt + r] + 1 > nkeys ? (int)positions[bt + r] + 1 : nkeys;
+                    for (int j = 0; j < nkeys; j++) {
+                        Kr[j] = kv_row(kv, kv->k, table, g, nkv, D, j);
+                        Vr[j] = kv_row(kv, kv->v, table, g, nkv, D, j);
+                    }
                 }
                 const uint16_t *q0 = q + bt * q_stride;
                 uint16_t *o0 = out + bt * nh * D;
                 long os = (long)nh * D;
                 for (int h0 = 0; h0 < G; h0 += HEADS_PER_PASS) {
                     int hn = G - h0 < HEADS_PER_PASS ? G - h0 : HEADS_PER_PASS;
-                    attend_pass(nd, nr, hn, h0, q0, q_stride, positions + bt, Kr, Vr, o0, os, G, g, scale, scores,
-                                ld, kf, pt);
+                    attend_pass(nd, nr, hn, h0, q0, q_stride, pos, Kr, Vr, o0, os, G, g, scale, scores, ld, kf,
+                                pt);
                 }
             }
         free(scores);

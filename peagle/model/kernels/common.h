@@ -24,11 +24,18 @@
 /* One layer's paged KV cache, as the attention kernels read and write it. Keys and values lie in pools
    [num_blocks, nkv, block_size, D]; position p of slot s is row p % block_size of block
    tables[s * max_blocks + p / block_size] (block_size a power of two). key_offset: every query of the call reads
-   and writes its keys that many positions on (where a sliding window starts; 0 otherwise). */
+   and writes its keys that many positions on (where a sliding window starts; 0 otherwise).
+   keys: NULL, or where each query row's keys lie when they are not simply positions 0..its own (a draft tree, whose
+   nodes are written one after another but each sees only its ancestors): row r reads positions
+   keys[r * keys_stride] .. keys[r * keys_stride + 1] - 1, then the keys[r * keys_stride + 2] positions listed after
+   that, in that order (its own among them). A row's arithmetic is the same over the same keys in the same order,
+   so a tree node computes the bits its branch would as a chain. */
 typedef struct {
     uint16_t *k, *v;
     const int32_t *tables;
     int num_slots, max_blocks, block_size, num_blocks, key_offset;
+    const int32_t *keys;
+    int keys_stride;
 } peagle_kv;
 
 /* ---------------------------------------------------------------------------------------------------------------

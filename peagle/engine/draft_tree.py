@@ -1,0 +1,211 @@
+"""Draft trees (docs/design.md, "Draft trees"): several continuations verified in one target forward.
+
+A tree's nodes hang below the request's newest token x_n (the root, parent -1); node i has a token, a parent
+before it (parents[i] < i) and a depth (its parent's + 1). A chain is the tree whose every node has one child. The
+target verifies [x_n, nodes...] in one forward: node i is written at cache position n + 1 + i and rotated as
+position n + depth, and reads the keys 0..n and its own branch (`verify_keys`), so each node computes the bits its
+branch would as a chain. Verification walks down from the root: at each node the target's token (greedy) or a draw
+by the multi-candidate rejection rule (sampling) picks the child to follow; the walk's path is what is accepted.
+
+Trees are built from a head's top-M candidates per draft position (`Candidates`), best first by the product of
+their probabilities: P-EAGLE's positions are drafted in one pass, each a marginal that does not depend on the tokens
+before it, so any node may have children; an EAGLE-3 chain knows the distribution after its own top tokens only, so
+there only the chain's nodes have children (its alternatives are leaves beside it).
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from peagle.config import MAX_TREE_NODES, TREE_TOP_M
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]  # parents[i] < i; -1: the root x_n
+    probs: tuple[float, ...] = ()  # the drafter's probability of each node's whole branch (empty: not known)
+
+    @classmethod
+    def chain(cls, tokens: list[int]) -> "DraftTree":
+        return cls(tuple(tokens), tuple(range(-1, len(tokens) - 1)))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @cached_property
+    def depths(self) -> tuple[int, ...]:
+        out: list[int] = []
+        for p in self.parents:
+            out.append(1 if p < 0 else out[p] + 1)
+        return tuple(out)
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths, default=0)
+
+    @cached_property
+    def children(self) -> dict[int, list[int]]:
+        """Each node's children (-1: the root's), in the order they are tried: best first."""
+        out: dict[int, list[int]] = {-1: []}
+        for i, p in enumerate(self.parents):
+            out.setdefault(p, []).append(i)
+            out.setdefault(i, [])
+        return out
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def branch(self, i: int) -> list[int]:
+        """Node i's ancestors from the root's child down, and i itself."""
+        out = []
+        while i >= 0:
+            out.append(i)
+            i = self.parents[i]
+        return out[::-1]
+
+    def first_children(self, path: list[int]) -> int:
+        """How many of a path's leading nodes are each their parent's first child: what the best chain among the
+        tree's nodes would have accepted."""
+        n = 0
+        for i in path:
+            if self.children[self.parents[i]][0] != i:
+                break
+            n += 1
+        return n
+
+    def verify_keys(self, n: int) -> tuple[list[int], list[list[int]]]:
+        """For the rows [x_n, nodes...] at cache positions n, n+1, ..: each row's rotary position, and the cache
+        positions each reads as kernels' peagle_kv.keys lays them out: [first, end, count, listed...] (keys
+        first..end-1, then the listed ones)."""
+        rope = [n] + [n + d for d in self.depths]
+        keys = [[0, n + 1, 0]] + [[0, n + 1, len(b), *(n + 1 + j for j in b)] for b in map(self.branch,
+                                                                                         range(len(self)))]
+        return rope, keys
+
+
+@dataclass
+class Candidates:
+    """A head's top-M tokens per draft position ([K, M] each, best first) and their log-probabilities; `free`: any
+    node may have children (P-EAGLE's marginals), else only the nodes of the top chain (EAGLE-3)."""
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    free: bool
+
+    def best_first(self, budget: int) -> DraftTree:
+        """The `budget` nodes of highest branch probability (the product of the probabilities along the branch),
+        found best first: a node's next sibling and first child enter the frontier when it is taken, and each
+        is no more probable than it, so the taken nodes always form a tree and come in descending order."""
+        depth, m = len(self.tokens), len(self.tokens[0]) if self.tokens else 0
+        tokens, parents, probs = [], [], []
+        frontier = [(-self.logprobs[0][0], 0, 0, -1, True)] if depth and m else []  # (-log p, depth, rank, parent)
+        while frontier and len(tokens) < budget:
+            neg, d, r, parent, on_chain = heapq.heappop(frontier)
+            i = len(tokens)
+            tokens.append(self.tokens[d][r])
+            parents.append(parent)
+            probs.append(math.exp(-neg))
+            base = neg - self.logprobs[d][r]  # the parent's -log p
+            if r + 1 < m:
+                heapq.heappush(frontier, (base - self.logprobs[d][r + 1], d, r + 1, parent, False))
+            if d + 1 < depth and (self.free or (on_chain and r == 0)):
+                heapq.heappush(frontier, (neg - self.logprobs[d + 1][0], d + 1, 0, i, on_chain and r == 0))
+        return DraftTree(tuple(tokens), tuple(parents), tuple(probs))
+
+    def ranked(self, paths: list[tuple[int, ...]]) -> DraftTree:
+        """A static tree (vLLM's speculative_token_tree): node (r_1, .., r_d) is the rank-r_d candidate at depth d
+        below node (r_1, .., r_{d-1}); paths sorted so that parents come first."""
+        index = {(): -1}
+        tokens, parents, probs = [], [], []
+        for path in paths:
+            d, r = len(path) - 1, path[-1]
+            if d >= len(self.tokens):
+                break
+            parent = index[path[:-1]]
+            index[path] = len(tokens)
+            tokens.append(self.tokens[d][r])
+            parents.append(parent)
+            probs.append((probs[parent] if parent >= 0 else 1.0) * math.exp(self.logprobs[d][r]))
+        return DraftTree(tuple(tokens), tuple(parents), tuple(probs))
+
+
+def top_candidates(logits: torch.Tensor, to_target, m: int = TREE_TOP_M) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row and draft position of logits [B, K, Vd]: the top-m draft tokens as target ids and their
+    log-probabilities, [B, K, m] each."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top = logp.topk(min(m, logp.shape[-1]), dim=-1)
+    return to_target(top.indices), top.values
+
+
+CALIBRATION_MEMORY = 0.98  # per-depth calibration counts: about 50 drafting steps
+
+
+class TreeShaper:
+    """Which tree each of the head's windows verifies: a static tree (vLLM's speculative_token_tree), the best
+    `nodes` nodes every step, or ("auto") the tree, among the best-first trees and the chains within the window's
+    depth, with the most expected tokens per second of the step:
+
+        expected tokens of a tree      1 + sum over its nodes of min(1, c_d p(node))
+        its step's seconds             cost(the step's rows with the tree's)
+
+    p(node) is the head's probability of the node's whole branch (the product along it) and c_d a calibration per
+    depth d, learnt from every head window (`observe`): the windows whose accepted length reached d over the
+    probability their nodes at depth d promised. A chain is one of the candidates, so where rows are dear (4-bit
+    weights on VNNI) the chain wins and nothing changes; where rows are cheap (bf16 on AMX, more threads) trees
+    win as far as they pay. Without a cost model (the fixed policy) "auto" verifies chains."""
+
+    def __init__(self, nodes: int | str, static: list[tuple[int, ...]] | None, cost=None):
+        self.nodes, self.static, self.cost = nodes, static, cost
+        self.promised: list[float] = []  # per depth: forgotten sums of the probability promised ...
+        self.reached: list[float] = []  # ... and of the windows whose accepted length reached it
+
+    @property
+    def enabled(self) -> bool:
+        return self.static is not None or (self.nodes == "auto" and self.cost is not None) or self.nodes not in (
+            0, "auto")
+
+    def shape(self, cands: Candidates, tokens: float, rows: int, seconds: Callable[[int], float]) -> DraftTree:
+        """The tree for one window from its candidates (cut to its depth): `tokens` and `rows` are the step's
+        expected tokens and rows without this window's drafts, seconds(rows) the step's predicted time."""
+        chain = cands.ranked([(0,) * d for d in range(1, len(cands.tokens) + 1)])
+        if self.static is not None:
+            return cands.ranked(self.static)
+        if self.nodes != "auto":
+            return cands.best_first(self.nodes) if self.nodes else chain
+        budget = min(MAX_TREE_NODES, self.cost.max_rows - rows)
+        best, best_rate = chain, -1.0
+        for tree in (chain, cands.best_first(budget)):
+            expected = tokens
+            for n, (p, d) in enumerate(zip(tree.probs, tree.depths), start=1):
+                expected += min(1.0, self.calibration(d) * p)
+                rate = expected / seconds(rows + n)
+                if rate > best_rate:
+                    best, best_rate = (tree, n), rate
+        tree, n = best
+        return DraftTree(tree.tokens[:n], tree.parents[:n], tree.probs[:n])
+
+    def calibration(self, depth: int) -> float:
+        """c_d: how far the head's probabilities at depth d are borne out (1 until measured)."""
+        if depth > len(self.promised):
+            return 1.0
+        return (self.reached[depth - 1] + 1.0) / (self.promised[depth - 1] + 1.0)
+
+    def observe(self, tree: DraftTree, accepted: int) -> None:
+        """A verified head window and how many of its nodes were accepted along the path."""
+        if not tree.probs:
+            return
+        while len(self.promised) < tree.depth:
+            self.promised.append(0.0)
+            self.reached.append(0.0)
+        promised = [0.0] * tree.depth
+        for p, d in zip(tree.probs, tree.depths):
+            promised[d - 1] += p
+        for d in range(tree.depth):
+            self.promised[d] = CALIBRATION_MEMORY * self.promised[d] + promised[d]
+            self.reached[d] = CALIBRATION_MEMORY * self.reached[d] + (d < accepted)
