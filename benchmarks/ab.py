@@ -10,11 +10,14 @@ Greedy outputs of every configuration are checked equal to the first one's (spec
 
 A configuration is `none` (no speculation), `ngram`, `suffix`, `hybrid` (the suffix tree with the P-EAGLE head),
 or a head at a fixed K or under the adaptive policy (K from 0 up to --max-k every step): `peagle-3`, `eagle3-1`,
-`peagle-adaptive`; `+q8_0` after a head's name runs its drafter in Q8_0. Three modes preset what to compare:
+`peagle-adaptive`; `+q8_0` after a head's name runs its drafter in Q8_0; `:chain` drafts chains only and `:8` trees
+of 8 nodes every step (the adaptive policy's default: trees as the step's cost allows; the fixed policy's: chains).
+Four modes preset what to compare:
 
     python3 benchmarks/ab.py proposers        # kinds of drafter: none,suffix,hybrid on sharegpt-multiturn
     python3 benchmarks/ab.py policies --batch 4           # one head's policies: none,peagle-3,peagle-adaptive
     python3 benchmarks/ab.py heads --quantization q4_0    # heads at concurrency 1: none,peagle-1,peagle-3,...
+    python3 benchmarks/ab.py trees            # draft trees against the best chains, 16 held-out prompts
     python3 benchmarks/ab.py proposers --configs none,peagle-adaptive,suffix,hybrid --ignore-eos
 """
 from __future__ import annotations
@@ -32,6 +35,8 @@ MODES = {  # mode -> the defaults it presets (each overridden by its flag)
                  "max_tokens": 64, "rounds": 4, "max_k": 7},
     "heads": {"configs": "none,peagle-1,peagle-3,peagle-adaptive,eagle3-1", "datasets": ["humaneval", "mtbench"],
               "num_prompts": 8, "max_tokens": 64, "rounds": 1, "max_k": 3},
+    "trees": {"configs": "none,peagle-3,peagle-adaptive:chain,peagle-adaptive,peagle-3:8,eagle3-adaptive",
+              "datasets": ["mtbench", "humaneval"], "num_prompts": 8, "max_tokens": 96, "rounds": 1, "max_k": 3},
 }
 MODEL_FREE = ("ngram", "suffix")
 
@@ -42,6 +47,7 @@ def engine_options(name: str, args) -> dict:
 
     heads = {"peagle": args.peagle_head or DEFAULT_HEADS["peagle"],
              "eagle3": args.eagle3_head or DEFAULT_HEADS["eagle3"]}
+    name, _, tree = name.partition(":")
     base, _, drafter_format = name.partition("+")
     if base == "none":
         return {"speculative_config": None}
@@ -57,6 +63,8 @@ def engine_options(name: str, args) -> dict:
             "num_speculative_tokens": args.max_k if k == "adaptive" else int(k)}
     if drafter_format:
         spec["quantization"] = drafter_format
+    if tree:
+        spec["draft_tree_nodes"] = 0 if tree == "chain" else int(tree)
     return {"speculative_config": spec, "speculation_policy": "adaptive" if k == "adaptive" else "fixed"}
 
 
@@ -110,6 +118,7 @@ def run_dataset(engines: dict, dataset: str, args) -> dict:
                    "mean_acceptance_length": round(1 + (s.num_accepted_tokens - b.num_accepted_tokens) / drafts, 4)
                    if drafts else None,
                    "drafts_per_step": round((s.num_draft_tokens - b.num_draft_tokens) / steps, 3) if steps else 0.0,
+                   "tokens_per_draft": round((s.num_draft_tokens - b.num_draft_tokens) / drafts, 3) if drafts else 0.0,
                    "proposers": {p: [d - was.get(p, (0, 0))[0], a - was.get(p, (0, 0))[1]]
                                  for p, (d, a) in proposer_counts(e).items()}}
     return rows
@@ -123,13 +132,13 @@ def report(dataset: str, rows: dict, args) -> None:
           f"{args.max_tokens} tokens, temperature {args.temperature:g}, {args.quantization or 'bf16'} target, "
           f"{kernels.describe()}, thread CPU time\n")
     print(f"| configuration | output tokens per CPU s | vs {first} | mean acceptance length | drafts per step | "
-          "drafts (accepted tokens) per proposer |")
-    print("|---|---:|---:|---:|---:|---|")
+          "draft tokens per draft | drafts (accepted tokens) per proposer |")
+    print("|---|---:|---:|---:|---:|---:|---|")
     for n, r in rows.items():
         mal = f"{r['mean_acceptance_length']:.3f}" if r["mean_acceptance_length"] else "-"
         shown = ", ".join(f"{p} {d} ({a})" for p, (d, a) in r["proposers"].items()) or "-"
         print(f"| {n} | {r['tokens_per_cpu_s']:.1f} | {r['tokens_per_cpu_s'] / rows[first]['tokens_per_cpu_s']:.3f}x | "
-              f"{mal} | {r['drafts_per_step']:.2f} | {shown} |")
+              f"{mal} | {r['drafts_per_step']:.2f} | {r['tokens_per_draft']:.2f} | {shown} |")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -48,7 +48,7 @@ def oracle(engine: LLMEngine, reference: dict[tuple, list[int]], wrong_every: in
     real_draft = engine._draft
 
     def draft(reqs, slots, k):
-        drafts = real_draft(reqs, slots, k).clone()  # keep the drafter's own cache path running
+        drafts = real_draft(reqs, slots, k)[0].clone()  # keep the drafter's own cache path running
         for b, req in enumerate(reqs):
             ref = reference[tuple(req.prompt_ids)]
             done = len(req.output_ids)
@@ -58,7 +58,7 @@ def oracle(engine: LLMEngine, reference: dict[tuple, list[int]], wrong_every: in
                 if (j + b) % wrong_every == wrong_every - 1:
                     tok = (tok + 1) % engine.target.config.vocab_size
                 drafts[b, i] = tok
-        return drafts
+        return drafts, None  # the oracle's chains: no candidates to shape trees from
 
     engine._draft = draft
     return engine

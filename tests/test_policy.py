@@ -259,14 +259,14 @@ def half_right_oracle(eng: LLMEngine, reference: dict[tuple, list[int]]) -> None
     real_draft = eng._draft
 
     def draft(reqs, slots, k):
-        drafts = real_draft(reqs, slots, k).clone()
+        drafts = real_draft(reqs, slots, k)[0].clone()
         for b, req in enumerate(reqs):
             ref = reference[tuple(req.prompt_ids)]
             for i in range(k):
                 j = len(req.output_ids) + i
                 tok = ref[j] if j < len(ref) else 0
                 drafts[b, i] = tok if j < len(ref) // 2 else (tok + 1) % eng.target.config.vocab_size
-        return drafts
+        return drafts, None  # the oracle's chains: no candidates to shape trees from
 
     eng._draft = draft
 
@@ -370,11 +370,11 @@ def test_adaptive_sampling_keeps_the_target_distribution(small_vocab_target):  #
     real_draft = eng._draft
 
     def draft(reqs, slots, k):
-        drafts = real_draft(reqs, slots, k).clone()
+        drafts = real_draft(reqs, slots, k)[0].clone()
         for b, req in enumerate(reqs):
             for i in range(k):
                 drafts[b, i] = modes.get(len(req.output_ids) + i, 0)
-        return drafts
+        return drafts, None  # the oracle's chains: no candidates to shape trees from
 
     eng._draft = draft
     counts = sample_joint(eng, params)
@@ -400,9 +400,9 @@ def record_drafts(eng: LLMEngine) -> dict[int, list[int]]:
     real_draft = eng._draft
 
     def draft(reqs, slots, k):
-        drafts = real_draft(reqs, slots, k)
+        drafts, candidates = real_draft(reqs, slots, k)
         seen[reqs[0].num_tokens] = drafts[0].tolist()
-        return drafts
+        return drafts, candidates
 
     eng._draft = draft
     return seen

@@ -102,12 +102,11 @@ def spec_engine(target: TargetModel, k: int, exact: dict[tuple, float]) -> LLMEn
     real_draft = engine._draft
 
     def draft(reqs, slots, window):
-        drafts, candidates = real_draft(reqs, slots, window)
-        drafts = drafts.clone()
+        drafts = real_draft(reqs, slots, window)[0].clone()
         for b, req in enumerate(reqs):
             for i in range(window):
                 drafts[b, i] = modes.get(len(req.output_ids) + i, 0)
-        return drafts, candidates
+        return drafts, None  # the oracle's chains: no candidates to shape trees from
 
     engine._draft = draft
     return engine

@@ -268,6 +268,8 @@ def acceptance_tables(report: dict) -> str:
     if adaptive:
         tables.append(("Drafts verified per decode step under the adaptive policy (mean K, plain steps counted as "
                        "K = 0):", "mean_k", 2, adaptive))
+        tables.append(("Draft tokens verified per drafting step under the adaptive policy (a chain's K, a draft "
+                       "tree's nodes):", "mean_draft_tokens", 2, adaptive))
     lines = []
     for title, field, nd, keys in tables:
         head = ["Method"] + [f"c={c}" for c in concs] + ["pooled"]
