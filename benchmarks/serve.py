@@ -34,8 +34,8 @@ started again. One line: requests, preemptions, 5xx, streams that ended without 
 cut), greedy answers that differ from the same prompt's answer alone, hostile requests not refused with a 4xx (a
 random mutation may be valid: only its 5xx counts), resident memory's drift after warm-up beside the KV pool's
 touched blocks and the prefix cache's (and its budget), inter-token gaps from the first token on (p50, p99, longest;
-the longest with how many streams stalled with them; the restart excluded), time to first token apart, and the
-restart's time to healthy.
+the longest with how many streams stalled with them; the restart excluded), time to first token apart, this client's
+longest garbage collection, and the restart's time to healthy.
 restart: seconds from launch to a 200 from /health, for a first start and then --restarts times after a SIGKILL
 (the start-up timings remembered since the first: docs/serving.md, "Restarts").
 """
@@ -45,6 +45,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import gc
 import json
 import os
 import random
@@ -553,6 +554,14 @@ def soak(args) -> list[dict]:
     headers = {"Authorization": f"Bearer {API_KEY}"}
     hostile_todo = hostile_cases()
     stats = collections.Counter()
+    gc_pauses, gc_start = [0.0], [0.0]
+
+    def client_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            gc_pauses[0] = max(gc_pauses[0], time.perf_counter() - gc_start[0])
+
     spans: list[tuple[float, float]] = []  # (a token's arrival, the next one's), per stream
     ttfts: list[float] = []
     rss: list[int] = []
@@ -635,6 +644,11 @@ def soak(args) -> list[dict]:
             solo[json.dumps(messages)] = ask(messages, args.max_tokens)[0]  # each alone, before the load
         threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.streams)]
         threads.append(threading.Thread(target=hostile_loop, daemon=True))
+        # This client is Python too: a full collection here stalls every stream's timestamps at once, as a server
+        # pause would. Its start-up heap goes out of the collector's reach, and what collections remain are timed.
+        gc.collect()
+        gc.freeze()
+        gc.callbacks.append(client_gc)
         for t in threads:
             t.start()
         half = time.monotonic() + 60 * args.minutes * args.kill_at if args.kill_at else float("inf")
@@ -658,6 +672,8 @@ def soak(args) -> list[dict]:
             t.join(timeout=660)
         stats["preemptions"] += preemptions(state["url"])
         proc.stop()
+        gc.callbacks.remove(client_gc)
+        gc.unfreeze()
     gaps, ttfts, mb = sorted(b - a for a, b in spans), sorted(ttfts), 2**20
     q = (lambda xs, f: xs[min(len(xs) - 1, int(f * len(xs)))] if xs else float("nan"))
     row = {"requests": stats["requests"], "preemptions": stats["preemptions"], "5xx": sum(n for k, n in stats.items() if k.startswith("status 5")),
@@ -674,7 +690,8 @@ def soak(args) -> list[dict]:
            "itl_p50_s": round(q(gaps, 0.5), 3), "itl_p99_s": round(q(gaps, 0.99), 3),
            "itl_max_s": round(gaps[-1], 3) if gaps else None, "longest_gaps": stalled(spans),
            "ttft_p50_s": round(q(ttfts, 0.5), 3), "ttft_p99_s": round(q(ttfts, 0.99), 3),
-           "ttft_max_s": round(ttfts[-1], 3) if ttfts else None, "restart_s": round(restart_s, 1) if restart_s else None}
+           "ttft_max_s": round(ttfts[-1], 3) if ttfts else None, "client_gc_max_s": round(gc_pauses[0], 3),
+           "restart_s": round(restart_s, 1) if restart_s else None}
     print(json.dumps(row), flush=True)
     return [row]
 
