@@ -280,7 +280,9 @@ class KVCache:
                 hi = (t.data_ptr() + end * per_block) // page * page
                 if hi > lo:
                     libc.madvise(lo, hi - lo, _MADV_DONTNEED)
-        if len(self._free) == self.num_blocks - 1:  # all free (after start-up): the pool is as new, nothing touched
+        # All free (after start-up's scratch forwards): the pool is as new, so num_touched_blocks counts only what
+        # serving commits; every block is zeroed again when next handed out, as a never used one is.
+        if len(self._free) == self.num_blocks - 1:
             self._free = list(range(self.num_blocks - 1, NULL_BLOCK, -1))
             self._never_used = NULL_BLOCK + 1
 

@@ -300,7 +300,7 @@ def build_server(args, plan):
 
 
 def freeze_startup_heap() -> None:
-    """Put what start-up left alive (torch, transformers, the tokenizer, the model's modules: about 270,000 objects
+    """Put what start-up left alive (torch, transformers, the tokenizer, the model's modules: about 255,000 objects
     for the embedded model) out of the cyclic collector's reach. A full collection walks every object it tracks while
     holding the GIL, so each one paused every stream for 0.2-0.4 s under a 32-stream soak (docs/memory.md, "Pauses");
     frozen objects are still freed when nothing refers to them."""
