@@ -29,11 +29,13 @@ memory: the server's resident memory idle (per --max-num-seqs, after one short r
 target and head, times the streams' prompt and output tokens), and the KV cache the server held at its peak
 (vllm:kv_cache_usage_perc times the pool, vllm:cache_config_info); failed requests and preemptions from /metrics.
 soak: --streams clients for --minutes, each sending multi-turn chats, code edits and plain questions (greedy, a
-tenth cancelled part way), beside a hostile request every 2 s; half way the server is killed (SIGKILL) and started
-again. One line: requests, preemptions, 5xx, streams that ended without [DONE] (other than those the kill cut), greedy answers
-that differ from the same prompt's answer alone, hostile requests not refused with a 4xx (a random mutation may be
-valid: only its 5xx counts), resident memory's drift
-after warm-up, inter-token gaps (p50, p99, longest; the restart excluded) and the restart's time to healthy.
+tenth cancelled part way), beside a hostile request every 2 s; half way (--kill-at) the server is killed (SIGKILL) and
+started again. One line: requests, preemptions, 5xx, streams that ended without [DONE] (other than those the kill
+cut), greedy answers that differ from the same prompt's answer alone, hostile requests not refused with a 4xx (a
+random mutation may be valid: only its 5xx counts), resident memory's drift after warm-up beside the KV pool's
+touched blocks and the prefix cache's (and its budget), inter-token gaps from the first token on (p50, p99, longest;
+the longest with how many streams stalled with them; the restart excluded), time to first token apart, this client's
+longest garbage collection, and the restart's time to healthy.
 restart: seconds from launch to a 200 from /health, for a first start and then --restarts times after a SIGKILL
 (the start-up timings remembered since the first: docs/serving.md, "Restarts").
 """
@@ -43,6 +45,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import gc
 import json
 import os
 import random
@@ -416,8 +419,16 @@ def kv_bytes_per_token(args) -> int:
     return total
 
 
+def samples(text: str, name: str) -> list:
+    """The samples of /metrics named `name` (prometheus_client's parser: `.labels`, `.value`)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [s for family in text_string_to_metric_families(text) for s in family.samples if s.name == name]
+
+
 def metric(text: str, name: str) -> float:
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+    """A sample's value, summed over its labels (0 when absent)."""
+    return sum(s.value for s in samples(text, name))
 
 
 async def watched_streams(proc, concurrency: int, max_tokens: int) -> dict:
@@ -458,12 +469,10 @@ async def watched_streams(proc, concurrency: int, max_tokens: int) -> dict:
         done.set()
         await sampler
         text = (await http.get(proc.url + "/metrics")).text
-    config = next((line for line in text.splitlines() if line.startswith("vllm:cache_config_info")), None)
+    config = samples(text, "vllm:cache_config_info")
     held = None  # a server from before the paged cache reports no pool
-    if config is not None:
-        labels = dict(kv.split("=") for kv in config[config.index("{") + 1:config.index("}")].replace('"', "")
-                      .split(","))
-        held = peak["kv"] * int(labels["num_gpu_blocks"]) * int(labels["peagle_block_bytes"])
+    if config:
+        held = peak["kv"] * int(config[0].labels["num_gpu_blocks"]) * int(config[0].labels["peagle_block_bytes"])
     return {"peak_rss": peak["rss"], "peak_kv_bytes": held, "failed": failed, "tokens": tokens,
             "seconds": wall, "preemptions": metric(text, "vllm:num_preemptions_total")}
 
@@ -516,6 +525,27 @@ def preemptions(url: str) -> int:
     return int(metric(httpx.get(url + "/metrics", timeout=60).text, "vllm:num_preemptions_total"))
 
 
+def cache_bytes(url: str) -> dict[str, int]:
+    """What grows the server's resident memory by design (/metrics): the KV pool's blocks ever handed out, the
+    prefix cache's blocks (their target features too) and its budget, --prefix-cache-gb (docs/memory.md)."""
+    text = httpx.get(url + "/metrics", timeout=60).text
+    config = samples(text, "vllm:cache_config_info")[0].labels
+    block, cached = int(config["peagle_block_bytes"]), int(config.get("peagle_prefix_block_bytes", 0))
+    return {"kv_touched": int(metric(text, "peagle:kv_cache_touched_blocks")) * block,
+            "prefix_cache": int(metric(text, "peagle:prefix_cache_blocks")) * cached,
+            "prefix_budget": int(config.get("peagle_prefix_max_blocks", 0)) * cached}
+
+
+def stalled(spans: list[tuple[float, float]], top: int = 5) -> list[list]:
+    """The longest inter-token gaps as [seconds, streams in a gap at least half as long across its middle]: a gap
+    many streams share is the whole server pausing; one alone is that stream's (its step, or this client)."""
+    out = []
+    for a, b in sorted(spans, key=lambda s: s[0] - s[1])[:top]:
+        mid, half = (a + b) / 2, (b - a) / 2
+        out.append([round(b - a, 3), sum(x < mid < y and y - x >= half for x, y in spans)])
+    return out
+
+
 def soak(args) -> list[dict]:
     import signal
 
@@ -524,8 +554,18 @@ def soak(args) -> list[dict]:
     headers = {"Authorization": f"Bearer {API_KEY}"}
     hostile_todo = hostile_cases()
     stats = collections.Counter()
-    gaps: list[float] = []
+    gc_pauses, gc_start = [0.0], [0.0]
+
+    def client_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            gc_pauses[0] = max(gc_pauses[0], time.perf_counter() - gc_start[0])
+
+    spans: list[tuple[float, float]] = []  # (a token's arrival, the next one's), per stream
+    ttfts: list[float] = []
     rss: list[int] = []
+    caches: list[dict[str, int]] = []  # cache_bytes beside each rss sample
     solo: dict[str, str] = {}  # conversation -> its greedy answer alone
     end = time.monotonic() + 60 * args.minutes
     with tempfile.TemporaryDirectory() as tmp:
@@ -536,20 +576,22 @@ def soak(args) -> list[dict]:
         state = {"url": proc.url, "restarting": False}  # the restarted server listens on the same port
 
         def ask(messages: list[dict], max_tokens: int, cancel_after: int | None = None) -> tuple[str, bool, list]:
-            """(text, ended with [DONE], arrival times)"""
+            """(text, ended with [DONE], the time sent and then each chunk's arrival)"""
             body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-            text, done, times = [], False, []
+            text, done, times = [], False, [time.perf_counter()]
             with httpx.stream("POST", state["url"] + "/v1/chat/completions", json=body, headers=headers,
                               timeout=600) as r:
                 stats[f"status {r.status_code}"] += 1
                 if r.status_code != 200:
-                    return "", True, times
+                    return "", True, []
                 for line in r.iter_lines():
                     if line == "data: [DONE]":
                         done = True
                     elif line.startswith("data: {"):
-                        times.append(time.perf_counter())
                         chunk = json.loads(line[6:])
+                        # the role chunk goes out as the request is queued, before any token: not a token's arrival
+                        if not any(c["delta"].get("role") for c in chunk["choices"]):
+                            times.append(time.perf_counter())
                         text += [c["delta"].get("content") or "" for c in chunk["choices"]]
                     if cancel_after is not None and len(times) >= cancel_after:
                         return "".join(text), True, times
@@ -569,8 +611,9 @@ def soak(args) -> list[dict]:
                 stats["requests"] += 1
                 if not done:
                     stats["streams without [DONE]"] += 1
-                if not state["restarting"]:
-                    gaps.extend(b - a for a, b in zip(times, times[1:]))
+                if not state["restarting"] and len(times) > 1:
+                    ttfts.append(times[1] - times[0])  # queueing and prefill: not an inter-token gap
+                    spans.extend(zip(times[1:], times[2:]))
                 key = json.dumps(messages)
                 if cancel is None and key in solo and solo[key] != text:
                     stats["greedy mismatches"] += 1
@@ -601,13 +644,20 @@ def soak(args) -> list[dict]:
             solo[json.dumps(messages)] = ask(messages, args.max_tokens)[0]  # each alone, before the load
         threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.streams)]
         threads.append(threading.Thread(target=hostile_loop, daemon=True))
+        # This client is Python too: a full collection here stalls every stream's timestamps at once, as a server
+        # pause would. Its start-up heap goes out of the collector's reach, and what collections remain are timed.
+        gc.collect()
+        gc.freeze()
+        gc.callbacks.append(client_gc)
         for t in threads:
             t.start()
-        half, warm, restart_s = time.monotonic() + 30 * args.minutes, time.monotonic() + 6 * args.minutes, None
+        half = time.monotonic() + 60 * args.minutes * args.kill_at if args.kill_at else float("inf")
+        warm, restart_s = time.monotonic() + 6 * args.minutes, None
         while time.monotonic() < end:
             time.sleep(5)
             if time.monotonic() > warm and proc.proc.poll() is None and not state["restarting"]:
                 rss.append(rss_bytes(proc.proc.pid))
+                caches.append(cache_bytes(state["url"]))
             if restart_s is None and time.monotonic() > half:
                 stats["preemptions"] += preemptions(state["url"])
                 state["restarting"] = True
@@ -617,20 +667,31 @@ def soak(args) -> list[dict]:
                 proc.start()  # on the same port
                 restart_s = time.perf_counter() - t0
                 state["restarting"] = False
-                warm, rss = time.monotonic() + 60, []
+                warm, rss, caches = time.monotonic() + 60, [], []
         for t in threads:
             t.join(timeout=660)
         stats["preemptions"] += preemptions(state["url"])
         proc.stop()
-    gaps.sort()
-    q = (lambda f: gaps[min(len(gaps) - 1, int(f * len(gaps)))] if gaps else float("nan"))
+        gc.callbacks.remove(client_gc)
+        gc.unfreeze()
+    gaps, ttfts, mb = sorted(b - a for a, b in spans), sorted(ttfts), 2**20
+    q = (lambda xs, f: xs[min(len(xs) - 1, int(f * len(xs)))] if xs else float("nan"))
     row = {"requests": stats["requests"], "preemptions": stats["preemptions"], "5xx": sum(n for k, n in stats.items() if k.startswith("status 5")),
            "without_done": stats["streams without [DONE]"], "cut_by_kill": stats["cut by the kill"],
            "connection_errors": stats["connection errors"], "greedy_mismatches": stats["greedy mismatches"],
            "hostile": stats["hostile"], "hostile_not_refused": stats["hostile not refused"],
            "rss_drift_pct": round(100 * (rss[-1] / rss[0] - 1), 1) if len(rss) > 1 else None,
-           "itl_p50_s": round(q(0.5), 3), "itl_p99_s": round(q(0.99), 3), "itl_max_s": round(gaps[-1], 3) if gaps
-           else None, "restart_s": round(restart_s, 1) if restart_s else None}
+           # the drift against what the caches hold, first sample and last: a cache filling up to its bound
+           "rss_mb": [round(rss[0] / mb), round(rss[-1] / mb)] if rss else None,
+           "kv_touched_mb": [round(caches[0]["kv_touched"] / mb), round(caches[-1]["kv_touched"] / mb)]
+           if caches else None,
+           "prefix_cache_mb": [round(caches[0]["prefix_cache"] / mb), round(caches[-1]["prefix_cache"] / mb)]
+           if caches else None, "prefix_cache_budget_mb": round(caches[-1]["prefix_budget"] / mb) if caches else None,
+           "itl_p50_s": round(q(gaps, 0.5), 3), "itl_p99_s": round(q(gaps, 0.99), 3),
+           "itl_max_s": round(gaps[-1], 3) if gaps else None, "longest_gaps": stalled(spans),
+           "ttft_p50_s": round(q(ttfts, 0.5), 3), "ttft_p99_s": round(q(ttfts, 0.99), 3),
+           "ttft_max_s": round(ttfts[-1], 3) if ttfts else None, "client_gc_max_s": round(gc_pauses[0], 3),
+           "restart_s": round(restart_s, 1) if restart_s else None}
     print(json.dumps(row), flush=True)
     return [row]
 
@@ -701,6 +762,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--streams", type=int, default=32, help="concurrent clients (and the server's --max-num-seqs)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--kv-cache-gb", type=float, help="the server's --kv-cache-gb (small: preemptions) [its default]")
+    p.add_argument("--kill-at", type=float, default=0.5, help="when to kill -9 and restart the server, as a share of "
+                   "--minutes (0: never)")
     p = command("restart", restart, "time to healthy: a first start, then restarts after kill -9")
     p.add_argument("--restarts", type=int, default=3)
     return ap

@@ -63,6 +63,21 @@ def test_blocks_are_shared_counted_and_handed_back():
     assert cache.num_free_blocks == 5
 
 
+def test_touched_blocks_count_what_was_handed_out_since_the_pool_was_last_all_free():
+    """peagle:kv_cache_touched_blocks: the pages a pool holds resident. Start-up's scratch rows do not count once
+    return_free_pages gave them back; a block handed out again after that is zeros, as a new one is."""
+    cache = KVCache(2, 3, 64, 1, 8, torch.bfloat16, num_blocks=6)
+    assert cache.reserve(0, 40) and cache.num_touched_blocks == 3
+    cache.k[0][cache.blocks_of(0, 0, 3)] = 1.0
+    cache.release(0)
+    assert cache.reserve(1, 16) and cache.num_touched_blocks == 3  # a freed block is reused, not a new one
+    cache.release(1)
+    cache.return_free_pages()
+    assert cache.num_touched_blocks == 0
+    assert cache.reserve(2, 64) and cache.num_touched_blocks == 4
+    assert all(float(c[cache.blocks_of(2, 0, 4)].abs().sum()) == 0 for c in (*cache.k, *cache.v))
+
+
 def test_pool_size_from_a_budget_or_the_memory_available():
     per_block = 2**20
     assert pool_blocks(per_block, 1000, 10, kv_cache_gb=0.5) == 513

@@ -217,3 +217,15 @@ def test_the_server_reports_cached_tokens_and_hits(tmp_path):
     usage = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("vllm:kv_cache_usage_perc")]
     assert usage and 0 < usage[0] < 1
     assert any(line.startswith("vllm:num_preemptions_total") for line in metrics.splitlines())
+    # what resident memory is made of: the blocks the pool has handed out, the prefix cache's among them
+    gauge = {name: float(line.split()[-1]) for line in metrics.splitlines() for name in
+             ("peagle:kv_cache_touched_blocks", "peagle:prefix_cache_blocks") if line.startswith(name + "{")}
+    assert gauge["peagle:kv_cache_touched_blocks"] >= gauge["peagle:prefix_cache_blocks"] > 0
+    from prometheus_client import generate_latest
+
+    from peagle.serve.metrics import Metrics  # as `peagle serve` shows the pool (the test server shows none)
+
+    shown = Metrics("tiny", server.aengine.engine.k)
+    shown.show_cache(server.aengine.engine)
+    info = generate_latest(shown.registry).decode()
+    assert 'peagle_prefix_block_bytes="' in info and 'peagle_prefix_max_blocks="' in info

@@ -330,7 +330,7 @@ def test_client_disconnect_frees_the_slot(server, monkeypatch):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/chat/completions", json={**body, "stream": False}, timeout=0.5)
     server.wait_idle(timeout=15)
-    assert server.aengine.engine.free_slots == list(range(server.aengine.engine.max_num_seqs))
+    assert sorted(server.aengine.engine.free_slots) == list(range(server.aengine.engine.max_num_seqs))
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ engine loop, or `generate`'s caller).
 """
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import queue
@@ -144,7 +145,7 @@ class LLMEngine:
         self.eos_token_ids = set(target.config.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
-        self.free_slots = list(range(max_num_seqs))
+        self.free_slots = list(range(max_num_seqs))  # a heap (sorted is one): the lowest free slot goes first
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._incoming: queue.SimpleQueue[Request] = queue.SimpleQueue()
@@ -430,7 +431,7 @@ class LLMEngine:
         requests' next (their prefill is budgeted step by step: prefill.py)."""
         while self.waiting and self.free_slots and self._room_for(self.running + [self.waiting[0]]):
             req = self.waiting.popleft()
-            req.slot = self.free_slots.pop(0)
+            req.slot = heapq.heappop(self.free_slots)
             self.running.append(req)
             if self.prefix_cache is not None and req.params.prompt_logprobs is None and not req.num_preemptions:
                 self.prefix_cache.queries += len(req.prompt_ids)  # looked up once its prefill begins
@@ -682,8 +683,7 @@ class LLMEngine:
         for cache in (self.target_cache, self.drafter_cache):
             if cache is not None:
                 cache.release(req.slot)
-        self.free_slots.append(req.slot)
-        self.free_slots.sort()
+        heapq.heappush(self.free_slots, req.slot)
 
     def _first_token(self, req: Request, logits: torch.Tensor) -> int:
         """The token after a complete prompt (prefill.py), from its last row's logits: sampled and committed."""

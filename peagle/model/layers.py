@@ -195,6 +195,11 @@ class KVCache:
     def num_free_blocks(self) -> int:
         return len(self._free)
 
+    @property
+    def num_touched_blocks(self) -> int:
+        """Blocks ever handed out: their pages are committed (resident) until return_free_pages."""
+        return self._never_used - NULL_BLOCK - 1
+
     @staticmethod
     def blocks_for(length: int) -> int:
         """Blocks that hold positions 0..length-1."""
@@ -289,6 +294,11 @@ class KVCache:
                 hi = (t.data_ptr() + end * per_block) // page * page
                 if hi > lo:
                     libc.madvise(lo, hi - lo, _MADV_DONTNEED)
+        # All free (after start-up's scratch forwards): the pool is as new, so num_touched_blocks counts only what
+        # serving commits; every block is zeroed again when next handed out, as a never used one is.
+        if len(self._free) == self.num_blocks - 1:
+            self._free = list(range(self.num_blocks - 1, NULL_BLOCK, -1))
+            self._never_used = NULL_BLOCK + 1
 
     def _missing(self, slot: int, length: int) -> list[int]:
         """Indices of the slot's table entries below `length` positions that hold no block yet."""

@@ -100,6 +100,12 @@ class Metrics:
                               registry=r)
         self.preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
                                    labels, registry=r)
+        # what the resident memory under load is made of (docs/memory.md, "Under load"): the pool's blocks ever
+        # handed out (their pages stay committed) and the blocks the prefix cache holds, up to --prefix-cache-gb
+        self.kv_touched = Gauge("peagle:kv_cache_touched_blocks", "KV pool blocks ever handed out (resident).",
+                                labels, registry=r)
+        self.prefix_blocks = Gauge("peagle:prefix_cache_blocks", "KV pool blocks the prefix cache holds.", labels,
+                                   registry=r)
         self._seen_preemptions = 0
         self.rejected = Counter("peagle:requests_rejected", "Requests refused before reaching the engine.",
                                 labels + ["reason"], registry=r)
@@ -137,7 +143,11 @@ class Metrics:
         caches = [c for c in (engine.target_cache, engine.drafter_cache) if c is not None]
         Info("vllm:cache_config", "Information of the LLMEngine CacheConfig", registry=self.registry).info(
             {"block_size": str(BLOCK_SIZE), "num_gpu_blocks": str(caches[0].num_blocks - 1),
-             "peagle_block_bytes": str(sum(c.bytes_per_block for c in caches))})
+             "peagle_block_bytes": str(sum(c.bytes_per_block for c in caches)),
+             # a cached block's bytes (its target features too) and the most the prefix cache holds
+             **({"peagle_prefix_block_bytes": str(engine.prefix_cache.bytes_per_block),
+                 "peagle_prefix_max_blocks": str(engine.prefix_cache.max_cached_blocks)}
+                if engine.prefix_cache is not None else {})})
 
     # -- called from the engine thread after each step -------------------------------------------------------
     def record_spec(self, stats: SpecDecodeStats, by_proposer: dict[str, SpecDecodeStats] | None = None) -> None:
@@ -184,6 +194,9 @@ class Metrics:
         """The main engine's KV cache after a step: blocks in use, and preemptions since the last call."""
         m, cache = self.model_name, engine.target_cache
         self.kv_usage.labels(model_name=m).set(1 - cache.num_free_blocks / (cache.num_blocks - 1))
+        self.kv_touched.labels(model_name=m).set(cache.num_touched_blocks)
+        if engine.prefix_cache is not None:
+            self.prefix_blocks.labels(model_name=m).set(engine.prefix_cache.num_cached_blocks)
         self.preemptions.labels(model_name=m).inc(engine.num_preemptions - self._seen_preemptions)
         self._seen_preemptions = engine.num_preemptions
 
