@@ -98,6 +98,10 @@ class Candidates:
     logprobs: list[list[float]]
     free: bool
 
+    def cut(self, depth: int) -> "Candidates":
+        """The first `depth` positions (a window narrower than the draft)."""
+        return Candidates(self.tokens[:depth], self.logprobs[:depth], self.free)
+
     def best_first(self, budget: int) -> DraftTree:
         """The `budget` nodes of highest branch probability (the product of the probabilities along the branch),
         found best first: a node's next sibling and first child enter the frontier when it is taken, and each
@@ -136,8 +140,8 @@ class Candidates:
 
 
 def top_candidates(logits: torch.Tensor, to_target, m: int = TREE_TOP_M) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row and draft position of logits [B, K, Vd]: the top-m draft tokens as target ids and their
-    log-probabilities, [B, K, m] each."""
+    """Per row of a head's logits [..., Vd]: the top-m draft tokens as target ids and their log-probabilities,
+    [..., m] each, best first."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     top = logp.topk(min(m, logp.shape[-1]), dim=-1)
     return to_target(top.indices), top.values

@@ -155,8 +155,9 @@ class LLMEngine:
         self.stats = SpecDecodeStats(self.k)  # engine-wide, since start
         self.num_finished = 0
         self.num_preemptions = 0  # running requests that gave their blocks back (_make_room)
-        self._build_speculation(speculation_policy, head_k)
-        self._build_phases(max_num_batched_tokens, enable_chunked_prefill, max_step_time_ms, calibration_dir, head_k)
+        head = self._build_speculation(speculation_policy, head_k)
+        self._build_phases(max_num_batched_tokens, enable_chunked_prefill, max_step_time_ms, calibration_dir, head,
+                           head_k)
         self.max_forced_run = MAX_FORCED_RUN  # 0: verify no forced tokens past the drafts (token-by-token reference)
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()  # request threads build the compiler on first use
@@ -179,8 +180,9 @@ class LLMEngine:
         self.prefix_cache = (PrefixCache(self.target_cache, self.drafter_cache, target.feature_dim, prefix_cache_gb,
                                          target.norm.weight.dtype) if prefix_cache_gb is not None else None)
 
-    def _build_speculation(self, speculation_policy: str, head_k: int) -> None:
-        """The policy that picks each step's windows, the head's proposer and the proposer the engine asks."""
+    def _build_speculation(self, speculation_policy: str, head_k: int) -> HeadProposer | None:
+        """The policy that picks each step's windows, the draft trees' shaper and the proposer the engine asks (the
+        head's drafts included); returns the head's proposer, for the start-up timings."""
         spec = self.spec
         # "auto" trees share one tree's extra rows per step (the shaper sizes each tree to what the step has left);
         # a fixed or static tree's come with every request
@@ -190,23 +192,25 @@ class LLMEngine:
                                    step_tree_rows) if spec else NoSpeculation())
         self.trees = TreeShaper(spec.draft_tree_nodes if self.tree_rows else 0, spec.token_tree if spec else None,
                                 self.policy.cost)
-        self.head = (HeadProposer(self.drafter, self.drafter_cache, spec.parallel_drafting, self.device)
-                     if self.drafter is not None else None)
-        self.proposer: Proposer | None = make_proposer(spec, self.head, self.policy) if spec else None
+        head = (HeadProposer(self.drafter, self.drafter_cache, spec.parallel_drafting, self.device)
+                if self.drafter is not None else None)
+        self.proposer: Proposer = make_proposer(spec, head, self.policy)
         # engine-wide, since start, per drafter that ran (the hybrid has two)
-        self.proposer_stats = {name: SpecDecodeStats(self.k) for name in (self.proposer.names if spec else ())}
+        self.proposer_stats = {name: SpecDecodeStats(self.k) for name in self.proposer.names}
+        return head
 
     def _build_phases(self, max_num_batched_tokens: int, enable_chunked_prefill: bool,
-                      max_step_time_ms: float | None, calibration_dir: Path | None, head_k: int) -> None:
+                      max_step_time_ms: float | None, calibration_dir: Path | None, head: HeadProposer | None,
+                      head_k: int) -> None:
         """The cost models, calibrated at start-up on scratch rows, and the phases of a step before its decode: the
         drafter's catch-up, the prefix cache's reuse, and prefill."""
         self._step_clock = step_clock(self.device)
         remembered = None
         if calibration_dir is not None:
             remembered = RememberedTimings(calibration_dir, timings_key(
-                self.target, self.head, self.max_num_seqs, self.max_model_len, policy=type(self.policy).__name__,
+                self.target, head, self.max_num_seqs, self.max_model_len, policy=type(self.policy).__name__,
                 k=self.k, head_k=head_k, tree_rows=self.tree_rows, max_step_time_ms=max_step_time_ms))
-        timings = ScratchTimings(self.target, self.target_cache, self.head, self.max_num_seqs, self.max_model_len,
+        timings = ScratchTimings(self.target, self.target_cache, head, self.max_num_seqs, self.max_model_len,
                                  self._step_clock, remembered)
         self.policy.calibrate(timings.target_rows, timings.head_draft)
         self.step_budget = StepBudget(self._step_clock, max_step_time_ms)
@@ -486,7 +490,7 @@ class LLMEngine:
         the policy gives each request (cutting a model-free draft where a longer window stops paying)."""
         if not reqs:
             return StepPlan([])
-        drafts = self.proposer.score(reqs) if self.proposer is not None else [None] * len(reqs)
+        drafts = self.proposer.score(reqs)
         ks = self.policy.choose([Candidate(r.request_id, r.params.max_tokens - len(r.output_ids), d)
                                  for r, d in zip(reqs, drafts)])
         return StepPlan([Window(r, k, d) for r, k, d in zip(reqs, ks, drafts)])
@@ -529,23 +533,20 @@ class LLMEngine:
             w.drafted = len(w.tokens)
 
     def _draft(self, reqs: list[Request], slots: torch.Tensor, k: int
-               ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """The head's drafts [B, k] as target ids (proposers/heads.py), and its candidates for draft trees when
+               ) -> tuple[torch.Tensor, list[Candidates] | None]:
+        """The head's drafts [B, k] as target ids (the proposer's `draft`), and its candidates for draft trees when
         trees are on; its drafter runs every request's pending real rows on the way."""
-        return self.head.draft(reqs, slots, k, TREE_TOP_M if self.trees.enabled else 0)
+        return self.proposer.draft(reqs, slots, k, TREE_TOP_M if self.trees.enabled else 0)
 
-    def _shape_trees(self, plan: StepPlan, heads: list[Window], candidates: tuple[torch.Tensor, torch.Tensor]
-                     ) -> None:
+    def _shape_trees(self, plan: StepPlan, heads: list[Window], candidates: list[Candidates]) -> None:
         """Each unconstrained head window's tree (draft_tree.TreeShaper), one window at a time against the rows
         the step has so far. A constrained window keeps its chain: the grammar picked its drafts."""
-        ids, logprobs = (c.tolist() for c in candidates)
         rows = sum(1 + (w.k if w.draft is None else len(w.draft.tokens[: w.k])) for w in plan.windows)
         seconds = (lambda n: self.policy.cost.predict(n, len(heads), plan.head_k)) if self.policy.cost else None
-        for w, b in zip(heads, range(len(heads))):
+        for w, cands in zip(heads, candidates):
             if w.request.matcher is not None:
                 continue
-            cands = Candidates([r for r in ids[b][: w.k]], [r for r in logprobs[b][: w.k]], self.head.parallel)
-            w.tree = self.trees.shape(cands, len(plan.windows), rows - w.k, seconds)
+            w.tree = self.trees.shape(cands.cut(w.k), len(plan.windows), rows - w.k, seconds)
             w.tokens = list(w.tree.tokens)
             rows += len(w.tree) - w.k
 
@@ -623,15 +624,14 @@ class LLMEngine:
             req.backlog.append(emitted, features[: len(emitted)])
         before = len(req.output_ids)
         self._commit(req, emitted, logits)
-        if self.proposer is not None:
-            self.proposer.add_tokens(req, req.output_ids[before:])
+        self.proposer.add_tokens(req, req.output_ids[before:])
         # Positions n..n+a now hold their final keys and values: those whose tokens were kept (a stop ends the
         # request, so nothing after it needs the chain) can be reused.
         kept = len(req.output_ids) - before
         if kept > 0:
             self.prefix_reuse.store_blocks(req, features[: min(kept, len(emitted) - 1) + 1])
         forced = count_forced(masks, kept) if masks is not None else 0
-        self._record(w.outcome(path, forced, self.head.name if self.head is not None else None))
+        self._record(w.outcome(path, forced, self.proposer.head_name))
 
     def _verified_path(self, w: Window, logits: torch.Tensor) -> tuple[list[int], list[int]]:
         """What a window accepts (its drafts' node indices) and emits: the accepted drafts, then the target's own
@@ -675,8 +675,7 @@ class LLMEngine:
 
     def _forget(self, req: Request) -> None:
         self.policy.forget(req.request_id)
-        if self.proposer is not None:
-            self.proposer.finish(req)
+        self.proposer.finish(req)
 
     def _release(self, req: Request) -> None:
         """The request's cache slot, and the blocks it holds, go back."""

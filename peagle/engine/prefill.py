@@ -28,7 +28,7 @@ Chunk = tuple["Request", int]  # a request and how many of its next prompt posit
 
 class Prefill:
     def __init__(self, target: TargetModel, target_cache, budget: StepBudget, catch_up: DrafterCatchUp,
-                 prefix_reuse: PrefixReuse, proposer: Proposer | None, max_num_batched_tokens: int, chunked: bool,
+                 prefix_reuse: PrefixReuse, proposer: Proposer, max_num_batched_tokens: int, chunked: bool,
                  first_token: Callable[[Request, torch.Tensor], int]):
         """`first_token(req, logits)`: samples and commits the token after a complete prompt, and returns it."""
         self.target, self.target_cache, self.budget = target, target_cache, budget
@@ -51,12 +51,11 @@ class Prefill:
             seconds = clock() - started
             budget.target.observe(predicted, seconds)
             budget.spend(seconds)
-            if self.proposer is not None:  # index what was prefilled (suffix trees), a chunk at a time
-                started = clock()
-                for req, _ in batch:
-                    if req.decodes and req.recompute_ids is None:  # a resumed request's tokens are indexed
-                        self.proposer.prefill(req)
-                budget.spend(clock() - started)
+            started = clock()  # index what was prefilled (suffix trees), a chunk at a time
+            for req, _ in batch:
+                if req.decodes and req.recompute_ids is None:  # a resumed request's tokens are indexed
+                    self.proposer.prefill(req)
+            budget.spend(clock() - started)
         return [req for req, _ in batch if not req.prefilling], sum(n for _, n in batch)
 
     def choose_chunks(self, admitting: list[Request]) -> list[Chunk]:

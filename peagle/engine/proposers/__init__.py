@@ -5,18 +5,22 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from peagle.engine.acceptance import Draft
-from peagle.engine.proposers.base import Proposer
+from peagle.engine.proposers.base import NullProposer, Proposer
 
 if TYPE_CHECKING:
     from peagle.config import SpeculativeConfig
     from peagle.engine.policy import SpeculationPolicy
     from peagle.engine.proposers.heads import HeadProposer
 
-__all__ = ["Draft", "Proposer", "make_proposer"]
+__all__ = ["Draft", "NullProposer", "Proposer", "make_proposer"]
 
 
-def make_proposer(spec: "SpeculativeConfig", head: "HeadProposer | None", policy: "SpeculationPolicy") -> Proposer:
-    """The proposer a speculative config names (`head`: the loaded head's, for the methods that draft with one)."""
+def make_proposer(spec: "SpeculativeConfig | None", head: "HeadProposer | None", policy: "SpeculationPolicy"
+                  ) -> Proposer:
+    """The proposer a speculative config names (`head`: the loaded head's, for the methods that draft with one;
+    no config: NullProposer)."""
+    if spec is None:
+        return NullProposer()
     if spec.method == "ngram":
         from peagle.engine.proposers.ngram import NgramProposer
 

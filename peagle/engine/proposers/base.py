@@ -4,8 +4,9 @@ module behind the small `Proposer` interface, as vLLM v1 keeps its n-gram, EAGLE
 A step asks the proposer twice. `score` comes before the speculation policy picks each request's window: a
 model-free proposer (ngram.py, suffix.py) makes its whole draft there, cheaply, with the probability that each of
 its prefixes is accepted, so the policy can cut it to what the window's measured cost pays for. A head (heads.py)
-returns None there and drafts afterwards, in one forward at the chosen windows (`LLMEngine._draft`), since its
-drafts cost a forward of the drafter. hybrid.py picks, per request and step, between the two.
+returns None there and drafts in `draft`, once the windows are chosen, in one forward for every window it was
+given, since its drafts cost a forward of the drafter. hybrid.py picks, per request and step, between the two.
+`NullProposer` is the proposer of an engine that does not speculate: it proposes nothing.
 """
 from __future__ import annotations
 
@@ -15,16 +16,27 @@ from typing import TYPE_CHECKING, Protocol
 from peagle.engine.acceptance import Draft
 
 if TYPE_CHECKING:
+    import torch
+
+    from peagle.engine.draft_tree import Candidates
     from peagle.engine.request import Request
 
 
 class Proposer(Protocol):
-    """What the engine asks of a drafter. `names` are the drafters it may run (for the per-proposer counters)."""
+    """What the engine asks of a drafter. `names` are the drafters it may run (for the per-proposer counters);
+    `head_name` the one that drafts the windows `score` left to a head (None: no head)."""
     names: tuple[str, ...]
+    head_name: str | None
 
     def score(self, reqs: Sequence["Request"]) -> list[Draft | None]:
         """Per request this step: a model-free draft (empty: nothing worth proposing), or None where the head
         drafts once the windows are chosen."""
+        ...
+
+    def draft(self, reqs: list["Request"], slots: torch.Tensor, k: int, top: int = 0
+              ) -> tuple[torch.Tensor, list[Candidates] | None]:
+        """The head's drafts [B, k] as target ids for the requests whose windows it was given (in `slots`), and
+        with `top` each request's `top` best candidates per position for a draft tree."""
         ...
 
     def observe(self, req: "Request", draft: Draft, num_drafted: int, num_accepted: int) -> None:
@@ -63,3 +75,19 @@ class NoModelFreeDrafts:
     def finish(self, req: "Request") -> None:
         pass
 
+
+
+class NoHead:
+    """A proposer without a head (n-grams, suffix trees, none): `score` drafts every window it proposes."""
+    head_name = None
+
+    def draft(self, reqs: list["Request"], slots: "torch.Tensor", k: int, top: int = 0):
+        raise RuntimeError(f"{type(self).__name__} has no head to draft with: its drafts come from score()")
+
+
+class NullProposer(NoHead, NoModelFreeDrafts):
+    """The proposer of an engine that does not speculate."""
+    names: tuple[str, ...] = ()
+
+    def score(self, reqs: Sequence["Request"]) -> list[Draft | None]:
+        return [None] * len(reqs)  # the policy (NoSpeculation) gives every window k = 0

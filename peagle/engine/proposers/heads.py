@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from peagle.engine.acceptance import Draft
-from peagle.engine.draft_tree import top_candidates
+from peagle.engine.draft_tree import Candidates, top_candidates
 from peagle.engine.proposers.base import NoModelFreeDrafts
 from peagle.engine.timing import timed
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 class HeadProposer(NoModelFreeDrafts):
     def __init__(self, drafter: "Drafter", drafter_cache, parallel_drafting: bool, device):
         self.drafter, self.cache, self.parallel, self.device = drafter, drafter_cache, parallel_drafting, device
-        self.name = "peagle" if parallel_drafting else "eagle3"
+        self.name = self.head_name = "peagle" if parallel_drafting else "eagle3"
         self.names = (self.name,)
 
     def score(self, reqs: Sequence["Request"]) -> list[Draft | None]:
@@ -35,10 +35,9 @@ class HeadProposer(NoModelFreeDrafts):
         return self.drafter.draft_parallel if self.parallel else self.drafter.draft_chain
 
     def draft(self, reqs: list["Request"], slots: torch.Tensor, k: int, top: int = 0
-              ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """Drafts [B, k] as target ids, and with `top` each position's `top` best candidates for draft trees
-        (target ids and log-probabilities, [B, k, top] each; draft_tree.Candidates); the drafter runs every
-        request's pending real rows on the way."""
+              ) -> tuple[torch.Tensor, list[Candidates] | None]:
+        """Drafts [B, k] as target ids, and with `top` each request's `top` best candidates per position for a draft
+        tree; the drafter runs every request's pending real rows on the way."""
         tokens, feats, num_real, start = self.pending_batch(reqs)
         for r in reqs:
             r.backlog.consume()
@@ -53,7 +52,8 @@ class HeadProposer(NoModelFreeDrafts):
         drafts = self.draft_fn(tokens, feats, num_real, start, slots, self.cache, k, pick=pick)
         if not seen:
             return drafts, None
-        return drafts, (torch.stack([ids for ids, _ in seen], 1), torch.stack([lp for _, lp in seen], 1))
+        ids, logprobs = (torch.stack(c, 1).tolist() for c in zip(*seen))  # [B, k, top] each
+        return drafts, [Candidates(i, lp, free=self.parallel) for i, lp in zip(ids, logprobs)]
 
     def pending_batch(self, reqs: list["Request"]):
         """Every request's unseen real rows, left-aligned: tokens [B, R], features [B, R, 3Ht], counts, starts."""

@@ -13,6 +13,8 @@ from peagle.engine.proposers.heads import HeadProposer
 from peagle.engine.proposers.suffix import SuffixProposer
 
 if TYPE_CHECKING:
+    import torch
+
     from peagle.engine.policy import SpeculationPolicy
     from peagle.engine.request import Request
 
@@ -20,7 +22,7 @@ if TYPE_CHECKING:
 class HybridProposer:
     def __init__(self, head: HeadProposer, suffix: SuffixProposer, policy: "SpeculationPolicy"):
         self.head, self.suffix, self.policy = head, suffix, policy
-        self.names = head.names + suffix.names
+        self.names, self.head_name = head.names + suffix.names, head.head_name
 
     def score(self, reqs: Sequence["Request"]) -> list[Draft | None]:
         out: list[Draft | None] = []
@@ -38,6 +40,9 @@ class HybridProposer:
                 out.append(None)
                 self.suffix.observe(req, draft, 0, 0)  # not verified: its estimate ages
         return out
+
+    def draft(self, reqs: list["Request"], slots: "torch.Tensor", k: int, top: int = 0):
+        return self.head.draft(reqs, slots, k, top)
 
     def observe(self, req: "Request", draft: Draft, num_drafted: int, num_accepted: int) -> None:
         self.suffix.observe(req, draft, num_drafted, num_accepted)

@@ -11,6 +11,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from peagle.engine.acceptance import Draft, MeasuredAcceptance, survival
+from peagle.engine.proposers.base import NoHead
 
 if TYPE_CHECKING:
     from peagle.engine.request import Request
@@ -32,7 +33,7 @@ def lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
     return []
 
 
-class NgramProposer:
+class NgramProposer(NoHead):
     names = (NAME,)
 
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int):

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from peagle.engine.acceptance import Draft, MeasuredAcceptance, survival
+from peagle.engine.proposers.base import NoHead
 from peagle.engine.proposers.suffix_tree import SuffixCache
 
 if TYPE_CHECKING:
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
 NAME = "suffix"
 
 
-class SuffixProposer:
+class SuffixProposer(NoHead):
     names = (NAME,)
 
     def __init__(self, spec: "SpeculativeConfig", max_k: int):
