@@ -29,6 +29,7 @@ def test_best_first_takes_the_most_probable_branches_in_order():
     # .6 (10), .3 (11), .6*.5 = .3 (10 20), .27 (10 20 30), .24 (10 21), .216 (10 21 30); not .15 (11 20)
     branches = {tuple(tree.tokens[j] for j in tree.branch(i)) for i in range(len(tree))}
     assert branches == {(10,), (11,), (10, 20), (10, 20, 30), (10, 21), (10, 21, 30)}
+    assert [round(p, 3) for p in tree.probs] == [.6, .3, .3, .27, .24, .216]
     assert tree.depth == 3 and not tree.is_chain
     # an EAGLE-3 chain knows what follows its own top tokens only: alternatives are leaves beside the chain
     chain_only = Candidates(CANDIDATES.tokens, CANDIDATES.logprobs, free=False).best_first(6)

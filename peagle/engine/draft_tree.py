@@ -15,6 +15,7 @@ there only the chain's nodes have children (its alternatives are leaves beside i
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -115,7 +116,7 @@ class Candidates:
             tokens.append(self.tokens[d][r])
             parents.append(parent)
             probs.append(math.exp(-neg))
-            base = neg - self.logprobs[d][r]  # the parent's -log p
+            base = neg + self.logprobs[d][r]  # the parent's -log p
             if r + 1 < m:
                 heapq.heappush(frontier, (base - self.logprobs[d][r + 1], d, r + 1, parent, False))
             if d + 1 < depth and (self.free or (on_chain and r == 0)):
@@ -170,6 +171,11 @@ class TreeShaper:
         self.reached: list[float] = []  # ... and of the windows whose accepted length reached it
 
     @property
+    def sizes(self) -> bool:
+        """Whether it picks each tree's size ("auto" with a cost model)."""
+        return self.static is None and self.nodes == "auto" and self.cost is not None
+
+    @property
     def enabled(self) -> bool:
         return self.static is not None or (self.nodes == "auto" and self.cost is not None) or self.nodes not in (
             0, "auto")
@@ -183,12 +189,14 @@ class TreeShaper:
         if self.nodes != "auto":
             return cands.best_first(self.nodes) if self.nodes else chain
         budget = min(MAX_TREE_NODES, self.cost.max_rows - rows)
+        # more rows never cost less: a noisy timing must not make a larger tree look cheaper than a smaller one
+        price = list(itertools.accumulate((seconds(rows + n) for n in range(budget + 1)), max))
         best, best_rate = chain, -1.0
         for tree in (chain, cands.best_first(budget)):
             expected = tokens
             for n, (p, d) in enumerate(zip(tree.probs, tree.depths), start=1):
                 expected += min(1.0, self.calibration(d) * p)
-                rate = expected / seconds(rows + n)
+                rate = expected / price[n]
                 if rate > best_rate:
                     best, best_rate = (tree, n), rate
         tree, n = best

@@ -192,6 +192,9 @@ class LLMEngine:
                                    step_tree_rows) if spec else NoSpeculation())
         self.trees = TreeShaper(spec.draft_tree_nodes if self.tree_rows else 0, spec.token_tree if spec else None,
                                 self.policy.cost)
+        # where the shaper sizes trees and the head drafts in parallel, a drafting window drafts the head's whole K
+        # (one pass either way) and the shaper picks the tree within it: the policy decides whether, not how deep
+        self.tree_depth = head_k if self.trees.sizes and spec.parallel_drafting else 0
         head = (HeadProposer(self.drafter, self.drafter_cache, spec.parallel_drafting, self.device)
                 if self.drafter is not None else None)
         self.proposer: Proposer = make_proposer(spec, head, self.policy)
@@ -493,6 +496,8 @@ class LLMEngine:
         drafts = self.proposer.score(reqs)
         ks = self.policy.choose([Candidate(r.request_id, r.params.max_tokens - len(r.output_ids), d)
                                  for r, d in zip(reqs, drafts)])
+        if self.tree_depth:  # P-EAGLE drafts every depth in one pass: the tree shaper picks how deep each goes
+            ks = [self.tree_depth if k and d is None and r.matcher is None else k for r, k, d in zip(reqs, ks, drafts)]
         return StepPlan([Window(r, k, d) for r, k, d in zip(reqs, ks, drafts)])
 
     def _decode_step(self, plan: StepPlan) -> None:
