@@ -206,7 +206,7 @@ def test_large_bodies_do_not_stall_other_streams(server):
             assert r.json()["error"]["code"] == "context_length_exceeded"
         health = time.perf_counter()
         assert httpx.get(server.url + "/health").status_code == 200
-        assert time.perf_counter() - health < 1.0
+        assert time.perf_counter() - health < 2.0  # a stalled loop took the whole tokenisation (about 5 s)
     time.sleep(0.2)
     stop.set()
     t.join(60)
@@ -214,7 +214,7 @@ def test_large_bodies_do_not_stall_other_streams(server):
         inside = [x for x in times if start <= x <= end + 0.2]
         gaps = [b - a for a, b in zip(inside, inside[1:])]
         # before requests were bounded, the stream stopped for the whole tokenisation (about 5 s)
-        assert inside and max(gaps, default=0.0) < 1.0, gaps
+        assert inside and max(gaps, default=0.0) < 2.0, gaps
     server.wait_idle()
 
 
