@@ -54,7 +54,8 @@ def engine_options(name: str, args) -> dict:
     if base in MODEL_FREE:
         return {"speculative_config": {"method": base}}
     if base == "hybrid":
-        return {"speculative_config": {"method": "hybrid", "model": heads["peagle"]}}
+        return {"speculative_config": {"method": "hybrid", "model": heads["peagle"],
+                                       **({"draft_tree_nodes": 0 if tree == "chain" else int(tree)} if tree else {})}}
     method, _, k = base.partition("-")
     if method not in heads or not (k == "adaptive" or k.isdigit()):
         raise SystemExit(f"unknown configuration {name!r}: none, ngram, suffix, hybrid, or HEAD-K / HEAD-adaptive "
