@@ -120,7 +120,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"\n\n[{result['what_runs']}{mean_k}] {result['num_output_tokens']} tokens in "
               f"{result['elapsed_s']:.2f} s: {result['tokens_per_second']:.1f} tok/s, TTFT "
               f"{result['time_to_first_token_s'] * 1000:.0f} ms, mean acceptance length "
-              f"{result['mean_acceptance_length']:.2f}" + (f", per-position acceptance {per_pos}" if per_pos else "")
+              f"{result['mean_acceptance_length']:.2f}"
+              + (f" over {result['mean_draft_tokens']:.1f} draft tokens a draft (a chain's K, a tree's nodes)"
+                 if result.get("num_drafts") else "")
+              + (f", per-position acceptance {per_pos}" if per_pos else "")
               + (f", {result['num_forced_tokens']} forced tokens" if result["num_forced_tokens"] else "")
               + (f"; {describe_by_proposer(engine.proposer_stats)}" if engine.proposer_stats else "")
               + f"; {result['weights']} weights"
