@@ -1,6 +1,6 @@
 """Greedy speculation equals plain greedy decoding, token for token, on the embedded SmolLM2 with its bundled heads:
-both methods, K in {1, 3, 7}, batches of 1-8 requests that join while others are decoding, steps whose requests
-verify windows of different sizes in one ragged forward, on every matrix path this machine runs (the AVX2 path runs on every x86-64 machine these tests target).
+both methods, K in {1, 3, 7} and draft trees, batches of 1-8 requests that join while others are decoding, steps
+whose requests verify windows of different sizes in one ragged forward, on every matrix path this machine runs (the AVX2 path runs on every x86-64 machine these tests target).
 
 This holds because peagle's kernels compute every row of a verify window exactly as a one-row decode step would
 (docs/design.md, "Decoding step"); it is skipped only off x86-64 CPUs with AVX2, where they do not run.
@@ -26,6 +26,10 @@ MAX_TOKENS = 20
 # (method, K, batch size): every K for both methods, batch sizes from 1 to 8
 CASES = [("peagle", 1, 8), ("peagle", 3, 3), ("peagle", 7, 5), ("eagle3", 1, 2), ("eagle3", 3, 8), ("eagle3", 7, 1),
          ("peagle", "0-3 per request", 6), ("eagle3", "0-3 per request", 4)]
+# draft trees (docs/design.md, "Draft trees"): P-EAGLE's best 8 nodes of 3 depths, EAGLE-3's chain with side leaves
+TREES = {"peagle": {"draft_tree_nodes": 8}, "eagle3": {"speculative_token_tree": "[(0,), (1,), (2,), (0, 0), (0, 1), "
+                                                                             "(0, 0, 0), (0, 0, 1)]"}}
+CASES += [("peagle", "tree", 4), ("eagle3", "tree", 3)]
 
 
 def run_staggered(engine: LLMEngine, params: SamplingParams) -> list[list[int]]:
@@ -60,10 +64,10 @@ def test_greedy_speculation_equals_plain_greedy_on_smollm2(path, smollm2_dir, on
     for method, k, batch in CASES:
         spec = SpeculativeConfig.parse({"model": DEFAULT_HEADS[method], "method": "eagle3",
                                         "num_speculative_tokens": k if isinstance(k, int) else 3,
-                                        "parallel_drafting": method == "peagle"})
+                                        "parallel_drafting": method == "peagle", **(TREES[method] if k == "tree" else {})})
         engine = LLMEngine(target, tok, heads[method], spec, max_num_seqs=batch, max_model_len=256,
                            speculation_policy="fixed")
-        if not isinstance(k, int):  # request i verifies (step + i) % 4 drafts: every step mixes window sizes
+        if k == "0-3 per request":  # request i verifies (step + i) % 4 drafts: every step mixes window sizes
             engine.policy = Rotating(3)
         assert run_staggered(engine, params) == reference, f"{path}: {method} K={k} batch {batch}"
         assert engine.stats.num_accepted_tokens > 0  # drafts were accepted: rollback and bonus tokens exercised
