@@ -231,3 +231,44 @@ def test_sampling_over_a_tree_keeps_the_target_distribution(small_vocab_target, 
         assert not rejects, f"chi2 {stat:.1f} > critical {crit:.1f}: trees changed the distribution"
     else:
         assert rejects, f"chi2 {stat:.1f} <= critical {crit:.1f}: the test cannot see a sibling-blind sampler"
+
+
+def test_a_suffix_draft_carries_the_other_continuations_it_saw():
+    from peagle.engine.proposers.suffix_tree import SuffixCache
+
+    cache = SuffixCache(max_tree_depth=24, max_cached_requests=10)
+    cache.start_request("r", sum(([10 + i, 1, 2, 3, 4 + i % 2] for i in range(6)), []) + [20, 1, 2, 3])
+    draft = cache.speculate("r", 24, 1.0, 0.1)  # after "1 2 3": 4 three times, 5 three times
+    assert draft.tokens[0] == 4 and draft.probs[0] == 0.5 and draft.alternatives[0] == ((5, 0.5),)
+
+
+@needs_native_kernels
+def test_model_free_side_leaves_are_verified_and_the_output_unchanged(tiny_target, one_thread):
+    """A suffix draft whose own token is wrong every third position where its side leaf is right: the leaf is
+    accepted, and the output stays the plain greedy one."""
+    from peagle.engine.acceptance import Draft
+
+    prompts = [[5, 9, 17, 33, 2 + i] for i in range(3)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = LLMEngine(tiny_target, None, max_num_seqs=1, max_model_len=128)
+    reference = {tuple(p): plain.generate([p], params)[0].token_ids for p in prompts}
+    engine = LLMEngine(tiny_target, None, None, SpeculativeConfig(method="suffix"), max_num_seqs=3, max_model_len=128)
+    cost = engine.policy.cost  # rows nearly free: side leaves pay
+    cost.target = [1.0 + 0.01 * n for n in range(len(cost.target))]
+    engine.policy.observe_step = lambda *timing: None
+
+    def score(reqs):
+        out = []
+        for req in reqs:
+            j, ref = len(req.output_ids), reference[tuple(req.prompt_ids)]
+            right = ref[j] if j < len(ref) else 0
+            wrong = (right + 1) % tiny_target.config.vocab_size
+            own, leaf = (wrong, right) if j % 3 == 0 else (right, wrong)
+            out.append(Draft("suffix", [own], [0.9], (((own, 0.6), (leaf, 0.4)),)))
+        return out
+
+    engine.proposer.score = score
+    shaped, observe = [], engine.free_trees.observe
+    engine.free_trees.observe = lambda tree, accepted: (shaped.append((tree, accepted)), observe(tree, accepted))
+    assert [o.token_ids for o in engine.generate(prompts, params)] == [reference[tuple(p)] for p in prompts]
+    assert any(not tree.is_chain and accepted for tree, accepted in shaped), "no side leaf was verified and taken"
