@@ -113,9 +113,9 @@ class Candidates:
         """The `budget` nodes of highest branch probability (the product of the probabilities along the branch),
         found best first: a node's next sibling and first child enter the frontier when it is taken, and each
         is no more probable than it, so the taken nodes always form a tree and come in descending order."""
-        depth, m = len(self.tokens), len(self.tokens[0]) if self.tokens else 0
+        depth = len(self.tokens)  # positions may hold different numbers of candidates (a suffix draft's)
         tokens, parents, probs = [], [], []
-        frontier = [(-self.logprobs[0][0], 0, 0, -1, True)] if depth and m else []  # (-log p, depth, rank, parent)
+        frontier = [(-self.logprobs[0][0], 0, 0, -1, True)] if depth else []  # (-log p, depth, rank, parent, ..)
         while frontier and len(tokens) < budget:
             neg, d, r, parent, on_chain = heapq.heappop(frontier)
             i = len(tokens)
@@ -123,7 +123,7 @@ class Candidates:
             parents.append(parent)
             probs.append(math.exp(-neg))
             base = neg + self.logprobs[d][r]  # the parent's -log p
-            if r + 1 < m:
+            if r + 1 < len(self.tokens[d]):
                 heapq.heappush(frontier, (base - self.logprobs[d][r + 1], d, r + 1, parent, False))
             if d + 1 < depth and (self.free or (on_chain and r == 0)):
                 heapq.heappush(frontier, (neg - self.logprobs[d + 1][0], d + 1, 0, i, on_chain and r == 0))

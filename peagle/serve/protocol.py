@@ -468,8 +468,9 @@ class SpeculativeStats(BaseModel):
     acceptance_rate: float
     mean_acceptance_length: float  # 1 + accepted / drafts
     speculation_policy: str | None = None  # "adaptive" or "fixed" (None without speculation)
-    steps_per_k: list[int] = []  # decode steps by the number of drafts they verified (index 0: plain steps)
-    mean_k: float = 0.0  # drafts verified per decode step
+    steps_per_k: list[int] = []  # decode steps by the depth of the drafts they verified (index 0: plain steps)
+    mean_k: float = 0.0  # depth of the drafts verified per decode step
+    mean_draft_tokens: float = 0.0  # draft tokens verified per draft: a chain's K, a draft tree's nodes
     num_forced_tokens: int = 0  # under a grammar: emitted tokens that were the only one it allowed
 
 
