@@ -23,9 +23,6 @@ class Draft:
     proposer: str  # who made it: "ngram" or "suffix"
     tokens: list[int]
     survival: list[float]  # survival[i]: the expected probability that tokens[: i + 1] are all accepted
-    # where the proposer saw other continuations: per token its own conditional probability and the others',
-    # [(token, probability), ...] best first (a draft tree's side leaves); empty: a chain only
-    branches: tuple = ()
 
     @property
     def score(self) -> float:

@@ -99,12 +99,6 @@ class Candidates:
     logprobs: list[list[float]]
     free: bool
 
-    @classmethod
-    def from_branches(cls, branches) -> "Candidates":
-        """A model-free draft's continuations per position ([(token, probability), ...], its own token first), the
-        probabilities conditional on the draft's tokens before: only the draft's own tokens have children."""
-        return cls([[t for t, _ in b] for b in branches], [[math.log(p) for _, p in b] for b in branches], False)
-
     def cut(self, depth: int) -> "Candidates":
         """The first `depth` positions (a window narrower than the draft)."""
         return Candidates(self.tokens[:depth], self.logprobs[:depth], self.free)

@@ -123,13 +123,10 @@ class LLMEngine:
             spec.check_head(drafter.config.parallel_capable, spec.model or "the head")
         self.k = spec.max_draft_tokens if spec else 0  # the widest window any proposer drafts
         head_k = spec.num_speculative_tokens if drafter is not None else 0
-        # the most positions a draft tree takes past its window (its nodes beyond its depth): a head's, and under
-        # "auto" a suffix draft's side leaves
-        auto = spec is not None and spec.draft_tree_nodes == "auto" and spec.token_tree is None
-        head_nodes = (0 if drafter is None else len(spec.token_tree) if spec.token_tree else
-                      MAX_TREE_NODES if auto else spec.draft_tree_nodes)
-        free_nodes = MAX_TREE_NODES if auto and spec.uses_suffix_tree else 0
-        self.tree_rows = max(0, head_nodes - head_k, free_nodes - self.k)
+        # the most positions a head's draft tree takes past its window (its nodes beyond its depth)
+        tree_nodes = (0 if drafter is None else len(spec.token_tree) if spec.token_tree else
+                      MAX_TREE_NODES if spec.draft_tree_nodes == "auto" else spec.draft_tree_nodes)
+        self.tree_rows = max(0, tree_nodes - head_k)
         self.model_name = model_name
         self.max_num_seqs = max_num_seqs
         if max_num_batched_tokens < BLOCK_SIZE:
@@ -193,10 +190,8 @@ class LLMEngine:
                                            else self.max_num_seqs)
         self.policy = (make_policy(speculation_policy, self.k, self.max_num_seqs, spec.disable_by_batch_size, head_k,
                                    step_tree_rows) if spec else NoSpeculation())
-        self.trees = TreeShaper(spec.draft_tree_nodes if self.drafter is not None and self.tree_rows else 0,
-                                spec.token_tree if spec else None, self.policy.cost)
-        self.free_trees = TreeShaper("auto" if spec and spec.uses_suffix_tree and spec.draft_tree_nodes == "auto"
-                                     and not spec.token_tree else 0, None, self.policy.cost)
+        self.trees = TreeShaper(spec.draft_tree_nodes if self.tree_rows else 0, spec.token_tree if spec else None,
+                                self.policy.cost)
         # where the shaper sizes trees and the head drafts in parallel, a drafting window drafts the head's whole K
         # (one pass either way) and the shaper picks the tree within it: the policy decides whether, not how deep
         self.tree_depth = head_k if self.trees.sizes and spec.parallel_drafting else 0
@@ -523,25 +518,23 @@ class LLMEngine:
 
     def _draft_windows(self, plan: StepPlan) -> None:
         """Each drafting window's tokens: the head's (one forward for all its windows, at their widest K) and the
-        model-free drafts cut to their K, then shaped into draft trees where trees are on (`_shape_trees`). Under
-        a grammar a model-free draft is proposed to the matcher token by token and ends at the first token it does
-        not allow (`_grammar_windows` verifies what it kept)."""
-        heads, candidates = plan.head_windows, {}
+        model-free drafts cut to their K. Under a grammar a model-free draft is proposed to the matcher token by
+        token and ends at the first token it does not allow (`_grammar_windows` verifies what it kept)."""
+        heads = plan.head_windows
         if heads:
             reqs = [w.request for w in heads]
-            made, found = self._draft(reqs, torch.tensor([r.slot for r in reqs], device=self.device), plan.head_k)
+            made, candidates = self._draft(reqs, torch.tensor([r.slot for r in reqs], device=self.device),
+                                           plan.head_k)
             for w, tokens in zip(heads, made.tolist()):
                 w.tokens = tokens[: w.k]
-            candidates = dict(zip(heads, found or ()))
+            if candidates is not None:
+                self._shape_trees(plan, heads, candidates)
         for w in plan.windows:
             if w.k and w.draft is not None:
                 w.tokens = w.draft.tokens[: w.k]
                 if w.request.matcher is not None:
                     w.request.matcher.open_window()
                     w.request.matcher.propose_tokens(w.tokens)
-        if candidates or self.free_trees.enabled:
-            self._shape_trees(plan, candidates)
-        for w in plan.windows:
             w.drafted = len(w.tokens)
 
     def _draft(self, reqs: list[Request], slots: torch.Tensor, k: int
@@ -550,26 +543,17 @@ class LLMEngine:
         trees are on; its drafter runs every request's pending real rows on the way."""
         return self.proposer.draft(reqs, slots, k, TREE_TOP_M if self.trees.enabled else 0)
 
-    def _shape_trees(self, plan: StepPlan, candidates: dict[Window, Candidates]) -> None:
-        """Each unconstrained window's tree (draft_tree.TreeShaper), one window at a time against the rows the step
-        has so far: a head's from its candidates, a model-free draft's from the other continuations its proposer
-        saw (side leaves, with a shaper of their own: their probabilities are calibrated apart). A constrained
-        window keeps its chain: the grammar picked its drafts."""
-        rows, heads = plan.rows, plan.head_windows
+    def _shape_trees(self, plan: StepPlan, heads: list[Window], candidates: list[Candidates]) -> None:
+        """Each unconstrained head window's tree (draft_tree.TreeShaper), one window at a time against the rows
+        the step has so far. A constrained window keeps its chain: the grammar picked its drafts."""
+        rows = sum(1 + (w.k if w.draft is None else len(w.draft.tokens[: w.k])) for w in plan.windows)
         seconds = (lambda n: self.policy.cost.predict(n, len(heads), plan.head_k)) if self.policy.cost else None
-        for w in plan.windows:
-            if w.request.matcher is not None or not w.tokens:
+        for w, cands in zip(heads, candidates):
+            if w.request.matcher is not None:
                 continue
-            if w in candidates:
-                shaper, cands = self.trees, candidates[w].cut(w.k)
-            elif w.draft is not None and w.draft.branches and self.free_trees.enabled:
-                shaper, cands = self.free_trees, Candidates.from_branches(w.draft.branches[: w.k])
-            else:
-                continue
-            rows -= len(w.tokens)
-            w.tree = shaper.shape(cands, len(plan.windows), rows, seconds)
+            w.tree = self.trees.shape(cands.cut(w.k), len(plan.windows), rows - w.k, seconds)
             w.tokens = list(w.tree.tokens)
-            rows += len(w.tokens)
+            rows += len(w.tree) - w.k
 
     def _grammar_windows(self, plan: StepPlan) -> None:
         """Verify windows under grammars. A constrained request's drafts were proposed under its mask (`_draft`),
@@ -677,12 +661,9 @@ class LLMEngine:
             return
         if outcome.drafted:
             self.proposer_stats[outcome.proposer].record(outcome.drafted, outcome.accepted, outcome.depth)
-        # the proposers' and the policy's estimates are of chains: what a tree's first children would have done
         if outcome.draft is not None:
-            self.proposer.observe(req, outcome.draft, outcome.depth, outcome.chain_accepted)
-            if outcome.tree is not None:
-                self.free_trees.observe(outcome.tree, outcome.accepted)
-        elif outcome.drafted:
+            self.proposer.observe(req, outcome.draft, outcome.drafted, outcome.accepted)
+        elif outcome.drafted:  # the policy's estimate is of the head's chain: what its first children would do
             self.policy.observe(req.request_id, outcome.depth, outcome.chain_accepted)
             if outcome.tree is not None:
                 self.trees.observe(outcome.tree, outcome.accepted)

@@ -57,10 +57,7 @@ class SuffixProposer(NoHead):
             measured = self.acceptance.conditional(req.request_id)
             # the tree's probability of each token, capped by how often this proposer's drafts were accepted there
             conditional = [min(p, a) for p, a in zip(found.probs, measured)]
-            n = len(conditional)
-            branches = tuple(((t, p), *alts) for t, p, alts in zip(found.tokens[:n], found.probs, found.alternatives))
-            out.append(Draft(NAME, list(found.tokens[:n]), survival(conditional),
-                             branches if any(len(b) > 1 for b in branches) else ()))
+            out.append(Draft(NAME, list(found.tokens[: len(conditional)]), survival(conditional)))
         return out
 
     def observe(self, req: "Request", draft: Draft, num_drafted: int, num_accepted: int) -> None:

@@ -11,7 +11,6 @@ them): O(depth) per committed token.
 """
 from __future__ import annotations
 
-import heapq
 import math
 import sys
 from array import array
@@ -20,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from peagle.config import (DEFAULT_SUFFIX_CACHED_REQUESTS, DEFAULT_SUFFIX_MIN_TOKEN_PROB, DEFAULT_SUFFIX_SPEC_FACTOR,
-                           DEFAULT_SUFFIX_TREE_DEPTH, TREE_TOP_M)
+                           DEFAULT_SUFFIX_TREE_DEPTH)
 
 MAX_CACHED_TOKENS = 200_000  # shared trees: output tokens kept (all keys together)
 MAX_CACHED_BYTES = 64 * 2**20  # shared trees: their memory (memory_bytes' estimate, all keys together)
@@ -32,13 +31,9 @@ class SuffixDraft:
     probs: list[float]  # per token: count(child) / continuations of its parent, given the earlier ones accepted
     score: float  # expected number of accepted tokens: the sum of the running products of probs
     match_len: int  # length of the context suffix the draft continues (0 when there is no draft)
-    # per token: the other continuations seen after the tokens before it, (token, count / continuations), most
-    # frequent first (up to ALTERNATIVES): a draft tree's side leaves (docs/design.md, "Draft trees")
-    alternatives: tuple = ()
 
 
 NO_DRAFT = SuffixDraft([], [], 0.0, 0)
-ALTERNATIVES = TREE_TOP_M - 1
 
 
 class _Node:
@@ -275,7 +270,6 @@ def _walk(node: _Node, leaf: tuple | None, pos: int, match_len: int, max_spec_to
     limit = _limit(match_len, max_spec_tokens, max_spec_factor)
     tokens: list[int] = []
     probs: list[float] = []
-    others: list[tuple] = []
     cum, score = 1.0, 0.0
     while len(tokens) < limit:
         if leaf is None:
@@ -289,10 +283,6 @@ def _walk(node: _Node, leaf: tuple | None, pos: int, match_len: int, max_spec_to
                 break
             tokens.append(t)
             probs.append(p)
-            others.append(() if node.children is None else tuple(
-                (u, _count(c) / node.total) for u, c in heapq.nsmallest(
-                    ALTERNATIVES, ((u, c) for u, c in node.children.items() if u != t),
-                    key=lambda uc: (-_count(uc[1]), uc[0]))))
             score += cum
             if type(child) is _Node:
                 node = child
@@ -305,10 +295,9 @@ def _walk(node: _Node, leaf: tuple | None, pos: int, match_len: int, max_spec_to
                 break
             tokens.extend(seq[pos:pos + k])
             probs.extend([1.0] * k)
-            others.extend([()] * k)
             score += cum * k
             pos += k
-    return SuffixDraft(tokens, probs, score, match_len, tuple(others)) if tokens else NO_DRAFT
+    return SuffixDraft(tokens, probs, score, match_len) if tokens else NO_DRAFT
 
 
 @dataclass
