@@ -107,7 +107,7 @@ class Candidates:
         """The `budget` nodes of highest branch probability (the product of the probabilities along the branch),
         found best first: a node's next sibling and first child enter the frontier when it is taken, and each
         is no more probable than it, so the taken nodes always form a tree and come in descending order."""
-        depth = len(self.tokens)  # positions may hold different numbers of candidates (a suffix draft's)
+        depth = len(self.tokens)  # a position may hold fewer candidates than the first
         tokens, parents, probs = [], [], []
         frontier = [(-self.logprobs[0][0], 0, 0, -1, True)] if depth else []  # (-log p, depth, rank, parent, ..)
         while frontier and len(tokens) < budget:
