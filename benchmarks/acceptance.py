@@ -56,7 +56,7 @@ def measured(engine, prompts: list, max_tokens: int) -> dict:
             "outputs_sha256": hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16],
             # each prompt's verify steps that carried drafts and the drafts they accepted, in the set's order: what
             # the re-bundling gate resamples (scripts/bundle_head.py)
-            "per_prompt": [[o.spec.num_drafts, o.spec.num_accepted_tokens] for o in outs], **engine.stats.as_dict()}
+            "per_prompt": [[o.spec_stats.num_drafts, o.spec_stats.num_accepted_tokens] for o in outs], **engine.stats.as_dict()}
 
 
 def engine_for(method: str, k: int, head: str, max_num_seqs: int, max_model_len: int, threads: int):

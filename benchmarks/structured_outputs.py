@@ -24,18 +24,19 @@ METHODS = ("none", "eagle3", "peagle", "adaptive")
 
 
 class GrammarClock:
-    """CPU time of the calling thread inside GrammarMatcher's public methods (llguidance computes masks in the
-    calling thread), counting only the outermost call of a nest."""
+    """CPU time of the calling thread inside GrammarMatcher's and GrammarWindow's public methods (llguidance
+    computes masks in the calling thread), counting only the outermost call of a nest."""
 
-    NAMES = ("mask", "allowed", "forced_token", "mask_logits", "advance", "rollback", "propose", "extend_forced",
-             "window_masks", "commit")
+    MATCHER = ("mask", "allowed", "forced_token", "mask_logits", "advance", "rollback", "commit", "masks_from")
+    WINDOW = ("propose", "take", "forced_run", "masks", "settle")
 
     def __init__(self):
-        from peagle.engine.grammar import GrammarMatcher
+        from peagle.engine.grammar import GrammarMatcher, GrammarWindow
 
         self.seconds, self.depth = 0.0, 0
-        for name in self.NAMES:
-            setattr(GrammarMatcher, name, self._timed(getattr(GrammarMatcher, name)))
+        for cls, names in ((GrammarMatcher, self.MATCHER), (GrammarWindow, self.WINDOW)):
+            for name in names:
+                setattr(cls, name, self._timed(getattr(cls, name)))
 
     def _timed(self, fn):
         @functools.wraps(fn)

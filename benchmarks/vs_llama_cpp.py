@@ -142,7 +142,7 @@ def run_peagle(engine, ids: list[int], max_tokens: int) -> dict:
     from peagle.engine import SamplingParams
 
     out = engine.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=0.0))[0]
-    s = out.spec
+    s = out.spec_stats
     return {"tokens": list(out.token_ids), "tok_s": out.tokens_per_second, "n": out.num_output_tokens,
             "drafts": s.num_drafts, "draft_tokens": s.num_draft_tokens, "accepted": s.num_accepted_tokens,
             "accepted_per_position": list(s.accepted_per_position)}

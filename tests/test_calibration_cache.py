@@ -46,10 +46,9 @@ def build(target: TargetModel, folder, head: bool = True) -> LLMEngine:
 
 
 def plans(engine: LLMEngine) -> tuple:
-    """What the cost models hold after calibration."""
-    b = engine.step_budget
-    return (list(engine.policy.cost.target) if hasattr(engine.policy, "cost") else None, b.target, b.drafter,
-            b.decode_step_s)
+    """What the cost model holds after calibration."""
+    cost = engine.cost
+    return list(cost.target), cost.draft, cost.prefill, cost.catch_up
 
 
 def test_a_restart_takes_the_remembered_timings_and_plans_alike(target, tmp_path, forwards, one_thread):

@@ -141,11 +141,11 @@ def tiny_target(tmp_path_factory) -> TargetModel:
 def oracle_heads(engine: LLMEngine, reference: dict[tuple, list[int]]) -> None:
     """Drafter logits whose top token is right two times in three and whose second is right the third time, so
     the first children are often rejected where a sibling is accepted: branches other than the first are taken."""
-    real_draft, real_logits, context = engine._draft, engine.drafter.logits, {}
+    real_draft, real_logits, context = engine.proposer.draft, engine.drafter.logits, {}
 
-    def draft(reqs, slots, k):
+    def draft(reqs, slots, k, *rest):
         context["reqs"], context["depth"] = reqs, 0
-        return real_draft(reqs, slots, k)
+        return real_draft(reqs, slots, k, *rest)
 
     def logits(hidden):  # P-EAGLE: every depth in one call; EAGLE-3: one call per depth
         out, depth = real_logits(hidden), context["depth"]
@@ -160,7 +160,7 @@ def oracle_heads(engine: LLMEngine, reference: dict[tuple, list[int]]) -> None:
                 out[b, i, right], out[b, i, wrong] = (6.0, 7.0) if j % 3 == 2 else (7.0, 6.0)
         return out
 
-    engine._draft, engine.drafter.logits = draft, logits
+    engine.proposer.draft, engine.drafter.logits = draft, logits
 
 
 @needs_native_kernels
@@ -185,7 +185,7 @@ def test_greedy_output_with_trees_equals_plain_greedy(tiny_target, tree, method,
         cost = engine.policy.cost
         cost.target = [1.0 + 0.01 * n for n in range(len(cost.target))]
         cost.draft = [[0.1 * bool(k) for k in row] for row in cost.draft]
-        engine.policy.observe_step = lambda *timing: None
+        cost.observe = lambda *timing: None
     outs = engine.generate(prompts, params)
     assert [o.token_ids for o in outs] == [reference[tuple(p)] for p in prompts]
     stats = engine.stats

@@ -45,10 +45,10 @@ def prompts(n: int, vocab: int = 512, seed: int = 0) -> list[list[int]]:
 def oracle(engine: LLMEngine, reference: dict[tuple, list[int]], wrong_every: int = 3):
     """Wrap the engine's drafting so drafts are the true greedy continuation, except every `wrong_every`-th
     position, which is corrupted: verification, acceptance and KV rollback are exercised at every depth."""
-    real_draft = engine._draft
+    real_draft = engine.proposer.draft
 
-    def draft(reqs, slots, k):
-        drafts = real_draft(reqs, slots, k)[0].clone()  # keep the drafter's own cache path running
+    def draft(reqs, slots, k, *rest):
+        drafts = real_draft(reqs, slots, k, *rest)[0].clone()  # keep the drafter's own cache path running
         for b, req in enumerate(reqs):
             ref = reference[tuple(req.prompt_ids)]
             done = len(req.output_ids)
@@ -60,7 +60,7 @@ def oracle(engine: LLMEngine, reference: dict[tuple, list[int]], wrong_every: in
                 drafts[b, i] = tok
         return drafts, None  # the oracle's chains: no candidates to shape trees from
 
-    engine._draft = draft
+    engine.proposer.draft = draft
     return engine
 
 
@@ -138,7 +138,7 @@ def test_stop_token_and_max_tokens_inside_an_accepted_run(tiny_target):
     eng = oracle(make_engine(tiny_target, 7, True), {tuple(p): ref}, wrong_every=100)
     out = eng.generate([p], SamplingParams(max_tokens=5, ignore_eos=True))[0]
     assert out.token_ids == ref[:5] and out.finish_reason == "length"
-    assert out.spec.num_accepted_tokens >= 4  # the run of 7 was accepted, then cut at 5
+    assert out.spec_stats.num_accepted_tokens >= 4  # the run of 7 was accepted, then cut at 5
     # EOS inside an accepted run stops there, unless ignore_eos.
     eng = oracle(make_engine(tiny_target, 7, True), {tuple(p): ref}, wrong_every=100)
     eng.eos_token_ids = {ref[stop_at]}

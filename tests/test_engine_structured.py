@@ -110,11 +110,11 @@ def grammar_oracle(engine: LLMEngine, reference: dict[tuple, list[int]], wrong_e
     may then pick any allowed token): drafts under the grammar are accepted, partly accepted and rejected, so the
     matcher is rolled back at every depth."""
     drafter, context = engine.drafter, {}
-    real_draft, real_logits = engine._draft, drafter.logits
+    real_draft, real_logits = engine.proposer.draft, drafter.logits
 
-    def draft(reqs, slots, k):
+    def draft(reqs, slots, k, *rest):
         context["reqs"] = reqs
-        return real_draft(reqs, slots, k)
+        return real_draft(reqs, slots, k, *rest)
 
     def logits(hidden):
         out = real_logits(hidden)
@@ -130,7 +130,7 @@ def grammar_oracle(engine: LLMEngine, reference: dict[tuple, list[int]], wrong_e
                 out[b, i, tok] = 10.0
         return out
 
-    engine._draft, drafter.logits = draft, logits
+    engine.proposer.draft, drafter.logits = draft, logits
     return engine
 
 
@@ -270,11 +270,11 @@ def test_constrained_speculative_sampling_keeps_the_constrained_distribution(sma
     marginal = [{t: sum(p for (a, b), p in exact.items() if (a, b)[i - 1] == t) for t in range(VOCAB)}
                 for i in (1, 2)]
     modes = {0: ALLOWED[0][0], 1: max(marginal[0], key=marginal[0].get), 2: max(marginal[1], key=marginal[1].get)}
-    context, real_draft = {}, engine._draft
+    context, real_draft = {}, engine.proposer.draft
 
-    def draft(reqs, slots, k):
+    def draft(reqs, slots, k, *rest):
         context["reqs"] = reqs
-        return real_draft(reqs, slots, k)
+        return real_draft(reqs, slots, k, *rest)
 
     def logits(hidden):
         out = torch.zeros(hidden.shape[0], hidden.shape[1], VOCAB)
@@ -283,7 +283,7 @@ def test_constrained_speculative_sampling_keeps_the_constrained_distribution(sma
                 out[b, i, modes.get(len(req.output_ids) + i, 0)] = 5.0
         return out
 
-    engine._draft, engine.drafter.logits = draft, logits
+    engine.proposer.draft, engine.drafter.logits = draft, logits
     counts = sample_joint(engine, params, ignore_eos=False, constraint=Constraint.regex(REGEX))
     assert 0 < engine.stats.num_accepted_tokens < engine.stats.num_draft_tokens
     rejects, stat, crit = chi_square_rejects(counts, exact)

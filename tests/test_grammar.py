@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 import torch
 
-from peagle.engine.grammar import (MAX_CONSTRAINT_CHARS, Constraint, GrammarCompiler, GrammarError,
+from peagle.engine.grammar import (MAX_CONSTRAINT_CHARS, Constraint, GrammarCompiler, GrammarError, GrammarWindow,
                                    count_forced, stack_bias)
 from peagle.model.loading import embedded_model_dir, load_tokenizer
 
@@ -67,40 +67,40 @@ def test_masks_are_cached_per_state_and_survive_a_kept_proposal(tok, compiler):
     m = compiler.matcher(Constraint.json_schema(PERSON))
     first = m.mask()
     assert m.mask() is first  # computed once per state
-    m.open_window()
+    w = GrammarWindow(m)
     draft_vocab = torch.arange(VOCAB)
     scores = torch.zeros(VOCAB)
     scores[ids(tok, '{"')[0]] = 5.0
-    d1 = m.propose(scores, draft_vocab)
+    d1 = w.propose(scores, draft_vocab)
     assert d1 == ids(tok, '{"')[0]
-    d2 = m.propose(torch.zeros(VOCAB), draft_vocab)  # the key's first token is forced here
-    assert d2 == m.proposed[1] and len(m.proposed) == 2
-    masks = m.window_masks()
+    d2 = w.propose(torch.zeros(VOCAB), draft_vocab)  # the key's first token is forced here
+    assert d2 == w.proposed[1] and len(w.proposed) == 2
+    masks = w.masks()
     assert len(masks) == 3 and count_forced(masks, 3) >= 1 and stack_bias(masks).shape == (3, VOCAB)
     assert masks[1].forced == d2 and masks[1].num_allowed == 1 and int((masks[1].bias == 0).sum()) == 1
     kept = m._masks[1]
-    m.commit([d1])  # the answer stopped after d1 (max_tokens): the second is rolled back, d1 and its mask kept
-    assert m.num_tokens == 1 and m._masks[1] is kept and not m.window_open
+    w.settle([d1])  # the answer stopped after d1 (max_tokens): the second is rolled back, d1 and its mask kept
+    assert m.num_tokens == 1 and m._masks[1] is kept
     assert list(m._masks) == [1]  # only the current state's mask is kept
     assert m.forced_token() == d2
 
 
 def test_propose_never_leaves_the_grammar_and_stops_when_it_ends(tok, compiler):
     m = compiler.matcher(Constraint.choice(["yes", "no"]))
-    m.open_window()
+    w = GrammarWindow(m)
     rng = torch.Generator().manual_seed(0)
     drafts = []
-    while (t := m.propose(torch.randn(VOCAB, generator=rng), torch.arange(VOCAB))) is not None:
+    while (t := w.propose(torch.randn(VOCAB, generator=rng), torch.arange(VOCAB))) is not None:
         drafts.append(t)
     assert tok.decode(drafts) in ("yes", "no") and m.terminated
 
 
 def test_propose_stops_where_the_draft_vocabulary_has_nothing_allowed(tok, compiler):
     m = compiler.matcher(Constraint.regex(r"[0-9]{3}"))
-    m.open_window()
+    w = GrammarWindow(m)
     letters_only = torch.tensor(ids(tok, "abc xyz hello"))
-    assert m.propose(torch.zeros(len(letters_only)), letters_only) is None
-    assert m.proposed == [] and m.propose(torch.zeros(len(letters_only)), letters_only) is None
+    assert w.propose(torch.zeros(len(letters_only)), letters_only) is None
+    assert w.proposed == [] and w.propose(torch.zeros(len(letters_only)), letters_only) is None
 
 
 @pytest.mark.parametrize("constraint,check", [

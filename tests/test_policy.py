@@ -11,7 +11,8 @@ import torch
 from peagle.config import SpeculativeConfig
 from peagle.engine import LLMEngine, SamplingParams
 from peagle.engine import engine as engine_module
-from peagle.engine.policy import AdaptiveK, Candidate, FixedK, StepCostModel, make_policy
+from peagle.engine.forward_cost import ForwardCost
+from peagle.engine.policy import AdaptiveK, Candidate, FixedK, make_policy
 from peagle.model.checkpoint import random_head
 from peagle.model.target import TargetModel
 from tests.conftest import make_tiny_model
@@ -28,8 +29,8 @@ def no_drafter_cost(requests: int, k: int) -> float:
 
 def policy_with_cost(target, draft=no_drafter_cost, max_batch: int = 8, max_k: int = MAX_K) -> AdaptiveK:
     """target(rows) and draft(requests, k): step costs in seconds."""
-    policy = AdaptiveK(max_k, max_batch)
-    policy.cost.calibrate(target, draft)
+    policy = AdaptiveK(ForwardCost(max_batch, max_k))
+    policy.cost.calibrate_decode(target, draft)
     return policy
 
 
@@ -158,9 +159,9 @@ def test_requests_that_gain_draft_while_the_others_take_a_plain_step():
 
 
 def test_cost_model_follows_real_step_times():
-    cost = StepCostModel(4, 3)
+    cost = ForwardCost(4, 3)
     timed = []
-    cost.calibrate(lambda rows: timed.append(rows) or 1.0 + 0.1 * rows, lambda m, k: 0.5 * m + 0.2 * k)
+    cost.calibrate_decode(lambda rows: timed.append(rows) or 1.0 + 0.1 * rows, lambda m, k: 0.5 * m + 0.2 * k)
     assert set(timed) == {1, 2, 4, 8, 16}  # the rest is interpolated
     assert cost.predict(1) == pytest.approx(1.1)
     assert cost.predict(12) == pytest.approx(2.2)
@@ -220,7 +221,7 @@ def test_a_model_free_draft_written_off_by_early_rejections_is_probed_back():
 
 def test_unknown_policy_names_the_choices():
     with pytest.raises(ValueError, match="adaptive, fixed"):
-        make_policy("greedy", 3, 1)
+        make_policy("greedy", ForwardCost(1, 3))
 
 
 # -- the engine with the policy on --------------------------------------------------------------------------------
@@ -243,8 +244,8 @@ def engine(target: TargetModel, k: int, policy: str, parallel: bool = True, max_
 
 def synthetic_costs(eng: LLMEngine, target, draft=no_drafter_cost) -> LLMEngine:
     """Step costs from formulas instead of this machine's timings, so which K the policy picks is reproducible."""
-    eng.policy.cost.calibrate(target, draft)
-    eng.policy.observe_step = lambda *timing: None
+    eng.cost.calibrate_decode(target, draft)
+    eng.cost.observe = lambda *timing: None
     return eng
 
 
@@ -256,10 +257,10 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 def half_right_oracle(eng: LLMEngine, reference: dict[tuple, list[int]]) -> None:
     """Drafts that are the true continuation for the first half of each answer and wrong after it: acceptance
     collapses mid-response, so the policy moves from deep windows to plain steps."""
-    real_draft = eng._draft
+    real_draft = eng.proposer.draft
 
-    def draft(reqs, slots, k):
-        drafts = real_draft(reqs, slots, k)[0].clone()
+    def draft(reqs, slots, k, *rest):
+        drafts = real_draft(reqs, slots, k, *rest)[0].clone()
         for b, req in enumerate(reqs):
             ref = reference[tuple(req.prompt_ids)]
             for i in range(k):
@@ -268,7 +269,7 @@ def half_right_oracle(eng: LLMEngine, reference: dict[tuple, list[int]]) -> None
                 drafts[b, i] = tok if j < len(ref) // 2 else (tok + 1) % eng.target.config.vocab_size
         return drafts, None  # the oracle's chains: no candidates to shape trees from
 
-    eng._draft = draft
+    eng.proposer.draft = draft
 
 
 @pytest.mark.parametrize("parallel", [True, False], ids=["peagle", "eagle3"])
@@ -367,16 +368,16 @@ def test_adaptive_sampling_keeps_the_target_distribution(small_vocab_target):  #
     marginal2 = [sum(p for (a, _), p in exact.items() if a == t) for t in range(VOCAB)]
     marginal3 = [sum(p for (_, b), p in exact.items() if b == t) for t in range(VOCAB)]
     modes = {1: max(range(VOCAB), key=marginal2.__getitem__), 2: max(range(VOCAB), key=marginal3.__getitem__)}
-    real_draft = eng._draft
+    real_draft = eng.proposer.draft
 
-    def draft(reqs, slots, k):
-        drafts = real_draft(reqs, slots, k)[0].clone()
+    def draft(reqs, slots, k, *rest):
+        drafts = real_draft(reqs, slots, k, *rest)[0].clone()
         for b, req in enumerate(reqs):
             for i in range(k):
                 drafts[b, i] = modes.get(len(req.output_ids) + i, 0)
         return drafts, None  # the oracle's chains: no candidates to shape trees from
 
-    eng._draft = draft
+    eng.proposer.draft = draft
     counts = sample_joint(eng, params)
     assert sum(eng.stats.steps_per_k[1:]) > 0 and eng.stats.num_accepted_tokens > 0, eng.stats.as_dict()
     rejects, stat, crit = chi_square_rejects(counts, exact)
@@ -397,14 +398,14 @@ class Scripted(FixedK):
 def record_drafts(eng: LLMEngine) -> dict[int, list[int]]:
     """Every draft the engine makes, keyed by the request's committed token count when it was drafted."""
     seen: dict[int, list[int]] = {}
-    real_draft = eng._draft
+    real_draft = eng.proposer.draft
 
-    def draft(reqs, slots, k):
-        drafts, candidates = real_draft(reqs, slots, k)
+    def draft(reqs, slots, k, *rest):
+        drafts, candidates = real_draft(reqs, slots, k, *rest)
         seen[reqs[0].num_tokens] = drafts[0].tolist()
         return drafts, candidates
 
-    eng._draft = draft
+    eng.proposer.draft = draft
     return seen
 
 
@@ -524,4 +525,4 @@ def test_disable_by_batch_size_turns_speculation_off_while_the_batch_is_large(ti
     outs = eng.generate(ps, params)
     assert [o.token_ids for o in outs] == ref
     # Plain steps while all three run; drafts again once the short request has finished.
-    assert outs[0].spec.steps_per_k == [5, 0, 0, 0] and outs[1].spec.steps_per_k[3] > 0  # (the prefill made token 1)
+    assert outs[0].spec_stats.steps_per_k == [5, 0, 0, 0] and outs[1].spec_stats.steps_per_k[3] > 0  # (the prefill made token 1)

@@ -99,16 +99,16 @@ def spec_engine(target: TargetModel, k: int, exact: dict[tuple, float]) -> LLMEn
     marginal2 = [sum(p for (a, _), p in exact.items() if a == t) for t in range(VOCAB)]
     marginal3 = [sum(p for (_, b), p in exact.items() if b == t) for t in range(VOCAB)]
     modes = {1: max(range(VOCAB), key=marginal2.__getitem__), 2: max(range(VOCAB), key=marginal3.__getitem__)}
-    real_draft = engine._draft
+    real_draft = engine.proposer.draft
 
-    def draft(reqs, slots, window):
-        drafts = real_draft(reqs, slots, window)[0].clone()
+    def draft(reqs, slots, window, *rest):
+        drafts = real_draft(reqs, slots, window, *rest)[0].clone()
         for b, req in enumerate(reqs):
             for i in range(window):
                 drafts[b, i] = modes.get(len(req.output_ids) + i, 0)
         return drafts, None  # the oracle's chains: no candidates to shape trees from
 
-    engine._draft = draft
+    engine.proposer.draft = draft
     return engine
 
 

@@ -12,7 +12,8 @@ import torch
 from peagle.config import SpeculativeConfig
 from peagle.engine import LLMEngine, SamplingParams
 from peagle.engine.prefix_cache import BLOCK_SIZE
-from peagle.engine.step_budget import CALIBRATION_ROWS, ForwardCost, StepBudget
+from peagle.engine.forward_cost import CALIBRATION_ROWS, ChunkCost, ForwardCost
+from peagle.engine.step_budget import StepBudget
 from peagle.model.checkpoint import random_head
 from peagle.model.target import TargetModel
 from tests.conftest import make_tiny_model, needs_native_kernels
@@ -20,20 +21,20 @@ from tests.conftest import make_tiny_model, needs_native_kernels
 
 def test_the_cost_model_fits_its_calibration_and_follows_measurements():
     # seconds = 0.01 + n * (0.001 + 1e-6 * (ctx + n / 2)), logits 0.0005 a row
-    truth = ForwardCost(0.01, 0.001, 1e-6, 0.0005)
+    truth = ChunkCost(0.01, 0.001, 1e-6, 0.0005)
     n = CALIBRATION_ROWS
-    fit = ForwardCost.fit(truth.predict([(1, 0)]), truth.predict([(n, 0)]),
+    fit = ChunkCost.fit(truth.predict([(1, 0)]), truth.predict([(n, 0)]),
                           truth.predict([(n, 1000)]), 1000, truth.predict([(n, 0)], logit_rows=n))
     assert fit.predict([(100, 3000)], 100) == pytest.approx(truth.predict([(100, 3000)], 100), rel=0.02)
     for _ in range(40):  # the machine turns twice as slow
         fit.observe(fit.predict([(64, 0)]), 2 * truth.predict([(64, 0)]))
     assert fit.correction == pytest.approx(2.0, rel=0.05)
-    noisy = ForwardCost.fit(1.0, 0.5, 0.4, 100)  # timings out of order never give a negative term
+    noisy = ChunkCost.fit(1.0, 0.5, 0.4, 100)  # timings out of order never give a negative term
     assert min(noisy.fixed, noisy.per_row, noisy.per_row_ctx) >= 0
 
 
 def test_plans_fill_the_budget_in_whole_blocks_with_a_floor():
-    budget = StepBudget(lambda: 0.0, max_step_time_ms=100)
+    budget = StepBudget(lambda: 0.0, ForwardCost(1, 0), max_step_time_ms=100)
     budget.decode_part_s = 0.02
     cost = lambda n: 0.001 * n  # noqa: E731
     budget.start_step(decoding=True)
@@ -46,15 +47,18 @@ def test_plans_fill_the_budget_in_whole_blocks_with_a_floor():
     budget.start_step(decoding=False)  # nobody waits: the token bound alone
     assert math.isinf(budget.left) and budget.largest(cost, 500, floor=False) == 500
     with pytest.raises(ValueError, match="max_step_time_ms must be positive"):
-        StepBudget(lambda: 0.0, max_step_time_ms=0)
+        StepBudget(lambda: 0.0, ForwardCost(1, 0), max_step_time_ms=0)
 
 
 def test_the_default_target_is_a_multiple_of_a_decode_step():
-    budget = StepBudget(lambda: 0.0)
-    budget.calibrate(lambda rows, pos, logits: 0.001 * rows, lambda: 0.01, None, 256)
+    cost = ForwardCost(2, 0)
+    cost.calibrate(lambda rows: 0.01 * rows, lambda requests, k: 0.0, lambda rows, pos, logits: 0.001 * rows, None,
+                   256)
+    budget = StepBudget(lambda: 0.0, cost)
     assert budget.target_s == pytest.approx(budget.multiple * 0.01)
-    budget.target.correction = 2.0  # a slower machine: a decode step costs more too
-    assert budget.target_s == pytest.approx(2 * budget.multiple * 0.01)
+    for _ in range(100):  # a slower machine: plain steps take twice as long, and the budget grows alike
+        cost.observe(1, 0, 0, 0.02)
+    assert budget.target_s == pytest.approx(2 * budget.multiple * 0.01, rel=0.05)
 
 
 @pytest.fixture(scope="module")

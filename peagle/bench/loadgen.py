@@ -266,8 +266,8 @@ def run_offline(engine, prompts: list[BenchPrompt], concurrency: int, params_for
                 res.latency = last[0] - res.start
                 if out.finish_reason == "abort":
                     res.ok, res.error = False, "aborted"
-                if out.spec is not None and sum(out.spec.steps_per_k):  # it decoded with a drafter
-                    res.spec = out.spec.as_dict()
+                if out.spec_stats is not None and sum(out.spec_stats.steps_per_k):  # it decoded with a drafter
+                    res.spec = out.spec_stats.as_dict()
                 results[i] = res
                 del active[out.request_id]
                 if progress:

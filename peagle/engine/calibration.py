@@ -1,11 +1,11 @@
-"""Start-up timings on scratch rows, which the speculation policy (policy.StepCostModel) and the step budget
-(step_budget.StepBudget) calibrate their cost models from. Every forward writes cache slots that no request holds
+"""Start-up timings on scratch rows, which the engine's cost model (forward_cost.ForwardCost: the speculation
+policy's and the step budget's) is calibrated from. Every forward writes cache slots that no request holds
 yet: their entries are stale the moment a request takes the slot.
 
 A server remembers them (`RememberedTimings`, under $PEAGLE_HOME/calibration): a forward's cost depends on the
 shapes, weight formats, kernels, threads and CPU, never on the weights' values, so a restart with the same key
-takes the timings of the last start instead of a few seconds of forwards. Both cost models keep correcting
-themselves from real steps as before, so timings taken under another load converge the same way fresh ones do."""
+takes the timings of the last start instead of a few seconds of forwards. The cost model keeps correcting itself
+from real steps as before, so timings taken under another load converge the same way fresh ones do."""
 from __future__ import annotations
 
 import hashlib
@@ -96,7 +96,7 @@ class ScratchTimings:
         """measure(), or the seconds remembered under `name` (measured and kept where none are)."""
         return measure() if self.remembered is None else self.remembered.get(name, measure)
 
-    # -- the policy's: a decode step's verify forward and the head's drafting ----------------------------------
+    # -- decode steps: the verify forward and the head's drafting ----------------------------------
     def target_rows(self, rows: int) -> float:
         """Seconds of the target's forward over `rows` rows, one per batch entry, spread over the cache slots."""
         dev = self.device
@@ -118,7 +118,7 @@ class ScratchTimings:
         return self._seconds(f"head_draft {batch} {k}",
                              lambda: self.head.time_draft(batch, k, self.context, self.clock))
 
-    # -- the step budget's: a prompt chunk's forwards, the target's and the drafter's, in slot 0 ----------------
+    # -- prompt chunks: the target's forward and the drafter's catch-up, in slot 0 ----------------
     def prefill_chunk(self, rows: int, position: int, every_row_logits: bool) -> float:
         """Seconds of the target's forward over one chunk of `rows` prompt rows from `position` (without logits, as
         a chunk that does not end its prompt; or with every row's log-probabilities, as for prompt_logprobs)."""

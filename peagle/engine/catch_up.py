@@ -45,15 +45,12 @@ class DrafterCatchUp:
             return 0
         return max(0, len(req.backlog) + coming - self.max_pending_rows)
 
-    def before_drafting(self, running: list[Request], plan: StepPlan) -> int:
-        """Run waiting rows for this step's head windows and for requests past the bound (`catch_up`); a head still
-        more than JOINT_PENDING_ROWS behind after its slice verifies no window this step (it drafts from a later
-        one). Returns the rows run."""
+    def before_drafting(self, running: list[Request], plan: StepPlan) -> tuple[int, set[Request]]:
+        """Run waiting rows for this step's head windows and for requests past the bound (`catch_up`). Returns the
+        rows run and the requests whose head is still more than JOINT_PENDING_ROWS behind after its slice: they
+        verify no window this step (they draft from a later one)."""
         rows = self.catch_up(running, {w.request for w in plan.head_windows})
-        for w in plan.head_windows:
-            if len(w.request.backlog) > JOINT_PENDING_ROWS:
-                w.k = 0
-        return rows
+        return rows, {w.request for w in plan.head_windows if len(w.request.backlog) > JOINT_PENDING_ROWS}
 
     def catch_up(self, running: list[Request], heads: set[Request]) -> int:
         """The drafter runs waiting real rows, oldest request first, as far as the step's budget goes (and at most
@@ -74,12 +71,12 @@ class DrafterCatchUp:
             else:
                 continue
             cap = min(cap, self.max_num_batched_tokens)  # a step's bound in tokens, the drafter's as the target's
-            rows = max(due, budget.largest(lambda n: budget.drafter.predict([(n, start)]), cap,
+            rows = max(due, budget.largest(lambda n: budget.cost.catch_up.predict([(n, start)]), cap,
                                            floor=bool(due) or not total))
-            predicted, started = budget.drafter.predict([(rows, start)]), clock()
+            predicted, started = budget.cost.catch_up.predict([(rows, start)]), clock()
             self.run(req, rows)
             seconds = clock() - started
-            budget.drafter.observe(predicted, seconds)
+            budget.cost.catch_up.observe(predicted, seconds)
             budget.spend(seconds)
             total += rows
         return total

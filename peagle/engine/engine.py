@@ -10,8 +10,9 @@ Every step, as `step` reads:
      window, for every decoding request, as one `Window` each in a `StepPlan`;
   4. catch the head's drafter up (catch_up.py) on the real rows its windows need, under the step's time budget
      (step_budget.py); a head still behind after its slice verifies no window this step;
-  5. draft: the head's windows in one drafter forward (P-EAGLE) or one per draft (EAGLE-3), at their widest K_b;
-     model-free drafts cut to their K_b; under a grammar, the tokens it allows and the forced tokens after them;
+  5. draft: the head's windows in one drafter forward (P-EAGLE) or one per draft (EAGLE-3), at their widest K_b,
+     shaped into draft trees where they are on; model-free drafts cut to their K_b; under a grammar, the tokens it
+     allows (grammar.GrammarWindow) and the forced tokens after them;
   6. verify every request's [x_n, window] in one target forward (ragged when the windows differ: each request
      pays only for its own rows);
   7. accept per request, commit, and record the window's `Outcome`, the one record every statistic comes from.
@@ -44,7 +45,7 @@ from peagle.engine.catch_up import JOINT_PENDING_ROWS, DrafterCatchUp
 from peagle.engine.detokenize import IncrementalDetokenizer
 from peagle.engine.draft_tree import Candidates, DraftTree, TreeShaper
 from peagle.engine.errors import RequestError
-from peagle.engine.grammar import GrammarCompiler, count_forced, stack_bias
+from peagle.engine.grammar import GrammarCompiler, GrammarWindow, count_forced, stack_bias
 from peagle.engine.kv_memory import pool_blocks
 from peagle.engine.logprobs import token_logprobs
 from peagle.engine.policy import DEFAULT_POLICY, NoSpeculation, make_policy
@@ -56,6 +57,7 @@ from peagle.engine.proposers.heads import HeadProposer
 from peagle.engine.request import DrafterBacklog, Request, RequestOutput
 from peagle.engine.sampling import SamplingParams, target_logprobs, target_probs
 from peagle.engine.stats import SpecDecodeStats
+from peagle.engine.forward_cost import ForwardCost
 from peagle.engine.step_budget import StepBudget
 from peagle.model.quant import release_freed_memory
 from peagle.engine.step_plan import Outcome, StepPlan, Window
@@ -188,8 +190,10 @@ class LLMEngine:
         # a fixed or static tree's come with every request
         step_tree_rows = self.tree_rows * (1 if spec and spec.draft_tree_nodes == "auto" and not spec.token_tree
                                            else self.max_num_seqs)
-        self.policy = (make_policy(speculation_policy, self.k, self.max_num_seqs, spec.disable_by_batch_size, head_k,
-                                   step_tree_rows) if spec else NoSpeculation())
+        # the one cost model of a forward (forward_cost.py), calibrated with the other phases' (_build_phases)
+        self.cost = ForwardCost(self.max_num_seqs, self.k, head_k, step_tree_rows)
+        self.policy = (make_policy(speculation_policy, self.cost, spec.disable_by_batch_size) if spec
+                       else NoSpeculation())
         self.trees = TreeShaper(spec.draft_tree_nodes if self.tree_rows else 0, spec.token_tree if spec else None,
                                 self.policy.cost)
         # where the shaper sizes trees and the head drafts in parallel, a drafting window drafts the head's whole K
@@ -215,10 +219,9 @@ class LLMEngine:
                 k=self.k, head_k=head_k, tree_rows=self.tree_rows, max_step_time_ms=max_step_time_ms))
         timings = ScratchTimings(self.target, self.target_cache, head, self.max_num_seqs, self.max_model_len,
                                  self._step_clock, remembered)
-        self.policy.calibrate(timings.target_rows, timings.head_draft)
-        self.step_budget = StepBudget(self._step_clock, max_step_time_ms)
-        self.step_budget.calibrate(timings.prefill_chunk, lambda: timings.target_rows(1),
-                                   timings.drafter_rows if self.drafter is not None else None, self.max_model_len)
+        self.cost.calibrate(timings.target_rows, timings.head_draft, timings.prefill_chunk,
+                            timings.drafter_rows if self.drafter is not None else None, self.max_model_len)
+        self.step_budget = StepBudget(self._step_clock, self.cost, max_step_time_ms)
         for cache in (self.target_cache, self.drafter_cache):  # the scratch rows' blocks, and their memory, go back
             if cache is not None:
                 for slot in range(self.max_num_seqs):
@@ -404,7 +407,8 @@ class LLMEngine:
             if touched and on_first_tokens is not None:
                 on_first_tokens([self._report(r) for r in touched if not r.finished])
             plan = self._plan([r for r in self.running if not r.finished and not r.prefilling])
-            caught_up = self.catch_up.before_drafting(self.running, plan)
+            caught_up, behind = self.catch_up.before_drafting(self.running, plan)
+            plan = plan.holding_back(behind)
             self.step_budget.end_prefill(prefilled, caught_up)
             if plan.windows:
                 self._decode_step(plan)
@@ -498,7 +502,8 @@ class LLMEngine:
                                  for r, d in zip(reqs, drafts)])
         if self.tree_depth:  # P-EAGLE drafts every depth in one pass: the tree shaper picks how deep each goes
             ks = [self.tree_depth if k and d is None and r.matcher is None else k for r, k, d in zip(reqs, ks, drafts)]
-        return StepPlan([Window(r, k, d) for r, k, d in zip(reqs, ks, drafts)])
+        return StepPlan([Window(r, k, d, GrammarWindow(r.matcher) if r.matcher is not None else None)
+                         for r, k, d in zip(reqs, ks, drafts)])
 
     def _decode_step(self, plan: StepPlan) -> None:
         """Draft the windows, fit them to the grammars, verify every request's [x_n, window] in one target forward,
@@ -506,74 +511,54 @@ class LLMEngine:
         started = self._step_clock()
         self.step_threads.start_step()
         self._draft_windows(plan)
-        if any(w.request.matcher is not None for w in plan.windows):
-            self._grammar_windows(plan)
+        self._grammar_windows(plan)
         for w, logits, features in zip(plan.windows, *self._verify(plan)):
             self._accept(w, logits, features)
         self.step_threads.end_step((plan.rows, len(plan.head_windows), plan.head_k, plan.verifies_forced_tokens))
         # Timed after the backlogs (work earlier plain steps skipped, not this step's); not a step that verified
         # forced tokens after its drafts, whose layout the cost model does not describe.
         if not plan.verifies_forced_tokens:
-            self.policy.observe_step(plan.rows, len(plan.head_windows), plan.head_k, self._step_clock() - started)
+            self.cost.observe(plan.rows, len(plan.head_windows), plan.head_k, self._step_clock() - started)
 
     def _draft_windows(self, plan: StepPlan) -> None:
-        """Each drafting window's tokens: the head's (one forward for all its windows, at their widest K) and the
-        model-free drafts cut to their K. Under a grammar a model-free draft is proposed to the matcher token by
-        token and ends at the first token it does not allow (`_grammar_windows` verifies what it kept)."""
+        """Each drafting window's tree: the head's drafts (one forward for all its windows, at their widest K),
+        shaped into a tree where trees are on (draft_tree.TreeShaper, one window at a time against the rows the
+        step has so far), and the model-free drafts cut to their K, each a chain. Under a grammar the drafts were
+        proposed under its mask (the head's) or are cut where it stops allowing them (a model-free draft), and a
+        window keeps its chain: the grammar picked its drafts."""
         heads = plan.head_windows
+        made, candidates = [], None
         if heads:
             reqs = [w.request for w in heads]
-            made, candidates = self._draft(reqs, torch.tensor([r.slot for r in reqs], device=self.device),
-                                           plan.head_k)
-            for w, tokens in zip(heads, made.tolist()):
-                w.tokens = tokens[: w.k]
-            if candidates is not None:
-                self._shape_trees(plan, heads, candidates)
-        for w in plan.windows:
-            if w.k and w.draft is not None:
-                w.tokens = w.draft.tokens[: w.k]
-                if w.request.matcher is not None:
-                    w.request.matcher.open_window()
-                    w.request.matcher.propose_tokens(w.tokens)
-            w.drafted = len(w.tokens)
-
-    def _draft(self, reqs: list[Request], slots: torch.Tensor, k: int
-               ) -> tuple[torch.Tensor, list[Candidates] | None]:
-        """The head's drafts [B, k] as target ids (the proposer's `draft`), and its candidates for draft trees when
-        trees are on; its drafter runs every request's pending real rows on the way."""
-        return self.proposer.draft(reqs, slots, k, TREE_TOP_M if self.trees.enabled else 0)
-
-    def _shape_trees(self, plan: StepPlan, heads: list[Window], candidates: list[Candidates]) -> None:
-        """Each unconstrained head window's tree (draft_tree.TreeShaper), one window at a time against the rows
-        the step has so far. A constrained window keeps its chain: the grammar picked its drafts."""
-        rows = sum(1 + (w.k if w.draft is None else len(w.draft.tokens[: w.k])) for w in plan.windows)
+            drafts, candidates = self.proposer.draft(reqs, torch.tensor([r.slot for r in reqs], device=self.device),
+                                                     plan.head_k, TREE_TOP_M if self.trees.enabled else 0,
+                                                     [w.grammar for w in heads])
+            made = drafts.tolist()
+        rows = sum(1 + (w.k if w.by_head else len(w.draft.tokens[: w.k]) if w.k else 0) for w in plan.windows)
         seconds = (lambda n: self.policy.cost.predict(n, len(heads), plan.head_k)) if self.policy.cost else None
-        for w, cands in zip(heads, candidates):
-            if w.request.matcher is not None:
+        by_head = {id(w): j for j, w in enumerate(heads)}
+        for w in plan.windows:
+            if not w.k:
                 continue
-            w.tree = self.trees.shape(cands.cut(w.k), len(plan.windows), rows - w.k, seconds)
-            w.tokens = list(w.tree.tokens)
-            rows += len(w.tree) - w.k
+            j = by_head.get(id(w))
+            if w.grammar is not None:
+                tokens = w.grammar.proposed if j is not None else w.grammar.take(w.draft.tokens[: w.k])
+                w.tree = DraftTree.chain(tokens)
+            elif j is None:
+                w.tree = DraftTree.chain(w.draft.tokens[: w.k])
+            elif candidates is None:
+                w.tree = DraftTree.chain(made[j][: w.k])
+            else:
+                w.tree = self.trees.shape(candidates[j].cut(w.k), len(plan.windows), rows - w.k, seconds)
+                rows += len(w.tree) - w.k
 
     def _grammar_windows(self, plan: StepPlan) -> None:
-        """Verify windows under grammars. A constrained request's drafts were proposed under its mask (`_draft`),
-        cut where the grammar ends or allows nothing in the draft vocabulary; when those are certain to be accepted
-        (there are none, or all were forced) the forced tokens that follow (the only ones the grammar allows) join
-        them, verified in the same forward without being drafted, so a plain step of a constrained request can emit
-        several tokens. Unconstrained windows are unchanged."""
+        """The forced tokens each constrained window verifies after its drafts (GrammarWindow.forced_run), in the
+        same forward without being drafted, so a plain step of a constrained request can emit several tokens."""
         for w in plan.windows:
-            m = w.request.matcher
-            if m is None:
-                continue
-            if not m.window_open:  # not drafted this step
-                m.open_window()
-            w.drafted = len(m.proposed)
-            # Only behind proposals that are certain to be accepted (none, or all forced): behind a draft the target
-            # may reject, the run would cost rows for tokens that are usually thrown away.
-            if m.window_certain:
-                room = w.request.params.max_tokens - len(w.request.output_ids) - 1 - len(m.proposed)  # and the bonus
-                m.extend_forced(min(self.max_forced_run, room))
-            w.tokens = list(m.proposed)
+            if w.grammar is not None:
+                room = w.request.params.max_tokens - len(w.request.output_ids) - 1 - w.drafted  # and the bonus
+                w.forced = tuple(w.grammar.forced_run(min(self.max_forced_run, room)))
 
     def _verify(self, plan: StepPlan) -> tuple:
         """The target's forward over every request's window [x_n, tokens...] at positions n..n+K_b: per request,
@@ -614,7 +599,7 @@ class LLMEngine:
         the drafter's next real rows and the prefix cache's next blocks. A tree's accepted branch is moved to the
         positions its tokens now hold, and its rows taken as a chain's."""
         req = w.request
-        masks = req.matcher.window_masks() if req.matcher is not None else None
+        masks = w.grammar.masks() if w.grammar is not None else None
         if masks is not None:
             logits = req.matcher.mask_logits(logits, stack_bias(masks))
         path, emitted = self._verified_path(w, logits)
@@ -628,7 +613,7 @@ class LLMEngine:
         if self.drafter is not None:  # positions n..n+a are now verified: the drafter's next real rows
             req.backlog.append(emitted, features[: len(emitted)])
         before = len(req.output_ids)
-        self._commit(req, emitted, logits)
+        self._commit(req, emitted, logits, w.grammar)
         self.proposer.add_tokens(req, req.output_ids[before:])
         # Positions n..n+a now hold their final keys and values: those whose tokens were kept (a stop ends the
         # request, so nothing after it needs the chain) can be reused.
@@ -653,7 +638,7 @@ class LLMEngine:
         """The one place a window's outcome is counted: the request's and the engine's statistics (steps by K,
         acceptance, forced tokens), its drafter's, and what its proposer or the policy learns all derive from it."""
         req = outcome.request
-        for stats in (req.spec, self.stats):
+        for stats in (req.spec_stats, self.stats):
             stats.num_forced_tokens += outcome.forced
             if self.spec is not None:
                 stats.record(outcome.drafted, outcome.accepted, outcome.depth)
@@ -665,8 +650,7 @@ class LLMEngine:
             self.proposer.observe(req, outcome.draft, outcome.drafted, outcome.accepted)
         elif outcome.drafted:  # the policy's estimate is of the head's chain: what its first children would do
             self.policy.observe(req.request_id, outcome.depth, outcome.chain_accepted)
-            if outcome.tree is not None:
-                self.trees.observe(outcome.tree, outcome.accepted)
+            self.trees.observe(outcome.tree, outcome.accepted)
 
     def _retire_if_finished(self, req: Request) -> None:
         if req.finished and req in self.running:
@@ -703,9 +687,11 @@ class LLMEngine:
         return int(torch.multinomial(target_probs(logits, req.params), 1, generator=req.generator))
 
     # -- output ------------------------------------------------------------------------------------------------
-    def _commit(self, req: Request, tokens: list[int], logits: torch.Tensor) -> None:
+    def _commit(self, req: Request, tokens: list[int], logits: torch.Tensor,
+                grammar: GrammarWindow | None = None) -> None:
         """Append tokens one by one, stopping exactly at EOS, a stop token, max_tokens or a stop string.
-        logits[i] are the target's logits that tokens[i] was drawn from (for log-probabilities)."""
+        logits[i] are the target's logits that tokens[i] was drawn from (for log-probabilities); `grammar`: the
+        step's window on the request's grammar, settled against what was committed."""
         p = req.params
         before = len(req.output_ids)
         for tok in tokens:
@@ -718,11 +704,14 @@ class LLMEngine:
             if len(req.output_ids) >= p.max_tokens:
                 req.finish_reason = "length"
                 break
-        if req.matcher is not None:
+        if grammar is not None:
+            grammar.settle(req.output_ids[before:])
+        elif req.matcher is not None:
             req.matcher.commit(req.output_ids[before:])
-            if req.matcher.error is not None and req.finished:  # it ended on the end of sequence it was left with
-                logger.warning("request %s: structured output stopped: %s", req.request_id, req.matcher.error)
-                req.finish_reason = "abort"
+        if req.matcher is not None and req.matcher.error is not None and req.finished:
+            # it ended on the end of sequence it was left with
+            logger.warning("request %s: structured output stopped: %s", req.request_id, req.matcher.error)
+            req.finish_reason = "abort"
         if p.logprobs is not None:
             kept = req.output_ids[before:]
             req.logprobs += token_logprobs(target_logprobs(logits[: len(kept)], p), kept, p.logprobs)
@@ -768,7 +757,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=req.request_id, text=text, delta_text=delta, token_ids=list(req.output_ids),
             delta_token_ids=delta_ids, finished=req.finished, finish_reason=req.finish_reason,
-            num_prompt_tokens=len(req.prompt_ids), spec=req.spec, num_cached_tokens=req.num_cached_tokens,
+            num_prompt_tokens=len(req.prompt_ids), spec_stats=req.spec_stats, num_cached_tokens=req.num_cached_tokens,
             time_to_first_token=(req.first_token_at - req.arrival) if req.first_token_at else None,
             elapsed=now - req.arrival, logprobs=list(req.logprobs) if want_logprobs else None,
             delta_logprobs=delta_logprobs, prompt_logprobs=req.prompt_logprobs)

@@ -109,13 +109,13 @@ def run(args: argparse.Namespace) -> int:
         "what_runs": chosen.describe(),
         **engine.kernels,
         **engine.step_threads.summary(),  # where the engine's thread count ended, if it chooses one
-        **{k: v for k, v in final.spec.as_dict().items()},
+        **{k: v for k, v in final.spec_stats.as_dict().items()},
         "proposers": by_proposer(engine.proposer_stats),
     }
     if args.json:
         print(json.dumps(result))
     else:
-        per_pos = " ".join(f"{x:.2f}" for x in final.spec.acceptance_per_position)
+        per_pos = " ".join(f"{x:.2f}" for x in final.spec_stats.acceptance_per_position)
         mean_k = f", mean K {result['mean_k']:.2f}" if result["speculation_policy"] == "adaptive" else ""
         print(f"\n\n[{result['what_runs']}{mean_k}] {result['num_output_tokens']} tokens in "
               f"{result['elapsed_s']:.2f} s: {result['tokens_per_second']:.1f} tok/s, TTFT "

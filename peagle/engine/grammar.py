@@ -9,9 +9,9 @@ the engine needs around it:
     matchers, each request getting a cheap copy), in a small thread pool with a time limit, a size limit and
     llguidance's own fuel limits, so a hostile schema fails alone with a `GrammarError` instead of stalling others;
   * `GrammarMatcher`: one per request; the allowed tokens of its current state (cached per state, so a rejected
-    draft's masks are never computed twice), advancing and rolling back, the forced token (the only one allowed),
-    and the speculation window: drafts proposed under the mask, the mask of every verified row, and the roll-back
-    to what was committed.
+    draft's masks are never computed twice), advancing and rolling back, the forced token (the only one allowed);
+  * `GrammarWindow`: one per constrained request and decode step; its drafts proposed under the mask, the forced
+    run verified after them, the mask of every verified row, and the roll-back to what was committed.
 """
 from __future__ import annotations
 
@@ -185,7 +185,7 @@ class StateMask:
 
 class GrammarMatcher:
     """One request's grammar state. States are numbered by the tokens consumed; `_masks[i]` is the mask after i of
-    them, computed on demand and kept only for the current state and the open window's, so rolling back and
+    them, computed on demand and kept only for the current state and those of a step's window (`GrammarWindow`), so rolling back and
     re-advancing over the same tokens (a draft that the target accepted) costs no new mask.
 
     A matcher that fails mid-answer (llguidance's per-step limits, a token it refuses) sets `error` and from then on
@@ -197,8 +197,6 @@ class GrammarMatcher:
         self.error: str | None = None
         self._tokens: list[int] = []
         self._masks: dict[int, StateMask] = {}
-        self._window_start: int | None = None
-        self._window_closed = False  # no more drafts this window (see `propose`)
 
     # -- state ---------------------------------------------------------------------------------------------------
     @property
@@ -271,85 +269,101 @@ class GrammarMatcher:
         for state in [i for i in self._masks if i > len(self._tokens)]:
             del self._masks[state]
 
-    # -- a speculation window: drafts proposed under the mask, then settled against what was committed -----------
-    @property
-    def window_open(self) -> bool:
-        return self._window_start is not None
+    def commit(self, committed: list[int]) -> None:
+        """Tokens the engine committed (outside a window, or the remainder a settled window did not propose): consume
+        them and drop the masks of the states behind them."""
+        self.advance(committed)
+        for state in [i for i in self._masks if i < len(self._tokens)]:
+            del self._masks[state]
 
-    def open_window(self) -> None:
-        self._window_start, self._window_closed = len(self._tokens), False
+    def masks_from(self, state: int) -> list[StateMask]:
+        """The masks of states `state`.. up to the current one (each computed when its state was reached)."""
+        self.mask()
+        return [self._masks[i] for i in range(state, len(self._tokens) + 1)]
+
+    def tokens_from(self, state: int) -> list[int]:
+        return self._tokens[state:]
+
+
+class GrammarWindow:
+    """A constrained request's part of one decode step, from plan to commit, and the only code that moves its
+    matcher during the step: the drafts proposed under the grammar's mask (tentatively consumed), the forced tokens
+    verified after them, the masks of the rows the target verifies, and, at commit, the settling of what was
+    proposed against what was committed."""
+
+    def __init__(self, matcher: GrammarMatcher):
+        self.matcher = matcher
+        self.start = matcher.num_tokens  # the state the window opened in
+        self.closed = False  # no more drafts (see `propose`)
 
     @property
     def proposed(self) -> list[int]:
-        """The tokens proposed since the window opened."""
-        return self._tokens[self._window_start:]
+        """The tokens consumed since the window opened: its drafts, then any forced run."""
+        return self.matcher.tokens_from(self.start)
+
+    def _open(self) -> bool:
+        m = self.matcher
+        return not self.closed and m.error is None and not m.terminated
 
     def propose(self, draft_logits: torch.Tensor, draft_to_target: torch.Tensor) -> int | None:
-        """The next draft of an open window, consumed tentatively: the forced token if the grammar allows only one,
-        else the drafter's best allowed token (draft_logits [Vd] over the draft vocabulary, whose ids map to target
-        ids through draft_to_target [Vd]). None once nothing more is worth drafting: the grammar has ended, or no
-        allowed token is in the draft vocabulary."""
-        if self._window_start is None or self._window_closed or self.error is not None or self.terminated:
+        """The next draft, consumed tentatively: the forced token if the grammar allows only one, else the drafter's
+        best allowed token (draft_logits [Vd] over the draft vocabulary, whose ids map to target ids through
+        draft_to_target [Vd]). None once nothing more is worth drafting: the grammar has ended, or no allowed token
+        is in the draft vocabulary."""
+        if not self._open():
             return None
-        forced = self.forced_token()
-        if forced is not None:
-            token = forced
-        else:
-            scores = draft_logits.float() + self.mask().bias[draft_to_target.cpu()].to(draft_logits.device)
+        m = self.matcher
+        token = m.forced_token()
+        if token is None:
+            scores = draft_logits.float() + m.mask().bias[draft_to_target.cpu()].to(draft_logits.device)
             best = int(scores.argmax())
             if scores[best] == float("-inf"):  # nothing the grammar allows is in the draft vocabulary
-                self._window_closed = True
+                self.closed = True
                 return None
             token = int(draft_to_target[best])
-        self.advance([token])
+        m.advance([token])
         return token
 
-    def propose_tokens(self, tokens: list[int]) -> int:
-        """Consume (tentatively, inside the open window) a draft made without the grammar (a model-free proposer's)
-        for as long as the grammar allows its tokens; returns how many it took."""
-        taken = 0
+    def take(self, tokens: list[int]) -> list[int]:
+        """A draft made without the grammar (a model-free proposer's), consumed as far as the grammar allows it:
+        the tokens taken."""
+        m, taken = self.matcher, []
         for tok in tokens:
-            if self._window_closed or self.error is not None or self.terminated or self.mask().bias[tok] != 0:
+            if not self._open() or m.mask().bias[tok] != 0:
                 break
-            self.advance([tok])
-            taken += 1
+            m.advance([tok])
+            taken.append(tok)
         return taken
 
-    def extend_forced(self, limit: int) -> list[int]:
-        """Consume (tentatively, inside the open window) the run of forced tokens that follows, at most `limit`:
-        tokens the target must produce, so they are verified without being drafted."""
-        run: list[int] = []
-        while len(run) < limit and self.error is None and not self.terminated:
-            tok = self.forced_token()
+    def forced_run(self, limit: int) -> list[int]:
+        """The run of forced tokens after the drafts, at most `limit`, consumed tentatively: tokens the target must
+        produce, verified without being drafted. Only behind drafts that are certain to be accepted (none, or all
+        forced): behind a draft the target may reject, the run would cost rows for tokens usually thrown away."""
+        m, run = self.matcher, []
+        if not all(mask.forced is not None for mask in m.masks_from(self.start)[:-1]):
+            return run
+        while len(run) < limit and m.error is None and not m.terminated:
+            tok = m.forced_token()
             if tok is None:
                 break
-            self.advance([tok])
+            m.advance([tok])
             run.append(tok)
         return run
 
-    @property
-    def window_certain(self) -> bool:
-        """Every proposal in the window was forced, so the target accepts them all (and anything forced after)."""
-        return all(self._masks[i].forced is not None for i in range(self._window_start, len(self._tokens)))
+    def masks(self) -> list[StateMask]:
+        """The masks of the n + 1 rows the target verifies for the n tokens proposed (row i: after i of them)."""
+        return self.matcher.masks_from(self.start)
 
-    def window_masks(self) -> list[StateMask]:
-        """The masks of the n + 1 rows the target verifies for the n tokens proposed since the window opened (row
-        i: after i of them)."""
-        self.mask()
-        return [self._masks[i] for i in range(self._window_start, len(self._tokens) + 1)]
-
-    def commit(self, committed: list[int]) -> None:
-        """The tokens the engine committed. With a window open, settle it: keep the proposals that were committed,
-        roll back the rest, consume the remainder (the target's correction or bonus token)."""
-        start, self._window_start = self._window_start, None
-        proposed = self._tokens[start:] if start is not None else []
+    def settle(self, committed: list[int]) -> None:
+        """The tokens the engine committed: keep the proposals that were committed, roll back the rest, consume the
+        remainder (the target's correction or bonus token)."""
+        proposed = self.proposed
         keep = 0
         while keep < min(len(proposed), len(committed)) and proposed[keep] == committed[keep]:
             keep += 1
-        self.rollback(len(proposed) - keep)
-        self.advance(committed[keep:])
-        for state in [i for i in self._masks if i < len(self._tokens)]:  # states behind the committed ones
-            del self._masks[state]
+        self.matcher.rollback(len(proposed) - keep)
+        self.matcher.commit(committed[keep:])
+
 
 def stack_bias(masks: list[StateMask]) -> torch.Tensor:
     """Float32 [rows, V]: the biases of a window's rows, to mask its logits at once."""

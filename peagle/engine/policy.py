@@ -13,7 +13,8 @@ tokens per second:
 a_b,i is the acceptance of position i given that position i-1 was accepted, from exponentially forgotten counts of
 request b, with the engine-wide estimate as its prior (so a new request starts from what the engine has seen, and a
 request whose text changes character moves off it within a few steps). target(rows) and drafter(requests, K) are
-forward times measured at start-up (`StepCostModel.calibrate`) and corrected from every real step.
+forward times from the engine's cost model (forward_cost.py), measured at start-up and corrected from every real
+step.
 
 Every request's window is its own: the engine verifies all of a step's rows in one target forward, each request
 only its own K_b + 1 (docs/engine.md, "Choosing K"), so a draft slot (b, i) costs one verify row wherever it is.
@@ -28,7 +29,7 @@ break-even point.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 # The policies' names and the default of the engine and every command live with the speculative config.
@@ -36,6 +37,7 @@ from peagle.config import DEFAULT_SPECULATION_POLICY as DEFAULT_POLICY
 from peagle.config import SPECULATION_POLICIES as POLICIES
 from peagle.config import SPECULATION_POLICY_ENV
 from peagle.engine.acceptance import AcceptanceEstimate, Candidate, MeasuredAcceptance
+from peagle.engine.forward_cost import ForwardCost
 
 PROBE_AFTER = 16  # plain steps in a row after which one step drafts a single token to re-measure acceptance ...
 PROBE_AFTER_MAX = 256  # ... a wait that doubles after every probe that does not bring drafting back, up to this
@@ -48,110 +50,18 @@ PROBE_AFTER_NEAR = 4
 # A window must promise this much more than a plain step to be chosen: estimates and timings are noisy, and a wrong
 # window costs more (drafter, verify rows) than a wrongly plain step loses.
 SPECULATION_MARGIN = 1.05
-COST_CELL_RATE = 0.2  # how fast one (B, W) cell follows its own timings
-COST_DRIFT_RATE = 0.05  # how fast every cell follows the machine's drift (load from other processes, heat)
-DRAFT_DRIFT_RATE = 0.1  # how fast every drafting shape follows what drafting steps turn out to cost
-
-
-class StepCostModel:
-    """Seconds of one decode step: the target's verify forward over `rows` rows (B plain rows plus every verified
-    draft) plus the drafter's forward for the `drafted` requests that draft, at window `k` (the widest one). Two
-    calibrated tables, each with a correction per cell learnt from real steps, and one drift factor shared by all
-    cells (the machine getting slower or faster)."""
-
-    def __init__(self, max_batch: int, max_k: int, max_draft_k: int | None = None, tree_rows: int = 0):
-        """Windows up to max_k verified drafts per request; the head drafts at most max_draft_k of them (default:
-        max_k; fewer where model-free drafts, which cost no drafter forward, run longer); a draft tree may add up to
-        tree_rows rows to a step."""
-        max_draft_k = max_k if max_draft_k is None else max_draft_k
-        self.max_batch, self.max_k, self.max_draft_k = max_batch, max_k, max_draft_k
-        self.max_rows = self.rows_for(max_batch, max_k, tree_rows)
-        self.target = [float(n) for n in range(self.max_rows + 1)]  # until calibrated
-        self.draft = [[0.5 * m * k for k in range(max_draft_k + 1)] for m in range(max_batch + 1)]
-        self.target_cell = [1.0] * (self.max_rows + 1)
-        self.draft_cell = [[1.0] * (max_draft_k + 1) for _ in range(max_batch + 1)]
-        self.drift = 1.0
-        self.draft_drift = 1.0
-
-    @staticmethod
-    def rows_for(max_batch: int, max_k: int, tree_rows: int = 0) -> int:
-        """The most rows a step verifies: every request's widest window, and a draft tree's rows past its window."""
-        return max_batch * (max_k + 1) + tree_rows
-
-    @staticmethod
-    def grid(max_batch: int, max_k: int, max_draft_k: int | None = None,
-             tree_rows: int = 0) -> tuple[list[int], list[int], list[int]]:
-        """The shapes calibration times (row counts of the target; requests and windows of the drafter); the rest
-        is interpolated between them."""
-        max_rows = StepCostModel.rows_for(max_batch, max_k, tree_rows)
-        max_draft_k = max_k if max_draft_k is None else max_draft_k
-        rows = sorted({n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if n < max_rows} | {max_rows})
-        bs = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < max_batch} | {1, max_batch})
-        # The drafter's cost grows about linearly in K (a chain: one forward per draft; parallel: wider rows).
-        ks = sorted({1, (1 + max_draft_k) // 2, max_draft_k}) if max_draft_k else []
-        return rows, bs, ks
-
-    def calibrate(self, time_target: Callable[[int], float], time_draft: Callable[[int, int], float]) -> None:
-        """Fill the tables from time_target(rows) and time_draft(requests, k) -> seconds at the grid's shapes.
-        For each number of requests the drafter's windows get the least-squares line through the timed ones (one
-        noisy timing must not make a window look cheap: a cell the policy then never chooses is never corrected);
-        shapes in between are interpolated."""
-        rows, bs, ks = self.grid(self.max_batch, self.max_k, self.max_draft_k, self.max_rows - self.rows_for(
-            self.max_batch, self.max_k))
-        timed_rows = {n: time_target(n) for n in rows}
-        for n in range(1, self.max_rows + 1):
-            n0, n1 = _bracket(rows, n)
-            self.target[n] = _lerp(n, n0, n1, timed_rows[n0], timed_rows[n1])
-        if not ks:
-            return
-        lines = {b: [0.0] + _line([(k, time_draft(b, k)) for k in ks], self.max_draft_k) for b in bs}
-        for b in range(1, self.max_batch + 1):
-            b0, b1 = _bracket(bs, b)
-            self.draft[b] = [_lerp(b, b0, b1, lines[b0][k], lines[b1][k]) for k in range(self.max_draft_k + 1)]
-
-    def predict_target(self, rows: int) -> float:
-        return self.target[rows] * self.target_cell[rows] * self.drift
-
-    def predict_draft(self, drafted: int, k: int) -> float:
-        return self.draft[drafted][k] * self.draft_cell[drafted][k] * self.draft_drift * self.drift
-
-    def predict(self, rows: int, drafted: int = 0, k: int = 0) -> float:
-        return self.predict_target(rows) + (self.predict_draft(drafted, k) if drafted else 0.0)
-
-    def observe(self, rows: int, drafted: int, k: int, seconds: float) -> None:
-        """A real step's time. A plain step corrects its row count's cell; a drafting step charges what it took
-        beyond the target's predicted share to the drafter: to a factor shared by every drafting shape (requests
-        and K vary from step to step, so one cell alone would learn too slowly to stop a run of dear windows) and
-        to its own cell."""
-        predicted = self.predict(rows, drafted, k)
-        self.drift += COST_DRIFT_RATE * (seconds / predicted - 1.0) * self.drift
-        if not drafted:
-            measured = seconds / (self.target[rows] * self.drift)
-            self.target_cell[rows] += COST_CELL_RATE * (measured - self.target_cell[rows])
-            return
-        base = self.draft[drafted][k] * self.drift
-        if base > 0:
-            measured = max(0.0, seconds - self.predict_target(rows)) / base  # = cell x shared factor, ideally
-            cell = self.draft_cell[drafted][k]
-            self.draft_drift += DRAFT_DRIFT_RATE * (measured / cell - self.draft_drift)
-            self.draft_cell[drafted][k] += COST_CELL_RATE * (measured / self.draft_drift - cell)
-
-
 class SpeculationPolicy(Protocol):
     """What the engine asks of a policy, in the order it asks: `choose` before a step (the only call that decides
-    anything), then `observe` for each request that drafted and `observe_step` for the step's cost; `forget` when a
-    request leaves. `calibrate` once, at start-up, with functions that time the target and the drafter. `cost`: the
-    step-cost model it chooses by (None: it chooses without one), which also shapes draft trees."""
+    anything), then `observe` for each request that drafted; `forget` when a request leaves. `cost`: the engine's
+    cost model if the policy chooses by it (None: it chooses without one), which then also shapes draft trees."""
     name: str
     max_k: int
-    cost: StepCostModel | None
+    cost: ForwardCost | None
 
     def choose(self, requests: Sequence[Candidate]) -> list[int]: ...
     def value(self, request: Candidate, batch: int = 1) -> float: ...
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None: ...
-    def observe_step(self, rows: int, drafted: int, k: int, seconds: float) -> None: ...
     def forget(self, request_id: str) -> None: ...
-    def calibrate(self, time_target: Callable[[int], float], time_draft: Callable[[int, int], float]) -> None: ...
 
 
 class NoSpeculation:
@@ -177,13 +87,7 @@ class NoSpeculation:
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
         pass
 
-    def observe_step(self, rows: int, drafted: int, k: int, seconds: float) -> None:
-        pass
-
     def forget(self, request_id: str) -> None:
-        pass
-
-    def calibrate(self, time_target: Callable[[int], float], time_draft: Callable[[int, int], float]) -> None:
         pass
 
 
@@ -204,13 +108,10 @@ class AdaptiveK(NoSpeculation):
 
     name = "adaptive"
 
-    def __init__(self, max_k: int, max_batch: int, cost: StepCostModel | None = None, head_k: int | None = None,
-                 tree_rows: int = 0):
-        """Windows of up to max_k drafts; the head's up to head_k (default max_k; 0: no head, model-free drafts
-        only), and a draft tree's up to tree_rows rows more."""
-        self.max_k = max_k
-        self.head_k = max_k if head_k is None else head_k
-        self.cost = cost or StepCostModel(max_batch, max_k, self.head_k, tree_rows)
+    def __init__(self, cost: ForwardCost):
+        """Windows of up to cost.max_k drafts; the head's up to cost.max_head_k (0: no head, model-free drafts
+        only)."""
+        self.max_k, self.head_k, self.cost = cost.max_k, cost.max_head_k, cost
         self.acceptance = MeasuredAcceptance(self.head_k)  # the head's
         self.plain_steps_in_a_row = 0
         self.probe_after = PROBE_AFTER
@@ -299,14 +200,8 @@ class AdaptiveK(NoSpeculation):
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
         self.acceptance.observe(request_id, num_drafted, num_accepted)
 
-    def observe_step(self, rows: int, drafted: int, k: int, seconds: float) -> None:
-        self.cost.observe(rows, drafted, k, seconds)
-
     def forget(self, request_id: str) -> None:
         self.acceptance.forget(request_id)
-
-    def calibrate(self, time_target: Callable[[int], float], time_draft: Callable[[int, int], float]) -> None:
-        self.cost.calibrate(time_target, time_draft)
 
 
 class OffAtBatchSize:
@@ -326,45 +221,19 @@ class OffAtBatchSize:
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
         self.policy.observe(request_id, num_drafted, num_accepted)
 
-    def observe_step(self, rows: int, drafted: int, k: int, seconds: float) -> None:
-        self.policy.observe_step(rows, drafted, k, seconds)
-
     def forget(self, request_id: str) -> None:
         self.policy.forget(request_id)
 
-    def calibrate(self, time_target: Callable[[int], float], time_draft: Callable[[int, int], float]) -> None:
-        self.policy.calibrate(time_target, time_draft)
 
-
-def make_policy(name: str, max_k: int, max_batch: int, disable_by_batch_size: int | None = None,
-                head_k: int | None = None, tree_rows: int = 0) -> SpeculationPolicy:
-    """The policy called `name` for drafts up to max_k (the head's up to head_k, default max_k; draft trees up to
-    tree_rows rows more), off while disable_by_batch_size requests run."""
+def make_policy(name: str, cost: ForwardCost, disable_by_batch_size: int | None = None) -> SpeculationPolicy:
+    """The policy called `name` for the windows `cost` describes (drafts up to cost.max_k, the head's up to
+    cost.max_head_k), off while disable_by_batch_size requests run."""
     policy: SpeculationPolicy
     if name == "fixed":
-        policy = FixedK(max_k, head_k)
+        policy = FixedK(cost.max_k, cost.max_head_k)
     elif name == "adaptive":
-        policy = AdaptiveK(max_k, max_batch, head_k=head_k, tree_rows=tree_rows)
+        policy = AdaptiveK(cost)
     else:
         raise ValueError(f"unknown speculation policy {name!r}: choose one of {', '.join(POLICIES)} "
                      f"(--speculation-policy or {SPECULATION_POLICY_ENV})")
     return OffAtBatchSize(policy, disable_by_batch_size) if disable_by_batch_size else policy
-
-
-def _line(points: list[tuple[int, float]], max_k: int) -> list[float]:
-    """Values at 1..max_k of the least-squares line through points (never falling with W)."""
-    n = len(points)
-    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
-    var = sum((x - mx) ** 2 for x, _ in points)
-    slope = max(0.0, sum((x - mx) * (y - my) for x, y in points) / var) if var else 0.0
-    return [my + slope * (w - mx) for w in range(1, max_k + 1)]
-
-
-def _bracket(grid: list[int], x: int) -> tuple[int, int]:
-    lo = max(g for g in grid if g <= x)
-    hi = min(g for g in grid if g >= x)
-    return lo, hi
-
-
-def _lerp(x: float, x0: float, x1: float, y0: float, y1: float) -> float:
-    return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)

@@ -49,7 +49,7 @@ class Prefill:
             predicted, started = self.chunk_cost(batch, drafter=False), clock()
             self.run_chunks(batch)
             seconds = clock() - started
-            budget.target.observe(predicted, seconds)
+            budget.cost.prefill.observe(predicted, seconds)
             budget.spend(seconds)
             started = clock()  # index what was prefilled (suffix trees), a chunk at a time
             for req, _ in batch:
@@ -89,9 +89,9 @@ class Prefill:
         every_row = any(req.params.prompt_logprobs is not None for req, _ in batch)
         logit_rows = len(batch) * width if every_row else \
             sum(req.num_computed + n == len(req.prefill_ids) for req, n in batch)
-        cost = self.budget.target.predict([(width, req.num_computed) for req, _ in batch], logit_rows)
+        cost = self.budget.cost.prefill.predict([(width, req.num_computed) for req, _ in batch], logit_rows)
         if drafter:
-            cost += sum(self.budget.drafter.predict([(due, req.backlog.start)]) for req, n in batch
+            cost += sum(self.budget.cost.catch_up.predict([(due, req.backlog.start)]) for req, n in batch
                         if (due := self.catch_up.rows_due(req, n)))
         return cost
 

@@ -33,7 +33,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop", "length", "abort", or None while running
     num_prompt_tokens: int
-    spec: SpecDecodeStats
+    spec_stats: SpecDecodeStats
     time_to_first_token: float | None  # seconds
     elapsed: float  # seconds since arrival
     # With SamplingParams.logprobs: one entry per output token (all so far, and those of delta_token_ids).
@@ -101,7 +101,7 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    spec: SpecDecodeStats
+    spec_stats: SpecDecodeStats
     generator: torch.Generator | None = None
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class SpecDecodeStats:
-    num_speculative_tokens: int = 0  # the largest K a step may verify
+    max_k: int = 0  # the largest K a step may verify
     num_drafts: int = 0  # verification steps that carried drafts
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -23,7 +23,7 @@ class SpecDecodeStats:
     num_forced_tokens: int = 0
 
     def __post_init__(self):
-        k = self.num_speculative_tokens
+        k = self.max_k
         self.accepted_per_position += [0] * (k - len(self.accepted_per_position))
         self.steps_per_k += [0] * (k + 1 - len(self.steps_per_k))
 
@@ -42,8 +42,7 @@ class SpecDecodeStats:
 
     def merge(self, other: "SpecDecodeStats") -> "SpecDecodeStats":
         """Add other's counts to these (in place; returns self)."""
-        k = max(self.num_speculative_tokens, other.num_speculative_tokens)
-        self.num_speculative_tokens = k
+        self.max_k = max(self.max_k, other.max_k)
         self.__post_init__()
         self.num_drafts += other.num_drafts
         self.num_draft_tokens += other.num_draft_tokens

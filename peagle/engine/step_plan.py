@@ -1,23 +1,25 @@
 """One decode step as data (docs/design.md, "Decoding step"). The engine plans a step as one `Window` per decoding
-request and carries the `StepPlan` through every phase, each filling in its part:
+request and carries the `StepPlan` through every phase; each field of a window is written once, by its phase:
 
-    plan     the proposer's model-free draft (`draft`) and the policy's number of drafts (`k`)
-    catch up a head that is still behind after its slice of the drafter's backlog gets k = 0
-    draft    the window's tokens: the head's drafts or the model-free draft, cut to k; a head's as a tree where
-             draft trees are on (`tree`: its nodes are `tokens`)
-    grammar  under a constraint, the tokens the grammar allowed (`drafted` of them) and the forced ones after them
+    plan     `k` the policy's number of drafts, `draft` the proposer's model-free draft, `grammar` a constrained
+             request's window on its grammar (a head still behind after catch-up gets a copy with k = 0)
+    draft    `tree`: the window's drafts as a draft tree (a chain: one branch), cut to k; the head's or the
+             model-free draft's, proposed under the grammar where there is one
+    grammar  `forced`: the forced tokens (the only ones a grammar allows) verified after the drafts
     verify   every window [x_n, tokens...] in one target forward
     commit   each window's `Outcome`, the one record every statistic and estimate is derived from
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from peagle.engine.draft_tree import DraftTree
 
 if TYPE_CHECKING:
     from peagle.engine.acceptance import Draft
+    from peagle.engine.grammar import GrammarWindow
     from peagle.engine.request import Request
 
 
@@ -27,14 +29,23 @@ class Window:
     request: Request
     k: int  # drafts the policy gave it (0: a plain step for this request)
     draft: Draft | None = None  # the model-free draft made before the policy chose (None: the head's, if k)
-    tokens: list[int] = field(default_factory=list)  # verified after x_n: its drafts, then any forced tokens
-    drafted: int = 0  # how many of `tokens` were drafted (the rest are the only tokens a grammar allowed)
-    tree: DraftTree | None = None  # the head's drafts as shaped into a tree (None: `tokens` is a chain)
+    grammar: GrammarWindow | None = None  # the request's grammar over this step (None: unconstrained)
+    tree: DraftTree = DraftTree.chain([])  # its drafts (a plain window: none)
+    forced: tuple[int, ...] = ()  # tokens verified after the drafts: the only ones its grammar allowed
+
+    @property
+    def tokens(self) -> list[int]:
+        """What it verifies after x_n: its drafts (a tree's nodes in order), then its forced tokens."""
+        return [*self.tree.tokens, *self.forced]
+
+    @property
+    def drafted(self) -> int:
+        return len(self.tree)
 
     @property
     def branches(self) -> bool:
         """Whether its drafts branch (verified with per-node keys, and the accepted branch moved into place)."""
-        return self.tree is not None and not self.tree.is_chain
+        return not self.tree.is_chain
 
     @property
     def by_head(self) -> bool:
@@ -45,10 +56,9 @@ class Window:
         """What this window came to: `path` the drafts verification accepted (node indices), `forced` the committed
         tokens the grammar forced, `head` the name of the head's proposer."""
         proposer = self.draft.proposer if self.draft is not None else head
-        tree = self.tree or DraftTree.chain(self.tokens[: self.drafted])
         accepted = min(len(path), self.drafted)
-        return Outcome(self.request, self.draft, proposer, self.drafted, accepted, forced, tree.depth,
-                       tree.first_children(path[:accepted]), self.tree)
+        return Outcome(self.request, self.draft, proposer, self.drafted, accepted, forced, self.tree.depth,
+                       self.tree.first_children(path[:accepted]), self.tree)
 
 
 @dataclass
@@ -72,7 +82,12 @@ class StepPlan:
     @property
     def verifies_forced_tokens(self) -> bool:
         """Whether some window verifies tokens past its drafts (a grammar's forced run)."""
-        return any(len(w.tokens) > w.drafted for w in self.windows)
+        return any(w.forced for w in self.windows)
+
+    def holding_back(self, requests: set[Request]) -> StepPlan:
+        """This plan with the head windows of `requests` made plain (their drafter is still behind: catch_up.py)."""
+        return StepPlan([dataclasses.replace(w, k=0) if w.by_head and w.request in requests else w
+                         for w in self.windows])
 
 
 @dataclass(frozen=True)
@@ -87,4 +102,4 @@ class Outcome:
     forced: int  # committed tokens that were the only one the grammar allowed
     depth: int  # the deepest draft verified (a chain's: `drafted`)
     chain_accepted: int  # what the tree's first-child chain would have accepted (a chain's: `accepted`)
-    tree: DraftTree | None  # the head's shaped tree (None: a chain with nothing to calibrate)
+    tree: DraftTree  # what it verified (the tree shaper calibrates on those whose probabilities it knows)

@@ -523,9 +523,9 @@ def request_metrics(outs: list[RequestOutput]) -> dict:
 
 
 def _merged_stats(outs: list[RequestOutput]) -> SpecDecodeStats:
-    total = SpecDecodeStats(outs[0].spec.num_speculative_tokens)
+    total = SpecDecodeStats(outs[0].spec_stats.max_k)
     for o in outs:
-        total.merge(o.spec)
+        total.merge(o.spec_stats)
     return total
 
 

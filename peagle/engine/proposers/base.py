@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     import torch
 
     from peagle.engine.draft_tree import Candidates
+    from peagle.engine.grammar import GrammarWindow
     from peagle.engine.request import Request
 
 
@@ -33,10 +34,11 @@ class Proposer(Protocol):
         drafts once the windows are chosen."""
         ...
 
-    def draft(self, reqs: list["Request"], slots: torch.Tensor, k: int, top: int = 0
-              ) -> tuple[torch.Tensor, list[Candidates] | None]:
+    def draft(self, reqs: list["Request"], slots: torch.Tensor, k: int, top: int = 0,
+              grammars: Sequence[GrammarWindow | None] = ()) -> tuple[torch.Tensor, list[Candidates] | None]:
         """The head's drafts [B, k] as target ids for the requests whose windows it was given (in `slots`), and
-        with `top` each request's `top` best candidates per position for a draft tree."""
+        with `top` each request's `top` best candidates per position for a draft tree. A request with a grammar
+        window (`grammars`, per request) drafts under its mask: the window holds its drafts."""
         ...
 
     def observe(self, req: "Request", draft: Draft, num_drafted: int, num_accepted: int) -> None:
@@ -81,7 +83,7 @@ class NoHead:
     """A proposer without a head (n-grams, suffix trees, none): `score` drafts every window it proposes."""
     head_name = None
 
-    def draft(self, reqs: list["Request"], slots: "torch.Tensor", k: int, top: int = 0):
+    def draft(self, reqs: list["Request"], slots: "torch.Tensor", k: int, top: int = 0, grammars=()):
         raise RuntimeError(f"{type(self).__name__} has no head to draft with: its drafts come from score()")
 
 

@@ -17,6 +17,7 @@ from peagle.engine.proposers.base import NoModelFreeDrafts
 from peagle.engine.timing import timed
 
 if TYPE_CHECKING:
+    from peagle.engine.grammar import GrammarWindow
     from peagle.engine.request import Request
     from peagle.model.drafter import Drafter
 
@@ -34,14 +35,15 @@ class HeadProposer(NoModelFreeDrafts):
     def draft_fn(self):
         return self.drafter.draft_parallel if self.parallel else self.drafter.draft_chain
 
-    def draft(self, reqs: list["Request"], slots: torch.Tensor, k: int, top: int = 0
-              ) -> tuple[torch.Tensor, list[Candidates] | None]:
+    def draft(self, reqs: list["Request"], slots: torch.Tensor, k: int, top: int = 0,
+              grammars: Sequence["GrammarWindow | None"] = ()) -> tuple[torch.Tensor, list[Candidates] | None]:
         """Drafts [B, k] as target ids, and with `top` each request's `top` best candidates per position for a draft
-        tree; the drafter runs every request's pending real rows on the way."""
+        tree; the drafter runs every request's pending real rows on the way. A request with a grammar window drafts
+        under its mask (`grammar_pick`)."""
         tokens, feats, num_real, start = self.pending_batch(reqs)
         for r in reqs:
             r.backlog.consume()
-        pick, seen = self.grammar_pick(reqs) or self.drafter.greedy_pick, []
+        pick, seen = self.grammar_pick(grammars) or self.drafter.greedy_pick, []
         if top:
             choose = pick
 
@@ -69,21 +71,19 @@ class HeadProposer(NoModelFreeDrafts):
         start = torch.tensor([r.backlog.start for r in reqs], device=dev)
         return tokens, feats, num_real, start
 
-    def grammar_pick(self, reqs: list["Request"]):
+    def grammar_pick(self, grammars: Sequence["GrammarWindow | None"]):
         """The drafter's choice at each depth when some of the drafting requests are constrained: theirs under the
-        mask of the state their earlier drafts reached (each proposal is consumed tentatively, and settled when the
-        engine commits), everyone else's greedy. None when no request is constrained."""
-        constrained = [(j, r.matcher) for j, r in enumerate(reqs) if r.matcher is not None]
+        mask of the state their earlier drafts reached (each proposal is consumed tentatively by its grammar window,
+        and settled when the engine commits), everyone else's greedy. None when no request is constrained."""
+        constrained = [(j, g) for j, g in enumerate(grammars) if g is not None]
         if not constrained:
             return None
-        for _, m in constrained:
-            m.open_window()
         draft_to_target = self.draft_to_target
 
         def pick(depth: int, logits: torch.Tensor) -> torch.Tensor:
             ids = self.drafter.greedy_pick(depth, logits)
-            for j, m in constrained:
-                token = m.propose(logits[j], draft_to_target)
+            for j, g in constrained:
+                token = g.propose(logits[j], draft_to_target)
                 if token is not None:
                     ids[j] = token
             return ids

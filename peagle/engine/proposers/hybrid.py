@@ -41,8 +41,8 @@ class HybridProposer:
                 self.suffix.observe(req, draft, 0, 0)  # not verified: its estimate ages
         return out
 
-    def draft(self, reqs: list["Request"], slots: "torch.Tensor", k: int, top: int = 0):
-        return self.head.draft(reqs, slots, k, top)
+    def draft(self, reqs: list["Request"], slots: "torch.Tensor", k: int, top: int = 0, grammars=()):
+        return self.head.draft(reqs, slots, k, top, grammars)
 
     def observe(self, req: "Request", draft: Draft, num_drafted: int, num_accepted: int) -> None:
         self.suffix.observe(req, draft, num_drafted, num_accepted)
