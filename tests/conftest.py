@@ -72,12 +72,11 @@ def cache_contents(cache) -> list[torch.Tensor]:
 
 def on_kernel_path(monkeypatch, path: str) -> None:
     """Run what is built from here on (packed weights, native layers, attention calls) on matrix path `path`, as a
-    process started with PEAGLE_CPU_KERNELS=path would (the variable is read once per process)."""
+    process started with PEAGLE_CPU_KERNELS=path would (its paths are resolved once per process)."""
     from peagle.model import kernels
 
     assert path in kernels.supported_paths(), path
-    monkeypatch.setattr(kernels, "_forced", path)
-    monkeypatch.setattr(kernels, "_matmul", path)
+    monkeypatch.setattr(kernels, "_resolved", kernels.resolve(path, kernels._cpu_flags(), kernels.library))
 
 
 @pytest.fixture(scope="module")

@@ -124,7 +124,7 @@ def test_amx_int8_default_threshold_gives_the_same_bits(which, one_thread):
 def test_amx_int8_is_the_block_path_where_the_cpu_has_it():
     if kernels.cpu_has("amx-int8") and kernels.available():
         assert kernels.quant_paths()[0] == "amx-int8"
-        assert kernels.quant_path() == "amx-int8" or kernels._forced in ("avx2", "avx512-bf16")
+        assert kernels.quant_path() == "amx-int8" or kernels.kernel_paths().choice in ("avx2", "avx512-bf16")
     else:
         assert "amx-int8" not in kernels.quant_paths()
 

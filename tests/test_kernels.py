@@ -7,7 +7,7 @@ fails here.
 """
 from __future__ import annotations
 
-import os
+import dataclasses
 
 import pytest
 import torch
@@ -34,24 +34,8 @@ def test_every_path_the_cpu_has_runs_and_the_fastest_is_chosen():
     the OS dropped would otherwise only show up as skipped tests."""
     expected = tuple(p for p in kernels.PATHS if kernels.cpu_has(p))
     assert kernels.supported_paths() == expected
-    if expected and os.environ.get("PEAGLE_CPU_KERNELS", "auto") == "auto":
+    if expected and kernels.kernel_paths().choice == "auto":
         assert kernels.matmul_path() == expected[0]
-
-
-@needs_native_kernels
-@pytest.mark.parametrize("choice, blocks", [("auto", "avx512-vnni"), ("avx2", "avx2")])
-def test_naming_the_default_keeps_block_products_on_vnni(choice, blocks, monkeypatch):
-    """On a CPU with AVX-512 VNNI but no AVX-512 BF16 (Intel Ice Lake) the matrix path is avx2 and block products
-    run on VNNI; PEAGLE_CPU_KERNELS=auto, the default said out loud, must not move them to AVX2 as naming avx2 does."""
-    icelake = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
-    kernels.library()  # built once for the real CPU; the state below is reset to read the pretended one
-    for name, value in (("_tried", False), ("_lib", None), ("_error", None), ("_forced", None), ("_matmul", None),
-                        ("_paths", ())):
-        monkeypatch.setattr(kernels, name, value)
-    monkeypatch.setattr(kernels, "_cpu_flags", lambda: icelake)
-    monkeypatch.setenv("PEAGLE_CPU_KERNELS", choice)
-    assert kernels.supported_paths() == ("avx2",) and kernels.matmul_path() == "avx2"
-    assert kernels.quant_path() == blocks
 
 
 @pytest.mark.parametrize("path", KERNEL_PATHS)
@@ -111,7 +95,8 @@ def test_a_path_this_machine_cannot_run_is_refused(monkeypatch):
     missing = [p for p in kernels.PATHS if p not in kernels.supported_paths()]
     if not missing:  # a CPU that runs every path: take one away, so the refusal is checked here too
         missing = [kernels.PATHS[0]]
-        monkeypatch.setattr(kernels, "_paths", kernels.PATHS[1:])
+        monkeypatch.setattr(kernels, "_resolved",
+                            dataclasses.replace(kernels.kernel_paths(), matrix_paths=kernels.PATHS[1:]))
     with pytest.raises(ValueError, match="does not run here"):
         kernels.PackedWeight.pack(bf16(16, 16), missing[0])
 

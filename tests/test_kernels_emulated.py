@@ -8,6 +8,8 @@ What this proves is the sections' logic under the instructions' semantics as SIM
 them (Intel's manual); not the compiler's code for real AVX-512, nor anything about speed."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -120,13 +122,18 @@ def test_vnni_gives_avx2_bits_on_a_real_q4_k_m_file(emulated, one_thread):
         assert_vnni_gives_avx2_bits(emulated, qw, bf16(13, K, seed=3))
 
 
+def in_place(emulated, monkeypatch) -> None:
+    """This process's kernel paths with the emulated library in the real one's place, its AVX-512 BF16 path
+    runnable (the defaults stay the real CPU's)."""
+    monkeypatch.setattr(kernels, "_resolved", dataclasses.replace(kernels.kernel_paths(), lib=emulated,
+                                                                  matrix_paths=("avx512-bf16", "avx2")))
+
+
 @pytest.fixture
 def emulated_in_place(emulated, monkeypatch):
     """The emulated library in the real one's place, its AVX-512 BF16 path runnable: tests/test_kernels.py's own
     checks of that path (numerics, batch invariance, threads, attention) then run on it, unchanged."""
-    kernels.library()
-    monkeypatch.setattr(kernels, "_lib", emulated)
-    monkeypatch.setattr(kernels, "_paths", ("avx512-bf16", "avx2"))
+    in_place(emulated, monkeypatch)
 
 
 # tests/test_kernels.py's shapes but its 49,152 x 64 (21 s emulated; it adds panels, not arithmetic).
@@ -200,8 +207,7 @@ def test_avx512_bf16_attention_on_real_gemma3_activations(emulated, gemma3_atten
     native = {"avx2": attention("avx2")}
     if kernels.cpu_has("avx512-bf16"):
         native["avx512-bf16"] = attention("avx512-bf16")
-    monkeypatch.setattr(kernels, "_lib", emulated)
-    monkeypatch.setattr(kernels, "_paths", ("avx512-bf16", "avx2"))
+    in_place(emulated, monkeypatch)
     emulated_out = attention("avx512-bf16")
     for name, out in {**native, "emulated avx512-bf16": emulated_out}.items():
         error[name] = ((out - exact).norm() / exact.norm()).item()

@@ -13,6 +13,13 @@ use AVX2 on every machine. PEAGLE_CPU_KERNELS picks a path by name ("avx2", ...)
 Where no path applies (not x86-64, no AVX2, no C compiler), PyTorch runs and `summary()` says that greedy
 speculation is then not bit-exact.
 
+Which paths run is one frozen value, `KernelPaths`, made by one function, `resolve(choice, cpu flags, library)`,
+once per process (`kernel_paths()`, on first use); every helper below (`matmul_path()`, `quant_path()`, ...) reads
+it. The choice comes from PEAGLE_CPU_KERNELS, read only by `choice_from_environment()`, which `kernel_paths()`
+calls: a process has one choice with one meaning ("auto" and unset alike) whether a `peagle` command or a Python
+program using LLMEngine started it, and subprocess servers inherit it with the environment. No command-line flag
+duplicates it, so there is nothing for the two to disagree about.
+
 The library is compiled once per machine with the system C compiler (warnings on) into $PEAGLE_HOME/kernels and
 loaded with ctypes. Every allocation in the C code is checked; a failure raises MemoryError here.
 """
@@ -28,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,16 +71,6 @@ _GEMM_SYMBOL = {"amx": "peagle_amx_gemm", "avx512-bf16": "peagle_gemm_avx512bf16
 _FLAGS = ["-O3", "-fPIC", "-shared", "-ffp-contract=off", "-Wall", "-Wextra"]
 # An older compiler may not know the AMX or AVX-512 BF16 intrinsics: then build without those sections.
 _SECTION_FALLBACKS = ([], ["-DPEAGLE_NO_AMX"], ["-DPEAGLE_NO_AMX", "-DPEAGLE_NO_AVX512"])
-
-_lock = threading.Lock()
-_lib = None
-_paths: tuple[str, ...] = ()  # matrix paths this machine and this build can run, fastest first
-_matmul: str | None = None  # the path PackedWeight.pack uses by default
-_tried = False
-_error: str | None = None  # a PEAGLE_CPU_KERNELS choice this machine cannot run
-_forced: str | None = None  # the matrix path PEAGLE_CPU_KERNELS named ("auto" names none)
-_amx_granted = False  # whether the OS granted this process the AMX tile state (peagle_amx_init)
-
 
 @functools.cache
 def _cpu_flags() -> frozenset[str]:
@@ -183,44 +181,95 @@ def _declare(lib) -> None:
             fn.argtypes, fn.restype = args, res
 
 
-def library():
-    """The loaded kernel library (ctypes), or None where no native path runs (built and loaded on first call)."""
-    global _lib, _paths, _matmul, _tried, _error, _forced, _amx_granted
-    if _tried and not _error:  # the common case, without the lock
-        return _lib
-    with _lock:
-        if _tried:
-            if _error:
-                raise ValueError(_error)
-            return _lib
-        choice = os.environ.get("PEAGLE_CPU_KERNELS", "auto").strip().lower()
-        if choice not in ("auto", "off", "0", *PATHS):
-            raise ValueError(f"PEAGLE_CPU_KERNELS={choice!r} is not one of auto, off, {', '.join(PATHS)}")
-        _forced = choice if choice in PATHS else None
-        flags = _cpu_flags()
+def _open(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    _declare(lib)
+    return lib
+
+
+def _load() -> ctypes.CDLL | None:
+    """The kernel library built for this machine (compiled on first use), or None where it cannot be built."""
+    path = _build()
+    return None if path is None else _open(path)
+
+
+CHOICE_ENV = "PEAGLE_CPU_KERNELS"
+
+
+def choice_from_environment() -> str:
+    """PEAGLE_CPU_KERNELS's value ("auto" when unset): the one place the variable is read, by kernel_paths() when it
+    resolves this process's paths, for a `peagle` command and for LLMEngine used from Python alike."""
+    return os.environ.get(CHOICE_ENV, "auto")
+
+
+@dataclass(frozen=True)
+class KernelPaths:
+    """Which kernels run: what resolve() decided from a choice, the CPU's flags and the library, never changed after
+    (weights packed for one path must never meet another path's kernels)."""
+    choice: str  # "auto", "off" or a matrix path of PATHS
+    lib: ctypes.CDLL | None = None  # the loaded kernel library; None: PyTorch's kernels run
+    matrix_paths: tuple[str, ...] = ()  # the matrix paths this machine and this build run, fastest first
+    matmul: str | None = None  # the matrix path packed weights use by default
+    attention: str | None = None  # how attention computes ("avx512-bf16" or "avx2", see attention_path())
+    quant_paths: tuple[str, ...] = ()  # the block-quantized paths that run, fastest first
+    quant: str | None = None  # the one block-quantized weights use by default
+    amx_granted: bool = False  # whether the OS granted this process the AMX tile state (peagle_amx_init)
+
+
+# Naming a matrix path keeps block products to its instruction set: avx2 everywhere (as on a Zen 3), avx512-bf16 off
+# AMX tiles. "auto" and "amx" take the fastest block path.
+_QUANT_PATHS_FOR = {"avx2": ("avx2",), "avx512-bf16": ("avx512-vnni", "avx2")}
+
+
+def resolve(choice: str, flags: frozenset[str], load: Callable[[], ctypes.CDLL | None] = _load) -> KernelPaths:
+    """The kernel paths for `choice` ("auto", "off" or "0" for PyTorch's kernels, or a matrix path of PATHS) on a
+    CPU with /proc/cpuinfo `flags`, with the library `load()` gives (built only where a native path may run).
+    ValueError for an unknown choice, or a path this machine cannot run (naming the ones it runs)."""
+    choice = choice.strip().lower()
+    choice = "off" if choice == "0" else choice
+    if choice not in ("auto", "off", *PATHS):
+        raise ValueError(f"{CHOICE_ENV}={choice!r} is not one of auto, off, {', '.join(PATHS)}")
+    lib = None
+    if choice != "off" and _CPU_FLAGS_NEEDED["avx2"] <= flags:
         try:
-            if choice not in ("off", "0") and _CPU_FLAGS_NEEDED["avx2"] <= flags:
-                path = _build()
-                if path is not None:
-                    lib = ctypes.CDLL(str(path))
-                    _declare(lib)
-                    runnable = [name for name in PATHS
-                                if _CPU_FLAGS_NEEDED[name] <= flags and hasattr(lib, _GEMM_SYMBOL[name])]
-                    if "amx_tile" in flags and hasattr(lib, "peagle_amx_init"):
-                        _amx_granted = bool(lib.peagle_amx_init())  # False: the OS refused the tile state
-                    if "amx" in runnable and not _amx_granted:
-                        runnable.remove("amx")
-                    _lib, _paths = lib, tuple(runnable)
-                    _matmul = runnable[0] if choice == "auto" else choice
+            lib = load()
         except OSError as e:
             print(f"peagle: CPU kernels unavailable ({e}); using PyTorch's", file=sys.stderr)
-            _lib, _paths, _matmul = None, (), None
-        _tried = True
-        if choice in PATHS and choice not in _paths:
-            _error = (f"PEAGLE_CPU_KERNELS={choice} cannot run on this machine; it runs: "
-                      f"{', '.join(_paths) or 'none (PyTorch only)'}")
-            raise ValueError(_error)
-    return _lib
+    granted = (lib is not None and "amx_tile" in flags and hasattr(lib, "peagle_amx_init")
+               and bool(lib.peagle_amx_init()))  # False: the OS refused the tile state
+    matrix = tuple(p for p in PATHS if lib is not None and _CPU_FLAGS_NEEDED[p] <= flags
+                   and hasattr(lib, _GEMM_SYMBOL[p]) and (p != "amx" or granted))
+    if choice in PATHS and choice not in matrix:
+        raise ValueError(f"{CHOICE_ENV}={choice} cannot run on this machine; it runs: "
+                         f"{', '.join(matrix) or 'none (PyTorch only)'}")
+    if not matrix:  # PyTorch's kernels
+        return KernelPaths(choice)
+    matmul = choice if choice in PATHS else matrix[0]
+    attention = "avx512-bf16" if matmul in ("amx", "avx512-bf16") else "avx2"  # attention_path() says why
+    quant = tuple(p for p in QUANT_PATHS if _CPU_FLAGS_NEEDED[p] <= flags and hasattr(lib, _QGEMM_PREFIX[p] + "q4_0")
+                  and (p != "amx-int8" or granted))
+    default_quant = next(p for p in quant if p in _QUANT_PATHS_FOR.get(choice, QUANT_PATHS))
+    return KernelPaths(choice, lib, matrix, matmul, attention, quant, default_quant, granted)
+
+
+_lock = threading.Lock()
+_resolved: KernelPaths | None = None  # this process's, set once by kernel_paths()
+
+
+def kernel_paths() -> KernelPaths:
+    """This process's kernel paths: resolved on first use from choice_from_environment() and this CPU (the library
+    built then), the same value ever after. An error is not kept: the next call resolves again, and fails again."""
+    global _resolved
+    if _resolved is None:
+        with _lock:
+            if _resolved is None:
+                _resolved = resolve(choice_from_environment(), _cpu_flags())
+    return _resolved
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library (ctypes), or None where no native path runs (built and loaded on first call)."""
+    return kernel_paths().lib
 
 
 # Tests only: the AVX-512 sections compiled against SIMDe's portable intrinsics (kernels.c, PEAGLE_EMULATE_AVX512).
@@ -248,9 +297,7 @@ def emulated_library():
     path = _build(_EMULATION_FLAGS, ([],), "peagle_kernels_emulated")
     if path is None:
         raise RuntimeError("the emulated AVX-512 kernels failed to build (the errors are printed above)")
-    lib = ctypes.CDLL(str(path))
-    _declare(lib)
-    return lib
+    return _open(path)
 
 
 def available() -> bool:
@@ -266,14 +313,12 @@ def cpu_has(path: str) -> bool:
 
 def supported_paths() -> tuple[str, ...]:
     """The matrix paths this machine runs, fastest first (empty where only PyTorch runs)."""
-    library()
-    return _paths
+    return kernel_paths().matrix_paths
 
 
 def matmul_path() -> str | None:
     """The matrix path packed weights use by default, or None (PyTorch's F.linear)."""
-    library()
-    return _matmul
+    return kernel_paths().matmul
 
 
 def attention_path() -> str | None:
@@ -281,32 +326,18 @@ def attention_path() -> str | None:
     verify and prefill rows must round alike): "avx512-bf16" (`vdpbf16ps`) where the matrix path in use has those
     instructions (AMX machines too; PEAGLE_CPU_KERNELS=avx2 forces both to avx2), else "avx2" (fp32 FMAs); None
     where no native path runs."""
-    path = matmul_path()
-    if path is None:
-        return None
-    return "avx512-bf16" if path in ("amx", "avx512-bf16") else "avx2"
+    return kernel_paths().attention
 
 
 def quant_paths() -> tuple[str, ...]:
     """The block-quantized weights' paths this machine runs, fastest first (empty where only PyTorch runs)."""
-    lib = library()
-    if lib is None:
-        return ()
-    return tuple(p for p in QUANT_PATHS if cpu_has(p) and hasattr(lib, _QGEMM_PREFIX[p] + "q4_0")
-                 and (p != "amx-int8" or _amx_granted))
+    return kernel_paths().quant_paths
 
 
 def quant_path() -> str | None:
     """The path block-quantized weights use by default: the fastest, except that PEAGLE_CPU_KERNELS=avx2 keeps
     them on AVX2 too (one instruction set for everything, as on a Zen 3), and =avx512-bf16 keeps them off AMX."""
-    paths = quant_paths()
-    if not paths:
-        return None
-    if _forced == "avx2":
-        return "avx2"
-    if _forced == "avx512-bf16":
-        paths = tuple(p for p in paths if p != "amx-int8")
-    return paths[0]
+    return kernel_paths().quant
 
 
 def qgemm_symbol(path: str, fmt: str) -> str:
@@ -331,15 +362,16 @@ def describe(device: torch.device | str = "cpu") -> str:
             "decoding where two tokens are near-tied")
 
 
-def _usable(*tensors: torch.Tensor) -> bool:
-    """bf16 CPU tensors that need no gradients, on a machine where the kernels run. Called several times per layer
-    per step, so it is written for speed. The tensors are looked at first: a model on a GPU (or in fp32) never
-    builds the library (a CUDA training run must not spend a minute compiling CPU kernels)."""
+def _native(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    """The kernel library, for bf16 CPU tensors that need no gradients on a machine where the kernels run; else
+    None. Called several times per layer per step, so it is written for speed. The tensors are looked at first: a
+    model on a GPU (or in fp32) never builds the library (a CUDA training run must not spend a minute compiling CPU
+    kernels)."""
     grad = torch.is_grad_enabled()
     for t in tensors:
         if t.dtype is not torch.bfloat16 or not t.is_cpu or (grad and t.requires_grad):
-            return False
-    return available()
+            return None
+    return (_resolved or kernel_paths()).lib
 
 
 @dataclass
@@ -361,18 +393,19 @@ class PackedWeight:
             raise ValueError(f"matrix path {path!r} does not run here; this machine runs {supported_paths()}")
         w = weight.detach().contiguous()
         N, K = w.shape
+        lib = library()
         if path == "amx":
-            data = torch.empty(_lib.peagle_amx_packed_size(N, K), dtype=torch.bfloat16)
-            _lib.peagle_amx_pack(w.data_ptr(), N, K, data.data_ptr())
+            data = torch.empty(lib.peagle_amx_packed_size(N, K), dtype=torch.bfloat16)
+            lib.peagle_amx_pack(w.data_ptr(), N, K, data.data_ptr())
         else:
-            data = torch.empty(_lib.peagle_panels_size(N, K), dtype=torch.bfloat16)
-            _lib.peagle_pack_panels(w.data_ptr(), N, K, data.data_ptr(), torch.get_num_threads())
+            data = torch.empty(lib.peagle_panels_size(N, K), dtype=torch.bfloat16)
+            lib.peagle_pack_panels(w.data_ptr(), N, K, data.data_ptr(), torch.get_num_threads())
         return cls(data, N, K, path)
 
     format = "bf16"  # the weights' number format (peagle.model.quant has the block formats)
 
     def __post_init__(self) -> None:
-        self.gemm = getattr(_lib, _GEMM_SYMBOL[self.path])  # looked up once: packed_linear runs every step
+        self.gemm = getattr(library(), _GEMM_SYMBOL[self.path])  # looked up once: packed_linear runs every step
         self.gemm_ptr = ctypes.cast(self.gemm, ctypes.c_void_p).value
         self.data_ptr = self.data.data_ptr()
 
@@ -401,7 +434,7 @@ class PackedWeight:
 def packed_linear(x: torch.Tensor, packed) -> torch.Tensor | None:
     """x [..., K] @ W^T for a packed W (a PackedWeight or a quant.QuantWeight), or None when the packed path does
     not apply (then use F.linear)."""
-    if packed is None or not _usable(x) or x.shape[-1] != packed.in_features:
+    if packed is None or _native(x) is None or x.shape[-1] != packed.in_features:
         return None
     K, N = packed.in_features, packed.out_features
     x2 = x.reshape(-1, K)
@@ -417,35 +450,38 @@ def packed_linear(x: torch.Tensor, packed) -> torch.Tensor | None:
 
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """RMSNorm with the reference's bf16 rounding in one call, or None when the kernel does not apply."""
-    if not _usable(x, weight) or not weight.is_contiguous() or x.shape[-1] != weight.shape[0]:
+    lib = _native(x, weight)
+    if lib is None or not weight.is_contiguous() or x.shape[-1] != weight.shape[0]:
         return None
     H = x.shape[-1]
     xc = x.contiguous()
     y = torch.empty_like(xc)
     if xc.numel():
-        _lib.peagle_rms_norm_bf16(xc.data_ptr(), weight.data_ptr(), y.data_ptr(), xc.numel() // H, H, eps)
+        lib.peagle_rms_norm_bf16(xc.data_ptr(), weight.data_ptr(), y.data_ptr(), xc.numel() // H, H, eps)
     return y
 
 
 def rope_bf16_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> bool:
     """Rotate the first `heads` heads of x [B, T, heads_total, D] (contiguous) in place, cos/sin [B, T, D]; False
     (x untouched) when the kernel does not apply."""
-    if not _usable(x, cos, sin) or not (x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()):
+    lib = _native(x, cos, sin)
+    if lib is None or not (x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()):
         return False
     B, T, heads_total, D = x.shape
     if cos.shape != (B, T, D) or sin.shape != (B, T, D):
         return False
-    _lib.peagle_rope_bf16(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), B * T, heads_total, heads, D)
+    lib.peagle_rope_bf16(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), B * T, heads_total, heads, D)
     return True
 
 
 def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up for gate_up [..., 2I] = [gate, up] in one call, or None when the kernel does not apply."""
     I = gate_up.shape[-1] // 2
-    if not _usable(gate_up) or I % 8 or not gate_up.is_contiguous():
+    lib = _native(gate_up)
+    if lib is None or I % 8 or not gate_up.is_contiguous():
         return None
     y = torch.empty(*gate_up.shape[:-1], I, dtype=torch.bfloat16)
-    _lib.peagle_silu_mul_bf16(gate_up.data_ptr(), y.data_ptr(), gate_up.numel() // (2 * I), I)
+    lib.peagle_silu_mul_bf16(gate_up.data_ptr(), y.data_ptr(), gate_up.numel() // (2 * I), I)
     return y
 
 
@@ -468,7 +504,7 @@ def paged_kv(k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, key_offset:
     [num_slots, max_blocks] (int32), or None where the kernels cannot read it. `keys` [rows, stride] (int32): where
     each query row of the forwards that read this view finds its keys, when not at positions 0..its own (a draft
     tree: common.h's peagle_kv)."""
-    if not (_usable(k, v) and k.is_contiguous() and v.is_contiguous() and k.shape == v.shape
+    if not (_native(k, v) is not None and k.is_contiguous() and v.is_contiguous() and k.shape == v.shape
             and tables.dtype == torch.int32 and tables.is_contiguous()):
         return None
     if keys is not None and not (keys.dtype == torch.int32 and keys.is_contiguous() and keys.dim() == 2):
@@ -486,12 +522,13 @@ def attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv, slots:
     computed alone, so the result never depends on T or B (batch invariance) nor on which blocks hold the keys.
     path: "avx2" or "avx512-bf16" (default attention_path()). None (nothing written) when the kernel does not
     apply."""
-    if not _usable(q, k, v) or kv.native is None:
+    lib = _native(q, k, v)
+    if lib is None or kv.native is None:
         return None
     path = path or attention_path()
-    if path not in ("avx2", *(("avx512-bf16",) if "avx512-bf16" in _paths else ())):
-        raise ValueError(f"attention path {path!r} does not run here; this machine runs "
-                         f"{', '.join(p for p in ('avx512-bf16', 'avx2') if p in _paths)}")
+    runs = [p for p in ("avx512-bf16", "avx2") if p in supported_paths()]
+    if path not in runs:
+        raise ValueError(f"attention path {path!r} does not run here; this machine runs {', '.join(runs)}")
     B, T, nh, D = q.shape
     nkv = kv.k.shape[1]
     if kv.k.shape[3] != D or D % 8 or D > 256 or nh % nkv or k.shape != (B, T, nkv, D) or v.shape != k.shape:
@@ -504,7 +541,7 @@ def attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv, slots:
     if positions.shape != (B, T) or slots.shape != (B,):
         return None
     out = torch.empty(B, T, nh, D, dtype=torch.bfloat16)
-    rc = _lib.peagle_attention_bf16(q.data_ptr(), q.stride(1), k.data_ptr(), v.data_ptr(), k.stride(1),
+    rc = lib.peagle_attention_bf16(q.data_ptr(), q.stride(1), k.data_ptr(), v.data_ptr(), k.stride(1),
                                     ctypes.byref(kv.native), slots.data_ptr(), positions.data_ptr(), out.data_ptr(),
                                     B, T, nh, nkv, D, D ** -0.5, torch.get_num_threads(), int(path == "avx512-bf16"))
     _check_paged(rc, kv, "attention")
@@ -545,6 +582,7 @@ class NativeDecoderLayer:
                                       o.out_features, down.in_features, num_heads, num_kv_heads, head_dim, eps,
                                       head_dim ** -0.5, int(attention_path() == "avx512-bf16"))
         self._ref = ctypes.byref(self._weights)
+        self._lib = library()
 
     @staticmethod
     def applies(packed: list, head_dim: int, intermediate: int) -> bool:
@@ -570,9 +608,9 @@ class NativeDecoderLayer:
         contiguous int64."""
         B, T, _ = x.shape
         y = torch.empty_like(x)
-        rc = _lib.peagle_decoder_layer(self._ref, x.data_ptr(), y.data_ptr(), B, T, cos.data_ptr(), sin.data_ptr(),
-                                       ctypes.byref(kv.native), slots.data_ptr(), positions.data_ptr(),
-                                       torch.get_num_threads())
+        rc = self._lib.peagle_decoder_layer(self._ref, x.data_ptr(), y.data_ptr(), B, T, cos.data_ptr(),
+                                            sin.data_ptr(), ctypes.byref(kv.native), slots.data_ptr(),
+                                            positions.data_ptr(), torch.get_num_threads())
         _check_paged(rc, kv, "decoder layer")
         return y
 
@@ -583,8 +621,8 @@ class NativeDecoderLayer:
         Both contiguous bf16; the rest as in __call__."""
         B, T, K = attn_in.shape
         y = torch.empty_like(residual)
-        rc = _lib.peagle_layer_from_input(self._ref, attn_in.data_ptr(), K, residual.data_ptr(), y.data_ptr(), B, T,
-                                          cos.data_ptr(), sin.data_ptr(), ctypes.byref(kv.native), slots.data_ptr(),
-                                          positions.data_ptr(), torch.get_num_threads())
+        rc = self._lib.peagle_layer_from_input(self._ref, attn_in.data_ptr(), K, residual.data_ptr(), y.data_ptr(),
+                                               B, T, cos.data_ptr(), sin.data_ptr(), ctypes.byref(kv.native),
+                                               slots.data_ptr(), positions.data_ptr(), torch.get_num_threads())
         _check_paged(rc, kv, "decoder layer")
         return y
