@@ -18,7 +18,7 @@ from peagle.engine.acceptance import Draft
 if TYPE_CHECKING:
     import torch
 
-    from peagle.engine.draft_tree import Candidates
+    from peagle.engine.draft_tree import CandidateTree
     from peagle.engine.request import Request
 
 
@@ -34,9 +34,9 @@ class Proposer(Protocol):
         ...
 
     def draft(self, reqs: list["Request"], slots: torch.Tensor, k: int, top: int = 0
-              ) -> tuple[torch.Tensor, list[Candidates] | None]:
+              ) -> tuple[torch.Tensor, list[CandidateTree] | None]:
         """The head's drafts [B, k] as target ids for the requests whose windows it was given (in `slots`), and
-        with `top` each request's `top` best candidates per position for a draft tree."""
+        with `top` each request's candidates for a draft tree (draft_tree.CandidateTree)."""
         ...
 
     def observe(self, req: "Request", draft: Draft, num_drafted: int, num_accepted: int) -> None:
