@@ -199,12 +199,13 @@ def test_greedy_output_with_trees_equals_plain_greedy(tiny_target, tree, method,
     assert stats.mean_acceptance_length > 1.8, stats.as_dict()  # the second candidates were taken
 
 
-def eagle3_trees(target: TargetModel, k: int, max_num_seqs: int, nodes, beams: int = EAGLE2_BEAMS) -> LLMEngine:
+def eagle3_trees(target: TargetModel, k: int, max_num_seqs: int, nodes, beams: int = EAGLE2_BEAMS,
+                 max_model_len: int = 128) -> LLMEngine:
     """An EAGLE-3 head drafting dynamic trees: `nodes` "auto" under the adaptive policy, with rows nearly free (as
     on a CPU with AMX) so that it drafts and the shaper grows trees; a node count under the fixed policy."""
     head = random_head(target.config, target.embed_tokens.weight, "eagle3", seed=2)
     spec = SpeculativeConfig(model="random", num_speculative_tokens=k, draft_tree_nodes=nodes, draft_tree_beams=beams)
-    engine = LLMEngine(target, None, head, spec, max_num_seqs=max_num_seqs, max_model_len=128,
+    engine = LLMEngine(target, None, head, spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                        speculation_policy="adaptive" if nodes == "auto" else "fixed")
     if nodes == "auto":
         cost = engine.policy.cost
@@ -259,6 +260,20 @@ def test_dynamic_trees_leave_the_drafters_chain_as_it_was(tiny_target, one_threa
         chains.append(seen)
     common = chains[0].keys() & chains[1].keys()
     assert len(common) > 10 and all(chains[0][c] == chains[1][c] for c in common)
+
+
+@needs_native_kernels
+def test_dynamic_trees_draft_up_to_the_length_limit(tiny_target, one_thread):
+    """The beams' scratch rows past the last real row (K - 1 depths of 32 here, far more than max_model_len) fit in
+    the caches: the engine reserves them."""
+    prompts = [[5, 9, 17, 33, 2 + i] for i in range(3)]
+    params = SamplingParams(max_tokens=19, temperature=0.0, ignore_eos=True)
+    plain = LLMEngine(tiny_target, None, max_num_seqs=1, max_model_len=24)
+    engine = eagle3_trees(tiny_target, 7, 3, 16, beams=MAX_TREE_NODES, max_model_len=24)
+    outs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [plain.generate([p], params)[0].token_ids for p in prompts]
+    assert all(len(p) + len(o.token_ids) == 24 for p, o in zip(prompts, outs))
+    assert engine.stats.num_drafts > 0
 
 
 def tree_sampler(target: TargetModel, tree: str) -> LLMEngine:
