@@ -65,6 +65,12 @@ def test_tree_config_keys():
     spec = SpeculativeConfig(model="x", method="peagle", draft_tree_nodes=8)
     assert spec.to_dict()["draft_tree_nodes"] == 8 and "draft_tree_nodes" not in spec.for_vllm().to_dict()
     assert "draft_tree_nodes" not in SpeculativeConfig(model="x", method="peagle").to_dict()  # "auto": unsaid
+    with pytest.raises(ValueError, match="nodes expanded per depth"):
+        SpeculativeConfig(model="x", method="eagle3", draft_tree_beams=MAX_TREE_NODES + 1)
+    dynamic = SpeculativeConfig(model="x", method="eagle3", draft_tree_beams=EAGLE2_BEAMS)
+    assert dynamic.to_dict()["draft_tree_beams"] == EAGLE2_BEAMS
+    assert "draft_tree_beams" not in dynamic.for_vllm().to_dict()
+    assert "draft_tree_beams" not in SpeculativeConfig(model="x", method="eagle3").to_dict()
     assert SpeculativeConfig(model="x", method="peagle", speculative_token_tree="[(0,), (0, 0)]").num_speculative_tokens == 2
 
 
