@@ -11,7 +11,8 @@ Greedy outputs of every configuration are checked equal to the first one's (spec
 A configuration is `none` (no speculation), `ngram`, `suffix`, `hybrid` (the suffix tree with the P-EAGLE head),
 or a head at a fixed K or under the adaptive policy (K from 0 up to --max-k every step): `peagle-3`, `eagle3-1`,
 `peagle-adaptive`; `+q8_0` after a head's name runs its drafter in Q8_0; `:chain` drafts chains only and `:8` trees
-of 8 nodes every step (the adaptive policy's default: trees as the step's cost allows; the fixed policy's: chains).
+of 8 nodes every step (the adaptive policy's default: trees as the step's cost allows; the fixed policy's: chains);
+for eagle3 heads `:dynamic` expands EAGLE-2's dynamic tree and `:leaves` the chain's side leaves (`:dynamic-8`: both).
 Four modes preset what to compare:
 
     python3 benchmarks/ab.py proposers        # kinds of drafter: none,suffix,hybrid on sharegpt-multiturn
@@ -43,6 +44,7 @@ MODEL_FREE = ("ngram", "suffix")
 
 def engine_options(name: str, args) -> dict:
     """`LLMEngine.from_pretrained`'s speculative config and policy for one configuration name."""
+    from peagle.config import EAGLE2_BEAMS
     from peagle.model.heads import DEFAULT_HEADS
 
     heads = {"peagle": args.peagle_head or DEFAULT_HEADS["peagle"],
@@ -64,8 +66,11 @@ def engine_options(name: str, args) -> dict:
             "num_speculative_tokens": args.max_k if k == "adaptive" else int(k)}
     if drafter_format:
         spec["quantization"] = drafter_format
-    if tree:
-        spec["draft_tree_nodes"] = 0 if tree == "chain" else int(tree)
+    for part in filter(None, tree.split("-")):
+        if part in ("dynamic", "leaves"):
+            spec["draft_tree_beams"] = EAGLE2_BEAMS if part == "dynamic" else 0
+        else:
+            spec["draft_tree_nodes"] = 0 if part == "chain" else int(part)
     return {"speculative_config": spec, "speculation_policy": "adaptive" if k == "adaptive" else "fixed"}
 
 

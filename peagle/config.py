@@ -48,6 +48,8 @@ DRAFTER_FORMATS = ("q4_0", "q4_1", "q8_0")
 # cost model is measured that far; past 32 rows a forward costs nearly twice one row even on AMX).
 TREE_TOP_M = 8
 MAX_TREE_NODES = 32
+# EAGLE-2's dynamic tree for EAGLE-3 heads (draft_tree_beams): the nodes expanded per depth, as EAGLE-2 does.
+EAGLE2_BEAMS = 8
 
 
 class SpeculativeConfigError(ValueError):
@@ -77,6 +79,9 @@ class SpeculativeConfig(BaseModel):
     # the head's calibrated probabilities; chains under the fixed policy), a node budget every step (best first by
     # branch probability), or 0 (chains only). Not a vLLM key: for_vllm() leaves it out.
     draft_tree_nodes: Literal["auto"] | int = "auto"
+    # An EAGLE-3 head's draft trees: 0, the chain's alternatives as leaves beside it; n, EAGLE-2's dynamic tree, the
+    # n most probable nodes of each depth drafted on as well (n rows per pass). Not a vLLM key.
+    draft_tree_beams: int = 0
     # method "ngram" (vLLM's prompt lookup): the last n tokens, n from max down to min, matched in the request's own
     # prompt and output; None: the other one's value, or DEFAULT_PROMPT_LOOKUP for both.
     prompt_lookup_min: int | None = None
@@ -158,6 +163,14 @@ class SpeculativeConfig(BaseModel):
     def _token_tree(cls, v: str | None) -> str | None:
         if v is not None:
             token_tree_paths(v)
+        return v
+
+    @field_validator("draft_tree_beams")
+    @classmethod
+    def _tree_beams(cls, v: int) -> int:
+        if not 0 <= v <= MAX_TREE_NODES:
+            raise ValueError(f"must be 0 (side leaves) or a number of nodes expanded per depth up to {MAX_TREE_NODES} "
+                             f"(EAGLE-2 expands {EAGLE2_BEAMS}), got {v}")
         return v
 
     @field_validator("draft_tree_nodes")
@@ -262,6 +275,8 @@ class SpeculativeConfig(BaseModel):
         d = self.model_dump(exclude_none=True)
         if d["draft_tree_nodes"] == "auto" or not self.uses_head:
             del d["draft_tree_nodes"]
+        if d["draft_tree_beams"] == 0 or not self.uses_head or self.parallel_drafting:
+            del d["draft_tree_beams"]
         if not d["parallel_drafting"] or not self.uses_head:
             del d["parallel_drafting"]
         if not self.uses_suffix_tree:  # vLLM sets them on every config; written only where they are used
@@ -274,7 +289,8 @@ class SpeculativeConfig(BaseModel):
     def for_vllm(self) -> "SpeculativeConfig":
         """The config `vllm serve` is given for this one: vLLM has no hybrid, so it runs the hybrid's head alone."""
         if self.method != HYBRID_METHOD:
-            return self.model_copy(update={"draft_tree_nodes": "auto"})  # peagle's own key; vLLM's trees are static
+            # peagle's own keys; vLLM's trees are static
+            return self.model_copy(update={"draft_tree_nodes": "auto", "draft_tree_beams": 0})
         return SpeculativeConfig.for_head(self.model, self.num_speculative_tokens, self.parallel_drafting)
 
     @classmethod

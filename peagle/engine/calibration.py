@@ -78,6 +78,7 @@ def timings_key(target: TargetModel, head: HeadProposer | None, max_num_seqs: in
             "drafter": config(drafter.config) if drafter is not None else None,
             "drafter_weights": drafter.weights if drafter is not None else None,
             "parallel_drafting": head.parallel if head is not None else None,
+            "draft_tree_beams": head.beams if head is not None else None,  # the dynamic tree's passes cost more
             "max_num_seqs": max_num_seqs, "max_model_len": max_model_len, **shape,
             "kernels": kernels.describe(target.device), "kernel_build": Path(lib._name).name if lib else None,
             "threads": torch.get_num_threads(), "cpu": kernels.cpu_model(), "torch": torch.__version__,

@@ -7,10 +7,12 @@ position n + depth, and reads the keys 0..n and its own branch (`verify_keys`), 
 branch would as a chain. Verification walks down from the root: at each node the target's token (greedy) or a draw
 by the multi-candidate rejection rule (sampling) picks the child to follow; the walk's path is what is accepted.
 
-Trees are built from a head's top-M candidates per draft position (`Candidates`), best first by the product of
-their probabilities: P-EAGLE's positions are drafted in one pass, each a marginal that does not depend on the tokens
-before it, so any node may have children; an EAGLE-3 chain knows the distribution after its own top tokens only, so
-there only the chain's nodes have children (its alternatives are leaves beside it).
+Trees are chosen best first, by the product of the head's probabilities along the branch, among its candidates:
+either its top-M per draft position (`Candidates`) or a tree of candidates it expanded (`ExpandedTree`). P-EAGLE's
+positions are drafted in one pass, each a marginal that does not depend on the tokens before it, so any node may
+have children; an EAGLE-3 chain knows the distribution after its own top tokens only, so there only the chain's
+nodes have children (its alternatives are leaves beside it), unless the drafter expands the most probable nodes of
+each depth too (EAGLE-2's dynamic tree, `Drafter.draft_tree`). The shaper takes either kind (`CandidateTree`).
 """
 from __future__ import annotations
 
@@ -103,6 +105,11 @@ class Candidates:
         """The first `depth` positions (a window narrower than the draft)."""
         return Candidates(self.tokens[:depth], self.logprobs[:depth], self.free)
 
+    @property
+    def chain(self) -> DraftTree:
+        """The top candidate of every position."""
+        return self.ranked([(0,) * d for d in range(1, len(self.tokens) + 1)])
+
     def best_first(self, budget: int) -> DraftTree:
         """The `budget` nodes of highest branch probability (the product of the probabilities along the branch),
         found best first: a node's next sibling and first child enter the frontier when it is taken, and each
@@ -138,6 +145,43 @@ class Candidates:
             parents.append(parent)
             probs.append((probs[parent] if parent >= 0 else 1.0) * math.exp(self.logprobs[d][r]))
         return DraftTree(tuple(tokens), tuple(parents), tuple(probs))
+
+
+@dataclass
+class ExpandedTree:
+    """Candidates the drafter expanded as a tree (EAGLE-2's dynamic tree): each node's token, parent (-1: the root
+    x_n; parents first, depth by depth) and branch log-probability, and `chain_nodes`, the drafted chain's node at
+    each depth. A child is never more probable than its parent, so the best N nodes always form a tree."""
+    tokens: list[int]
+    parents: list[int]
+    logprobs: list[float]
+    chain_nodes: list[int]
+
+    @cached_property
+    def depths(self) -> list[int]:
+        return list(DraftTree(tuple(self.tokens), tuple(self.parents)).depths)
+
+    def cut(self, depth: int) -> "ExpandedTree":
+        """The nodes `depth` or fewer below the root (a window narrower than the draft): a prefix, as the nodes come
+        depth by depth."""
+        n = sum(d <= depth for d in self.depths)
+        return ExpandedTree(self.tokens[:n], self.parents[:n], self.logprobs[:n], self.chain_nodes[:depth])
+
+    @property
+    def chain(self) -> DraftTree:
+        nodes = self.chain_nodes
+        return DraftTree(tuple(self.tokens[i] for i in nodes), tuple(range(-1, len(nodes) - 1)),
+                         tuple(math.exp(self.logprobs[i]) for i in nodes))
+
+    def best_first(self, budget: int) -> DraftTree:
+        """The `budget` most probable nodes, in descending order (a parent before its children on a tie)."""
+        order = sorted(range(len(self.tokens)), key=lambda i: (-self.logprobs[i], self.depths[i], i))[:budget]
+        index = {-1: -1} | {old: new for new, old in enumerate(order)}
+        return DraftTree(tuple(self.tokens[i] for i in order), tuple(index[self.parents[i]] for i in order),
+                         tuple(math.exp(self.logprobs[i]) for i in order))
+
+
+CandidateTree = Candidates | ExpandedTree  # what TreeShaper shapes: best_first(n), chain and cut(depth) on both
 
 
 def top_candidates(logits: torch.Tensor, to_target, m: int = TREE_TOP_M) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,10 +224,10 @@ class TreeShaper:
         return self.static is not None or (self.nodes == "auto" and self.cost is not None) or self.nodes not in (
             0, "auto")
 
-    def shape(self, cands: Candidates, tokens: float, rows: int, seconds: Callable[[int], float]) -> DraftTree:
+    def shape(self, cands: CandidateTree, tokens: float, rows: int, seconds: Callable[[int], float]) -> DraftTree:
         """The tree for one window from its candidates (cut to its depth): `tokens` and `rows` are the step's
         expected tokens and rows without this window's drafts, seconds(rows) the step's predicted time."""
-        chain = cands.ranked([(0,) * d for d in range(1, len(cands.tokens) + 1)])
+        chain = cands.chain
         if self.static is not None:
             return cands.ranked(self.static)
         if self.nodes != "auto":

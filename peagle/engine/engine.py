@@ -43,7 +43,7 @@ from peagle.engine.acceptance import Candidate
 from peagle.engine.calibration import RememberedTimings, ScratchTimings, timings_key
 from peagle.engine.catch_up import JOINT_PENDING_ROWS, DrafterCatchUp
 from peagle.engine.detokenize import IncrementalDetokenizer
-from peagle.engine.draft_tree import Candidates, DraftTree, TreeShaper
+from peagle.engine.draft_tree import CandidateTree, DraftTree, TreeShaper
 from peagle.engine.errors import RequestError
 from peagle.engine.grammar import GrammarCompiler, GrammarWindow, count_forced, stack_bias
 from peagle.engine.kv_memory import pool_blocks
@@ -129,6 +129,9 @@ class LLMEngine:
         tree_nodes = (0 if drafter is None else len(spec.token_tree) if spec.token_tree else
                       MAX_TREE_NODES if spec.draft_tree_nodes == "auto" else spec.draft_tree_nodes)
         self.tree_rows = max(0, tree_nodes - head_k)
+        # an EAGLE-3 head's dynamic tree writes its beams' rows at scratch positions past the real rows
+        self.beam_rows = ((head_k - 1) * spec.draft_tree_beams
+                          if tree_nodes and not spec.token_tree and not spec.parallel_drafting else 0)
         self.model_name = model_name
         self.max_num_seqs = max_num_seqs
         if max_num_batched_tokens < BLOCK_SIZE:
@@ -170,8 +173,9 @@ class LLMEngine:
         target, drafter = self.target, self.drafter
         # Room past max_model_len for the verify window and the drafter's padded rows, whose writes are stale.
         # ... and for a padded prefill's rows past a short chunk's end (a chunk is at most the budget or a prompt).
-        self.capacity = self.max_model_len + max(JOINT_PENDING_ROWS + 2 * self.k + self.tree_rows + 2,
-                                                 min(self.max_num_batched_tokens, self.max_model_len))
+        self.capacity = self.max_model_len + max(
+            JOINT_PENDING_ROWS + 2 * self.k + self.tree_rows + self.beam_rows + 2,
+            min(self.max_num_batched_tokens, self.max_model_len))
         probe = [target.new_cache(1, BLOCK_SIZE, 2)] + ([drafter.new_cache(1, BLOCK_SIZE, 2)] if drafter else [])
         per_slot = KVCache.blocks_for(self.capacity)
         num_blocks = pool_blocks(sum(c.bytes_per_block for c in probe), self.max_num_seqs * per_slot + 1,
@@ -199,7 +203,8 @@ class LLMEngine:
         # where the shaper sizes trees and the head drafts in parallel, a drafting window drafts the head's whole K
         # (one pass either way) and the shaper picks the tree within it: the policy decides whether, not how deep
         self.tree_depth = head_k if self.trees.sizes and spec.parallel_drafting else 0
-        head = (HeadProposer(self.drafter, self.drafter_cache, spec.parallel_drafting, self.device)
+        beams = spec.draft_tree_beams if self.trees.enabled and self.trees.static is None else 0
+        head = (HeadProposer(self.drafter, self.drafter_cache, spec.parallel_drafting, self.device, beams)
                 if self.drafter is not None else None)
         self.proposer: Proposer = make_proposer(spec, head, self.policy)
         # engine-wide, since start, per drafter that ran (the hybrid has two)
@@ -452,13 +457,15 @@ class LLMEngine:
         after it, or a decode step's widest window with forced tokens, and the drafter's rows past it."""
         if req.prefilling:
             return min(req.num_computed + self.max_num_batched_tokens, self.capacity)
-        return min(req.num_tokens + self.k + self.tree_rows + self.max_forced_run + 1, self.capacity)
+        return min(req.num_tokens + self.k + self.tree_rows + self.beam_rows + self.max_forced_run + 1,
+                   self.capacity)
 
     def _admission_length(self, req: Request) -> int:
         """Positions a waiting request needs room for to be admitted: its first step, or, preempted before, all it
         had and a decode step (else, readmitted at once as the newest, it would be the first to go again)."""
         if req.num_preemptions:
-            return min(len(req.prefill_ids) + self.k + self.tree_rows + self.max_forced_run + 1, self.capacity)
+            return min(len(req.prefill_ids) + self.k + self.tree_rows + self.beam_rows + self.max_forced_run + 1,
+                       self.capacity)
         return self._step_length(req)
 
     def _room_for(self, reqs: list[Request]) -> bool:

@@ -8,12 +8,14 @@
     logits:            lm_head(norm(out)) over the draft vocab; draft id i -> target id i + d2t[i]
 
 Two ways to draft K tokens (docs/design.md, "Drafter"):
-  * chain (EAGLE-3): K passes, each feeding back the previous pass's pre-norm output and its own draft;
+  * chain (EAGLE-3): K passes, each feeding back the previous pass's pre-norm output and its own draft (or, for a
+    draft tree, the most probable nodes of each depth as rows of one pass: EAGLE-2's dynamic tree);
   * parallel (P-EAGLE): one pass over [real rows | K-1 mask slots], each slot carrying the mask token and
     `mask_hidden` at the next position.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -258,17 +260,17 @@ class Drafter(nn.Module):
         """Pre-norm hidden states [B, T, H]. `features` are target features (3*Ht) or fed-back hiddens (H)."""
         h = linear(features, self.fc.weight, packed=self.fc_packed) if features.shape[-1] != self.config.hidden_size \
             else features
-        rope = self.rotary(layout.positions, h.dtype)
+        rope = self.rotary(layout.rotary_positions, h.dtype)
         embeds = self.embed_tokens(tokens)
         if cache is not None:
             cache.ensure(layout.slots, layout.positions)
         if self.native_layers is not None and cache is not None and h.dtype == torch.bfloat16 and h.is_cpu:
             slots, positions = layout.slots.to(torch.int64).contiguous(), layout.positions.to(torch.int64).contiguous()
             x, residual = self.midlayer.inputs(embeds, h)
-            h = self.native_layers[0].from_input(x.contiguous(), residual.contiguous(), *rope, cache.layers[0],
-                                                 slots, positions)
+            h = self.native_layers[0].from_input(x.contiguous(), residual.contiguous(), *rope,
+                                                 cache.layers[0].reading(layout.keys), slots, positions)
             for i, native in enumerate(self.native_layers[1:], start=1):
-                h = native(h, *rope, cache.layers[i], slots, positions)
+                h = native(h, *rope, cache.layers[i].reading(layout.keys), slots, positions)
             return h
         kv = (lambda i: None) if cache is None else (lambda i: cache.layers[i])
         h = self.midlayer(embeds, h, rope, layout, kv(0))
@@ -338,6 +340,86 @@ class Drafter(nn.Module):
             pos = pos + 1
             h = self(draft, h, BatchLayout.build(slots, pos[:, None]), cache)
         return torch.cat(drafts, dim=1)
+
+    @torch.inference_mode()
+    def draft_tree(self, tokens: torch.Tensor, features: torch.Tensor, num_real: torch.Tensor,
+                   start: torch.Tensor, slots: torch.Tensor, cache: KVCache, k: int, beams: list[int], top: int,
+                   pick: DraftPick | None = None) -> tuple[torch.Tensor, list[TreeNodes]]:
+        """EAGLE-2's dynamic tree from an EAGLE-3 head, one pass per depth as `draft_chain`. Depth 1 is the root's
+        top-`top` children; each next depth is the top-`top` children of request b's beams[b] most probable nodes of
+        the depth before (by branch log-probability, the drafted chain's node always among them), all requests'
+        beams as rows of one pass. A beam row is rotated as its depth past the last real row and reads the real rows
+        and its own ancestors (BatchLayout.tree); it is written at a scratch position past the real rows (depth d's
+        j-th beam at last + 1 + (d - 1) * beams[b] + j), which the next catch-up's real rows overwrite or nothing
+        reads. Every beam row is its own batch entry, so a request's tree does not depend on its neighbours.
+
+        Same inputs as `draft_chain`; returns the chain `pick` chose [B, K], as draft_chain does, and each request's
+        nodes: tokens, parents (-1: the root; parents first), branch log-probabilities, the chain's node per depth."""
+        B, R = tokens.shape
+        dev = tokens.device
+        positions = start[:, None] + torch.arange(R, device=dev)[None, :]
+        hidden = self(tokens, features, BatchLayout.build(slots, positions), cache)
+        h = hidden.gather(1, (num_real - 1)[:, None, None].expand(B, 1, hidden.shape[-1]))  # [rows, 1, H]
+        last, slot_of = (start + num_real - 1).tolist(), slots.tolist()
+        trees: list[TreeNodes] = [([], [], [], []) for _ in range(B)]
+        written = [{} for _ in range(B)]  # each request's beams: node -> the scratch position its row was written at
+        rows = [(b, -1) for b in range(B)]  # whose children this depth's logits give: (request, node; -1 the root)
+        chain_rows = list(range(B))
+        drafts, pick = [], pick or self.greedy_pick
+        for depth in range(k):
+            logits = self.logits(h)[:, 0]
+            chosen = pick(depth, logits[chain_rows])
+            drafts.append(chosen)
+            best = torch.log_softmax(logits, dim=-1).topk(min(top, logits.shape[-1]), dim=-1)
+            ids, logps, chosen_ids = self.to_target_ids(best.indices).tolist(), best.values.tolist(), chosen.tolist()
+            made = [[] for _ in range(B)]  # each request's nodes at this depth: (node, the row whose children)
+            for r, (b, node) in enumerate(rows):
+                toks, parents, logprobs, chain = trees[b]
+                base = logprobs[node] if node >= 0 else 0.0
+                children = list(range(len(toks), len(toks) + len(ids[r])))
+                toks += ids[r]
+                parents += [node] * len(ids[r])
+                logprobs += [base + lp for lp in logps[r]]
+                if r == chain_rows[b]:
+                    hit = next((i for i in children if toks[i] == chosen_ids[b]), None)
+                    if hit is None:  # a grammar's pick outside the top candidates: in the tree, never chosen over them
+                        hit = len(toks)
+                        children.append(hit)
+                        toks.append(chosen_ids[b])
+                        parents.append(node)
+                        logprobs.append(-math.inf)
+                    chain.append(hit)
+                made[b] += [(i, r) for i in children]
+            if depth == k - 1:
+                break
+            rows, chain_rows, sources, pos, rope, keys = [], [], [], [], [], []
+            for b, (toks, parents, logprobs, chain) in enumerate(trees):
+                ranked = sorted(made[b], key=lambda m: (-logprobs[m[0]], m[0]))[: beams[b]]
+                if all(i != chain[-1] for i, _ in ranked):
+                    ranked[-1] = next(m for m in made[b] if m[0] == chain[-1])
+                for j, (i, r) in enumerate(ranked):
+                    written[b][i] = last[b] + 1 + depth * beams[b] + j
+                    branch = [i]
+                    while parents[branch[-1]] >= 0:
+                        branch.append(parents[branch[-1]])
+                    if i == chain[-1]:
+                        chain_rows.append(len(rows))
+                    rows.append((b, i))
+                    sources.append(r)
+                    pos.append(written[b][i])
+                    rope.append(last[b] + depth + 1)
+                    keys.append([0, last[b] + 1, len(branch), *(written[b][a] for a in reversed(branch))])
+            layout = BatchLayout.tree(torch.tensor([slot_of[b] for b, _ in rows], device=dev),
+                                      torch.tensor(pos, device=dev)[:, None], torch.tensor(rope, device=dev)[:, None],
+                                      torch.tensor(keys, dtype=torch.int32, device=dev))
+            tok = torch.tensor([trees[b][0][i] for b, i in rows], device=dev)[:, None]
+            h = self(tok, h[sources], layout, cache)
+        return torch.stack(drafts, dim=1), trees
+
+
+# One request's dynamic tree (Drafter.draft_tree): node tokens (target ids), parents, branch log-probabilities, and
+# the drafted chain's node at each depth.
+TreeNodes = tuple[list[int], list[int], list[float], list[int]]
 
 
 def _hf_rope_config(c: DrafterConfig):

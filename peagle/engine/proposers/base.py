@@ -18,7 +18,7 @@ from peagle.engine.acceptance import Draft
 if TYPE_CHECKING:
     import torch
 
-    from peagle.engine.draft_tree import Candidates
+    from peagle.engine.draft_tree import CandidateTree
     from peagle.engine.grammar import GrammarWindow
     from peagle.engine.request import Request
 
@@ -35,9 +35,9 @@ class Proposer(Protocol):
         ...
 
     def draft(self, reqs: list["Request"], slots: torch.Tensor, k: int, top: int = 0,
-              grammars: Sequence[GrammarWindow | None] = ()) -> tuple[torch.Tensor, list[Candidates] | None]:
+              grammars: Sequence[GrammarWindow | None] = ()) -> tuple[torch.Tensor, list[CandidateTree] | None]:
         """The head's drafts [B, k] as target ids for the requests whose windows it was given (in `slots`), and
-        with `top` each request's `top` best candidates per position for a draft tree. A request with a grammar
+        with `top` each request's candidates for a draft tree (draft_tree.CandidateTree). A request with a grammar
         window (`grammars`, per request) drafts under its mask: the window holds its drafts."""
         ...
 

@@ -2,7 +2,8 @@
 has chosen the windows, in one batch at the widest of them. On the way the drafter runs every request's real rows it
 has not seen (the request's backlog, request.DrafterBacklog): also the rows of steps where another proposer drafted
 or the step was plain, so its cache has no gap whenever it drafts again. Under a grammar each depth's draft is the
-drafter's best token that the grammar allows (`grammar_pick`)."""
+drafter's best token that the grammar allows (`grammar_pick`). With `beams` an EAGLE-3 head expands a dynamic tree
+for draft trees (Drafter.draft_tree); a constrained request expands its chain alone (its window stays a chain)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -11,8 +12,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from peagle.config import TREE_TOP_M
 from peagle.engine.acceptance import Draft
-from peagle.engine.draft_tree import Candidates, top_candidates
+from peagle.engine.draft_tree import CandidateTree, Candidates, ExpandedTree, top_candidates
 from peagle.engine.proposers.base import NoModelFreeDrafts
 from peagle.engine.timing import timed
 
@@ -23,8 +25,10 @@ if TYPE_CHECKING:
 
 
 class HeadProposer(NoModelFreeDrafts):
-    def __init__(self, drafter: "Drafter", drafter_cache, parallel_drafting: bool, device):
+    def __init__(self, drafter: "Drafter", drafter_cache, parallel_drafting: bool, device, beams: int = 0):
+        """`beams`: an EAGLE-3 head's draft trees expand that many nodes per depth (0: the chain's side leaves)."""
         self.drafter, self.cache, self.parallel, self.device = drafter, drafter_cache, parallel_drafting, device
+        self.beams = 0 if parallel_drafting else beams
         self.name = self.head_name = "peagle" if parallel_drafting else "eagle3"
         self.names = (self.name,)
 
@@ -36,14 +40,19 @@ class HeadProposer(NoModelFreeDrafts):
         return self.drafter.draft_parallel if self.parallel else self.drafter.draft_chain
 
     def draft(self, reqs: list["Request"], slots: torch.Tensor, k: int, top: int = 0,
-              grammars: Sequence["GrammarWindow | None"] = ()) -> tuple[torch.Tensor, list[Candidates] | None]:
-        """Drafts [B, k] as target ids, and with `top` each request's `top` best candidates per position for a draft
-        tree; the drafter runs every request's pending real rows on the way. A request with a grammar window drafts
-        under its mask (`grammar_pick`)."""
+              grammars: Sequence["GrammarWindow | None"] = ()) -> tuple[torch.Tensor, list[CandidateTree] | None]:
+        """Drafts [B, k] as target ids, and with `top` each request's candidates for a draft tree (the `top` best
+        per position, or per expanded node); the drafter runs every request's pending real rows on the way. A
+        request with a grammar window drafts under its mask (`grammar_pick`) and expands its chain alone."""
         tokens, feats, num_real, start = self.pending_batch(reqs)
         for r in reqs:
             r.backlog.consume()
         pick, seen = self.grammar_pick(grammars) or self.drafter.greedy_pick, []
+        if top and self.beams:
+            beams = [1 if g is not None else self.beams for g in (grammars or [None] * len(reqs))]
+            drafts, trees = self.drafter.draft_tree(tokens, feats, num_real, start, slots, self.cache, k, beams, top,
+                                                    pick=pick)
+            return drafts, [ExpandedTree(*t) for t in trees]
         if top:
             choose = pick
 
@@ -108,6 +117,10 @@ class HeadProposer(NoModelFreeDrafts):
 
         def draft():
             with torch.inference_mode():
-                self.draft_fn(tokens, feats, num_real, start, slots, self.cache, k)
+                if self.beams:  # the dynamic tree's passes: `beams` rows each after the first
+                    self.drafter.draft_tree(tokens, feats, num_real, start, slots, self.cache, k, [self.beams] * batch,
+                                            TREE_TOP_M)
+                else:
+                    self.draft_fn(tokens, feats, num_real, start, slots, self.cache, k)
 
         return timed(draft, clock)
