@@ -254,15 +254,15 @@ def test_dynamic_trees_leave_the_drafters_chain_as_it_was(tiny_target, one_threa
     chains = []
     for beams in (EAGLE2_BEAMS, 0):
         engine, seen = eagle3_trees(tiny_target, 4, 3, 12, beams), {}
-        real_draft = engine._draft
+        real_draft = engine.proposer.draft
 
-        def draft(reqs, slots, k, real_draft=real_draft, seen=seen):
-            made, cands = real_draft(reqs, slots, k)
+        def draft(reqs, slots, k, *rest, real_draft=real_draft, seen=seen):
+            made, cands = real_draft(reqs, slots, k, *rest)
             for r, tokens in zip(reqs, made.tolist()):
                 seen[(tuple(r.prompt_ids), len(r.output_ids))] = tokens
             return made, cands
 
-        engine._draft = draft
+        engine.proposer.draft = draft
         outs = engine.generate(prompts, params)
         chains.append(seen)
     common = chains[0].keys() & chains[1].keys()
