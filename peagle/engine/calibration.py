@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from peagle.engine.timing import timed
-from peagle.model.layers import BatchLayout
+from peagle.model.layers import KV_BLOCK_SIZE, BatchLayout
 from peagle.model.target import TargetModel
 
 if TYPE_CHECKING:
@@ -87,15 +87,29 @@ def timings_key(target: TargetModel, head: HeadProposer | None, max_num_seqs: in
 
 class ScratchTimings:
     def __init__(self, target: TargetModel, target_cache, head: HeadProposer | None, max_num_seqs: int,
-                 max_model_len: int, clock: Callable[[], float], remembered: RememberedTimings | None = None):
+                 max_model_len: int, max_rows: int, clock: Callable[[], float],
+                 remembered: RememberedTimings | None = None):
+        """`max_rows`: the most rows a decode step verifies (spread over the slots when timed)."""
         self.target, self.target_cache, self.head, self.clock = target, target_cache, head, clock
         self.max_num_seqs, self.device = max_num_seqs, target.device
-        self.context = min(128, max_model_len // 2)  # cached positions a decode row attends to: a typical context
+        # Cached positions a decode row attends to: a typical context, as far as a small pool (--kv-cache-gb) holds
+        # it in every slot beside the slot's share of the widest step's rows.
+        held = target_cache.num_free_blocks // max_num_seqs * KV_BLOCK_SIZE - -(-max_rows // max_num_seqs) - 1
+        self.context = max(1, min(128, max_model_len // 2, held))
         self.remembered = remembered
 
     def _seconds(self, name: str, measure: Callable[[], float]) -> float:
-        """measure(), or the seconds remembered under `name` (measured and kept where none are)."""
-        return measure() if self.remembered is None else self.remembered.get(name, measure)
+        """measure(), or the seconds remembered under `name` (measured and kept where none are). Every timing's
+        scratch blocks go back after it, so the next one finds the pool as a request would."""
+        def measured() -> float:
+            try:
+                return measure()
+            finally:
+                for cache in (self.target_cache, self.head.cache if self.head else None):
+                    for slot in range(self.max_num_seqs if cache is not None else 0):
+                        cache.release(slot)
+
+        return measured() if self.remembered is None else self.remembered.get(name, measured)
 
     # -- decode steps: the verify forward and the head's drafting ----------------------------------
     def target_rows(self, rows: int) -> float:
@@ -110,13 +124,13 @@ class ScratchTimings:
             with torch.inference_mode():
                 self.target(tokens, layout, self.target_cache, num_logits=None)
 
-        return self._seconds(f"target_rows {rows}", lambda: timed(forward, self.clock))
+        return self._seconds(f"target_rows {rows} at {self.context}", lambda: timed(forward, self.clock))
 
     def head_draft(self, batch: int, k: int) -> float:
         """Seconds of the head drafting k tokens for `batch` requests (no head: nothing to time)."""
         if not self.head:
             return 0.0
-        return self._seconds(f"head_draft {batch} {k}",
+        return self._seconds(f"head_draft {batch} {k} at {self.context}",
                              lambda: self.head.time_draft(batch, k, self.context, self.clock))
 
     # -- prompt chunks: the target's forward and the drafter's catch-up, in slot 0 ----------------

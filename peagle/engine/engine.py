@@ -223,7 +223,7 @@ class LLMEngine:
                 self.target, head, self.max_num_seqs, self.max_model_len, policy=type(self.policy).__name__,
                 k=self.k, head_k=head_k, tree_rows=self.tree_rows, max_step_time_ms=max_step_time_ms))
         timings = ScratchTimings(self.target, self.target_cache, head, self.max_num_seqs, self.max_model_len,
-                                 self._step_clock, remembered)
+                                 self.cost.max_rows, self._step_clock, remembered)
         self.cost.calibrate(timings.target_rows, timings.head_draft, timings.prefill_chunk,
                             timings.drafter_rows if self.drafter is not None else None, self.max_model_len)
         self.step_budget = StepBudget(self._step_clock, self.cost, max_step_time_ms)
