@@ -227,10 +227,8 @@ class LLMEngine:
         self.cost.calibrate(timings.target_rows, timings.head_draft, timings.prefill_chunk,
                             timings.drafter_rows if self.drafter is not None else None, self.max_model_len)
         self.step_budget = StepBudget(self._step_clock, self.cost, max_step_time_ms)
-        for cache in (self.target_cache, self.drafter_cache):  # the scratch rows' blocks, and their memory, go back
-            if cache is not None:
-                for slot in range(self.max_num_seqs):
-                    cache.release(slot)
+        for cache in (self.target_cache, self.drafter_cache):  # the scratch rows' memory goes back (their blocks
+            if cache is not None:                                # went back after each timing: ScratchTimings)
                 cache.return_free_pages()
         if remembered is not None:
             remembered.save()
