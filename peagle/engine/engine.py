@@ -443,10 +443,16 @@ class LLMEngine:
     def _admit(self) -> None:
         """Waiting requests take the free slots, in order, while the pool holds their first step beside the running
         requests' next (their prefill is budgeted step by step: prefill.py)."""
-        while self.waiting and self.free_slots and self._room_for(self.running + [self.waiting[0]]):
+        caches = [c for c in (self.target_cache, self.drafter_cache) if c is not None]
+        # blocks the running requests' next step needs, counted once and grown with each admission: thousands of
+        # waiting requests would otherwise recount every running one per admission
+        missing = [self._blocks_missing(c, self.running) for c in caches]
+        while self.waiting and self.free_slots and all(
+                self._fits(c, m + self._blocks_missing(c, [self.waiting[0]])) for c, m in zip(caches, missing)):
             req = self.waiting.popleft()
             req.slot = heapq.heappop(self.free_slots)
             self.running.append(req)
+            missing = [m + self._blocks_missing(c, [req]) for c, m in zip(caches, missing)]
             if self.prefix_cache is not None and req.params.prompt_logprobs is None and not req.num_preemptions:
                 self.prefix_cache.queries += len(req.prompt_ids)  # looked up once its prefill begins
 
@@ -467,17 +473,20 @@ class LLMEngine:
         return self._step_length(req)
 
     def _room_for(self, reqs: list[Request]) -> bool:
-        """Whether the pools hold every request's next step (counting blocks only the prefix cache holds, which it
-        lets go of when asked)."""
-        for cache in (self.target_cache, self.drafter_cache):
-            if cache is None:
-                continue
-            missing = sum(cache.blocks_missing(r.slot, self._step_length(r)) if r.slot >= 0 else
-                          cache.blocks_for(self._admission_length(r)) for r in reqs)
-            if missing > cache.num_free_blocks and (self.prefix_cache is None or missing > cache.num_free_blocks
-                                                    + self.prefix_cache.num_idle_blocks(cache)):
-                return False
-        return True
+        """Whether the pools hold every request's next step."""
+        return all(self._fits(c, self._blocks_missing(c, reqs)) for c in (self.target_cache, self.drafter_cache)
+                   if c is not None)
+
+    def _blocks_missing(self, cache: KVCache, reqs: list[Request]) -> int:
+        """Blocks `cache` must add for these requests' next step (a waiting one's first)."""
+        return sum(cache.blocks_missing(r.slot, self._step_length(r)) if r.slot >= 0 else
+                   cache.blocks_for(self._admission_length(r)) for r in reqs)
+
+    def _fits(self, cache: KVCache, missing: int) -> bool:
+        """Whether `cache` can add `missing` blocks (counting blocks only the prefix cache holds, which it lets go of
+        when asked)."""
+        return missing <= cache.num_free_blocks or (self.prefix_cache is not None and missing <= cache.num_free_blocks
+                                                    + self.prefix_cache.num_idle_blocks(cache))
 
     def _make_room(self) -> None:
         """While the running requests' next step does not fit the pools, the newest gives its blocks back
