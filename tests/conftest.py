@@ -30,6 +30,25 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
             eos_token_id=2, pad_token_id=0)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def shared_start_up_timings(tmp_path_factory):
+    """Engines of one shape time their forwards once per run, as a server remembers them across restarts
+    (peagle/engine/calibration.py): the suite builds hundreds of engines, and their start-up timings were a third of
+    its time. Timings steer the policy and the step budget, never an output; a test that needs its own passes
+    calibration_dir."""
+    from peagle.engine.engine import LLMEngine
+
+    folder, init = tmp_path_factory.mktemp("calibration"), LLMEngine.__init__
+
+    def remembering(self, *args, **kwargs):
+        kwargs.setdefault("calibration_dir", folder)
+        init(self, *args, **kwargs)
+
+    LLMEngine.__init__ = remembering
+    yield
+    LLMEngine.__init__ = init
+
+
 def make_tiny_model(out: Path, model_type: str = "llama", seed: int = 0, **overrides) -> Path:
     """A random-weight transformers model of `model_type` saved to `out` (config.json + model.safetensors)."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -137,8 +137,9 @@ def grammar_oracle(engine: LLMEngine, reference: dict[tuple, list[int]], wrong_e
 @pytest.mark.parametrize("k", [3, 7])
 def test_rollback_after_rejected_drafts_under_a_grammar(tiny, reference, k):
     """P-EAGLE (its K logits come from one pass, so the oracle knows each depth's position)."""
+    encoder = engine_for(tiny)
     engine = grammar_oracle(engine_for(tiny, k, True, max_num_seqs=4),
-                            {tuple(engine_for(tiny).encode_prompt(p, True)): r for p, r in zip(PROMPTS, reference)})
+                            {tuple(encoder.encode_prompt(p, True)): r for p, r in zip(PROMPTS, reference)})
     outs = engine.generate(PROMPTS, [params(c) for c in CONSTRAINTS], chat=True)
     assert [o.token_ids for o in outs] == reference
     s = engine.stats

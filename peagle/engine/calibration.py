@@ -56,10 +56,10 @@ class RememberedTimings:
         os.replace(f.name, self.path)
 
 
-def timings_key(target: TargetModel, head: HeadProposer | None, max_num_seqs: int, max_model_len: int,
-                **shape) -> dict:
+def timings_key(target: TargetModel, head: HeadProposer | None, max_num_seqs: int, max_model_len: int) -> dict:
     """What a start-up timing depends on: the models' shapes and formats, the cache's, the kernels (their build,
-    paths and threads), the CPU and the versions; `shape`: the engine's other sizes (windows, budgets)."""
+    paths and threads), the CPU and the versions. Not the engine's windows, policy or budgets: they choose which
+    shapes are timed, and each timing's name holds its shape, so engines that differ only there share a file."""
     from importlib.metadata import PackageNotFoundError, version
 
     from peagle.model import kernels
@@ -79,7 +79,7 @@ def timings_key(target: TargetModel, head: HeadProposer | None, max_num_seqs: in
             "drafter_weights": drafter.weights if drafter is not None else None,
             "parallel_drafting": head.parallel if head is not None else None,
             "draft_tree_beams": head.beams if head is not None else None,  # the dynamic tree's passes cost more
-            "max_num_seqs": max_num_seqs, "max_model_len": max_model_len, **shape,
+            "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
             "kernels": kernels.describe(target.device), "kernel_build": Path(lib._name).name if lib else None,
             "threads": torch.get_num_threads(), "cpu": kernels.cpu_model(), "torch": torch.__version__,
             "peagle": peagle_version}

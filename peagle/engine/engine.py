@@ -161,8 +161,7 @@ class LLMEngine:
         self.num_finished = 0
         self.num_preemptions = 0  # running requests that gave their blocks back (_make_room)
         head = self._build_speculation(speculation_policy, head_k)
-        self._build_phases(max_num_batched_tokens, enable_chunked_prefill, max_step_time_ms, calibration_dir, head,
-                           head_k)
+        self._build_phases(max_num_batched_tokens, enable_chunked_prefill, max_step_time_ms, calibration_dir, head)
         self.max_forced_run = MAX_FORCED_RUN  # 0: verify no forced tokens past the drafts (token-by-token reference)
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()  # request threads build the compiler on first use
@@ -212,16 +211,15 @@ class LLMEngine:
         return head
 
     def _build_phases(self, max_num_batched_tokens: int, enable_chunked_prefill: bool,
-                      max_step_time_ms: float | None, calibration_dir: Path | None, head: HeadProposer | None,
-                      head_k: int) -> None:
+                      max_step_time_ms: float | None, calibration_dir: Path | None,
+                      head: HeadProposer | None) -> None:
         """The cost models, calibrated at start-up on scratch rows, and the phases of a step before its decode: the
         drafter's catch-up, the prefix cache's reuse, and prefill."""
         self._step_clock = step_clock(self.device)
         remembered = None
         if calibration_dir is not None:
-            remembered = RememberedTimings(calibration_dir, timings_key(
-                self.target, head, self.max_num_seqs, self.max_model_len, policy=type(self.policy).__name__,
-                k=self.k, head_k=head_k, tree_rows=self.tree_rows, max_step_time_ms=max_step_time_ms))
+            remembered = RememberedTimings(calibration_dir, timings_key(self.target, head, self.max_num_seqs,
+                                                                        self.max_model_len))
         timings = ScratchTimings(self.target, self.target_cache, head, self.max_num_seqs, self.max_model_len,
                                  self.cost.max_rows, self._step_clock, remembered)
         self.cost.calibrate(timings.target_rows, timings.head_draft, timings.prefill_chunk,

@@ -25,6 +25,10 @@ COST_DRIFT_RATE = 0.05  # how fast every decode shape follows the machine's drif
 DRAFT_DRIFT_RATE = 0.1  # how fast every drafting shape follows what drafting steps turn out to cost
 CORRECTION_RATE = 0.2  # how fast a chunk model's correction follows the measured/predicted ratio
 MAX_SURPRISE = 4.0  # one chunk timing moves its correction by at most this factor's share (preemption, page faults)
+# Past these shapes a forward is compute-bound (the weights' read is shared by enough rows), so its cost grows
+# linearly: wider shapes are extrapolated from the two widest timed, and start-up never times a 1,024-row forward.
+MAX_TIMED_ROWS = 64
+MAX_TIMED_BATCH = 16
 
 
 @dataclass
@@ -92,9 +96,9 @@ class ForwardCost:
 
     def grid(self) -> tuple[list[int], list[int], list[int]]:
         """The decode shapes calibration times (row counts of the target; requests and windows of the drafter);
-        the rest is interpolated between them."""
-        rows = sorted({n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if n < self.max_rows} | {self.max_rows})
-        bs = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < self.max_batch} | {1, self.max_batch})
+        the rest is interpolated between them, or extrapolated past the widest."""
+        rows = sorted({n for n in (1, 2, 4, 8, 16, 32) if n < self.max_rows} | {min(self.max_rows, MAX_TIMED_ROWS)})
+        bs = sorted({b for b in (1, 2, 4, 8) if b < self.max_batch} | {1, min(self.max_batch, MAX_TIMED_BATCH)})
         # The drafter's cost grows about linearly in K (a chain: one forward per draft; parallel: wider rows).
         k = self.max_head_k
         ks = sorted({1, (1 + k) // 2, k}) if k else []
@@ -173,10 +177,17 @@ def _line(points: list[tuple[int, float]], max_k: int) -> list[float]:
 
 
 def _bracket(grid: list[int], x: int) -> tuple[int, int]:
+    """The grid points around x; past the widest, the two widest (to extrapolate from)."""
+    if x > grid[-1]:
+        return (grid[-2], grid[-1]) if len(grid) > 1 else (grid[-1], grid[-1])
     lo = max(g for g in grid if g <= x)
     hi = min(g for g in grid if g >= x)
     return lo, hi
 
 
 def _lerp(x: float, x0: float, x1: float, y0: float, y1: float) -> float:
-    return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    """Linear between (x0, y0) and (x1, y1); past x1 the line goes on, never falling below y1."""
+    if x1 == x0:
+        return y0
+    y = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return max(y, y1) if x > x1 else y
