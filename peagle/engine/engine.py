@@ -538,16 +538,16 @@ class LLMEngine:
         step has so far), and the model-free drafts cut to their K, each a chain. Under a grammar the drafts were
         proposed under its mask (the head's) or are cut where it stops allowing them (a model-free draft), and a
         window keeps its chain: the grammar picked its drafts."""
-        heads = plan.head_windows
+        heads, head_k = plan.head_windows, plan.head_k
         made, candidates = [], None
         if heads:
             reqs = [w.request for w in heads]
             drafts, candidates = self.proposer.draft(reqs, torch.tensor([r.slot for r in reqs], device=self.device),
-                                                     plan.head_k, TREE_TOP_M if self.trees.enabled else 0,
+                                                     head_k, TREE_TOP_M if self.trees.enabled else 0,
                                                      [w.grammar for w in heads])
             made = drafts.tolist()
         rows = sum(1 + (w.k if w.by_head else len(w.draft.tokens[: w.k]) if w.k else 0) for w in plan.windows)
-        seconds = (lambda n: self.policy.cost.predict(n, len(heads), plan.head_k)) if self.policy.cost else None
+        seconds = (lambda n: self.policy.cost.predict(n, len(heads), head_k)) if self.policy.cost else None
         by_head = {id(w): j for j, w in enumerate(heads)}
         for w in plan.windows:
             if not w.k:
