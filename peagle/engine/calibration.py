@@ -56,10 +56,11 @@ class RememberedTimings:
         os.replace(f.name, self.path)
 
 
-def timings_key(target: TargetModel, head: HeadProposer | None, max_num_seqs: int, max_model_len: int) -> dict:
-    """What a start-up timing depends on: the models' shapes and formats, the cache's, the kernels (their build,
-    paths and threads), the CPU and the versions. Not the engine's windows, policy or budgets: they choose which
-    shapes are timed, and each timing's name holds its shape, so engines that differ only there share a file."""
+def timings_key(target: TargetModel, head: HeadProposer | None) -> dict:
+    """What a start-up timing depends on: the models' shapes and formats, the kernels (their build, paths and
+    threads), the CPU and the versions. Not the engine's sizes, windows, policy or budgets: they choose which shapes
+    are timed, and each timing's name holds its shape (rows, slots, positions), so engines that differ only there
+    share a file."""
     from importlib.metadata import PackageNotFoundError, version
 
     from peagle.model import kernels
@@ -79,7 +80,6 @@ def timings_key(target: TargetModel, head: HeadProposer | None, max_num_seqs: in
             "drafter_weights": drafter.weights if drafter is not None else None,
             "parallel_drafting": head.parallel if head is not None else None,
             "draft_tree_beams": head.beams if head is not None else None,  # the dynamic tree's passes cost more
-            "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
             "kernels": kernels.describe(target.device), "kernel_build": Path(lib._name).name if lib else None,
             "threads": torch.get_num_threads(), "cpu": kernels.cpu_model(), "torch": torch.__version__,
             "peagle": peagle_version}
@@ -124,7 +124,9 @@ class ScratchTimings:
             with torch.inference_mode():
                 self.target(tokens, layout, self.target_cache, num_logits=None)
 
-        return self._seconds(f"target_rows {rows} at {self.context}", lambda: timed(forward, self.clock))
+        slots = min(rows, self.max_num_seqs)
+        return self._seconds(f"target_rows {rows} in {slots} slots at {self.context}",
+                             lambda: timed(forward, self.clock))
 
     def head_draft(self, batch: int, k: int) -> float:
         """Seconds of the head drafting k tokens for `batch` requests (no head: nothing to time)."""

@@ -218,8 +218,7 @@ class LLMEngine:
         self._step_clock = step_clock(self.device)
         remembered = None
         if calibration_dir is not None:
-            remembered = RememberedTimings(calibration_dir, timings_key(self.target, head, self.max_num_seqs,
-                                                                        self.max_model_len))
+            remembered = RememberedTimings(calibration_dir, timings_key(self.target, head))
         timings = ScratchTimings(self.target, self.target_cache, head, self.max_num_seqs, self.max_model_len,
                                  self.cost.max_rows, self._step_clock, remembered)
         self.cost.calibrate(timings.target_rows, timings.head_draft, timings.prefill_chunk,
