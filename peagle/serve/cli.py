@@ -315,6 +315,8 @@ def serve(args, plan) -> int:
 
     import uvicorn
 
+    from peagle.serve.idle_gc import IdleCollector
+
     try:
         app, aengine = build_server(args, plan)
     except ServeError as e:
@@ -350,6 +352,7 @@ def serve(args, plan) -> int:
                             timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.max_connections)
     server = Server(config)
     freeze_startup_heap()
+    aengine.collector = IdleCollector().take_over()  # from here on, full collections run between engine steps
     server.run()
     return 0 if server.started else 1
 
