@@ -1,5 +1,5 @@
-"""Full collections under `peagle serve`: none automatic, one when the engine is idle, one under load only after the
-bound (peagle/serve/idle_gc.py)."""
+"""Full collections under `peagle serve`: none automatic; the start-up freeze at the first idle moment once listening;
+then one when the engine is idle, one under load only after the bound (peagle/serve/idle_gc.py)."""
 import gc
 
 import pytest
@@ -12,6 +12,7 @@ def thresholds():
     saved = gc.get_threshold()
     yield
     gc.set_threshold(*saved)
+    gc.unfreeze()
 
 
 class Clock:
@@ -34,9 +35,20 @@ def test_take_over_keeps_the_young_thresholds(thresholds):
     assert (young0, young1) == (700, 10) and oldest > 10**9
 
 
+def test_freezes_start_up_once_listening_and_idle(thresholds):
+    clock = Clock()
+    collector = IdleCollector(settle_s=1, clock=clock).take_over()
+    assert not collector.tick(idle=True)  # not listening yet
+    clock.now = 5
+    assert not collector.tick(idle=False)  # requests in flight: theirs would be frozen too
+    assert collector.tick(idle=True) and collector.frozen and gc.get_freeze_count() > 0
+    assert not collector.tick(idle=True)
+
+
 def test_collects_when_idle_after_the_gap_and_under_load_after_the_bound(thresholds):
     clock = Clock()
     collector = IdleCollector(min_gap_s=30, bound_s=300, clock=clock).take_over()
+    collector.frozen = True
     promote()
     assert not collector.tick(idle=True)  # the last full collection (the take-over) is too recent
     clock.now = 31
