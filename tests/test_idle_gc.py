@@ -4,7 +4,7 @@ import gc
 
 import pytest
 
-from peagle.serve.idle_gc import IdleCollector
+from peagle.serve.idle_gc import IdleCollector, held_full_collections
 
 
 @pytest.fixture
@@ -82,3 +82,10 @@ def test_no_automatic_full_collection(thresholds, taken_over):
     finally:
         gc.callbacks.remove(seen)
     assert len(kept) and (full == []) == taken_over  # CPython's own thresholds would have run some
+
+
+def test_held_full_collections_gives_cpython_s_thresholds_back(thresholds):
+    gc.set_threshold(700, 10, 10)
+    with held_full_collections():
+        assert gc.get_threshold()[2] > 10**9
+    assert gc.get_threshold() == (700, 10, 10)

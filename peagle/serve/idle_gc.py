@@ -2,8 +2,11 @@
 (docs/memory.md, "Pauses").
 
 A full (oldest-generation) collection walks every object the collector tracks while holding the GIL, so every stream
-stops. Start-up leaves about 255,000 (torch, transformers, the tokenizer, the model's modules): the first idle moment
-a second after start (the server listens by then) collects them and `gc.freeze()`s what is left, out of every later
+stops. Start-up leaves about 255,000 (torch, transformers, the tokenizer, the model's modules), nearly all of them
+for good: CPython's full collections while they were made walked the growing heap for nothing (five, 0.3-0.7 s in
+all, before the server listened), so there are none from `peagle serve`'s first import on (peagle/cli.py:
+`held_full_collections`), and the first idle moment a
+second after start (the server listens by then) collects once and `gc.freeze()`s what is left, out of every later
 collection's reach; frozen objects are still freed when nothing refers to them.
 
 CPython also runs a full collection whenever the objects that survived since the last one reach a quarter of those
@@ -21,9 +24,26 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 _NEVER = 2**31 - 1  # a generation-2 threshold the count of young collections never passes
+
+
+def hold_full_collections() -> None:
+    """No automatic full collections from here on; the young generations keep their thresholds."""
+    gc.set_threshold(*gc.get_threshold()[:2], _NEVER)
+
+
+@contextmanager
+def held_full_collections() -> Iterator[None]:
+    """No automatic full collections inside (IdleCollector runs them); CPython's thresholds come back after."""
+    saved = gc.get_threshold()
+    hold_full_collections()
+    try:
+        yield
+    finally:
+        gc.set_threshold(*saved)
 
 
 class IdleCollector:
@@ -35,8 +55,8 @@ class IdleCollector:
         self.collections = 0  # full collections run here
 
     def take_over(self) -> "IdleCollector":
-        """Stop CPython's automatic full collections (the young generations keep their thresholds)."""
-        gc.set_threshold(*gc.get_threshold()[:2], _NEVER)
+        """Run the full collections from now on, CPython's automatic ones stopped."""
+        hold_full_collections()
         self.last = self.clock()
         return self
 
