@@ -4,10 +4,10 @@
 A full (oldest-generation) collection walks every object the collector tracks while holding the GIL, so every stream
 stops. Start-up leaves about 255,000 (torch, transformers, the tokenizer, the model's modules), nearly all of them
 for good: CPython's full collections while they were made walked the growing heap for nothing (five, 0.3-0.7 s in
-all, before the server listened), so there are none from `peagle serve`'s first import on (peagle/cli.py:
-`held_full_collections`), and the first idle moment a
-second after start (the server listens by then) collects once and `gc.freeze()`s what is left, out of every later
-collection's reach; frozen objects are still freed when nothing refers to them.
+all, before the server listened). So there are none from `peagle serve`'s first import on (peagle/cli.py holds them),
+and at the first idle moment a second after start (the server listens by then) the engine thread collects once and
+`gc.freeze()`s what is left, out of every later collection's reach; frozen objects are still freed when nothing
+refers to them.
 
 CPython also runs a full collection whenever the objects that survived since the last one reach a quarter of those
 it tracks, wherever the process happens to be. The shared suffix trees alone are about 360,000 node objects at their
