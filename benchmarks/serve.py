@@ -37,7 +37,8 @@ touched blocks and the prefix cache's (and its budget), inter-token gaps from th
 the longest with how many streams stalled with them; the restart excluded), time to first token apart, this client's
 longest garbage collection, and the restart's time to healthy.
 restart: seconds from launch to a 200 from /health, for a first start and then --restarts times after a SIGKILL
-(the start-up timings remembered since the first: docs/serving.md, "Restarts").
+(the start-up timings remembered since the first: docs/serving.md, "Restarts"), and the server's CPU seconds by
+then (the wall time less what other jobs on the machine took).
 """
 from __future__ import annotations
 
@@ -705,15 +706,18 @@ def restart(args) -> list[dict]:
 
     with tempfile.TemporaryDirectory() as tmp:
         proc = ServerProcess(args.model, speculative_json(args), 8, Path(tmp) / "serve.log", threads=args.threads)
-        seconds = []
+        seconds, cpu = [], []
         for i in range(args.restarts + 1):
             if i:
                 proc.proc.send_signal(signal.SIGKILL)
                 proc.proc.wait()
             proc.start()
             seconds.append(round(proc.startup_s, 1))
+            used = proc.cpu_seconds()
+            cpu.append(None if used is None else round(used, 1))
         proc.stop()
-    row = {"first_start_s": seconds[0], "restarts_s": seconds[1:]}
+    row = {"first_start_s": seconds[0], "restarts_s": seconds[1:], "first_start_cpu_s": cpu[0],
+           "restarts_cpu_s": cpu[1:]}
     print(json.dumps(row), flush=True)
     return [row]
 

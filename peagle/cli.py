@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
@@ -31,15 +32,21 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help() if not argv or argv[0] in ("-h", "--help") else parser.parse_args(argv[:1])
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     name = argv[0]
-    module = importlib.import_module(COMMANDS[name][0])
-    cmd_parser = argparse.ArgumentParser(prog=f"peagle {name}", description=COMMANDS[name][1])
-    module.register(name, cmd_parser)
-    args = cmd_parser.parse_args(argv[1:])
-    try:
-        return int(args.func(args) or 0)
-    except BrokenPipeError:  # output piped into `head` and the like: stop quietly, as other Unix tools do
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit-time flush cannot fail again
-        return 1
+    held = contextlib.nullcontext()
+    if name == "serve":  # what a server's start-up makes lives as long as it does: no full collection walks it
+        from peagle.serve.idle_gc import held_full_collections
+
+        held = held_full_collections()
+    with held:
+        module = importlib.import_module(COMMANDS[name][0])
+        cmd_parser = argparse.ArgumentParser(prog=f"peagle {name}", description=COMMANDS[name][1])
+        module.register(name, cmd_parser)
+        args = cmd_parser.parse_args(argv[1:])
+        try:
+            return int(args.func(args) or 0)
+        except BrokenPipeError:  # output piped into `head` and the like: stop quietly, as other Unix tools do
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit-time flush cannot fail again
+            return 1
 
 
 if __name__ == "__main__":

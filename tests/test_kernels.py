@@ -64,6 +64,19 @@ def test_packed_linear_matches_float64_and_is_batch_invariant(path, N, K):
         assert torch.equal(kernels.packed_linear(wide, packed), full)
 
 
+@pytest.mark.parametrize("path", [p for p in KERNEL_PATHS if p.values[0] != "amx"])
+@pytest.mark.parametrize("N, K", [(7, 40), (33, 101), (16, 3), (32, 6), (1, 1)])
+def test_panels_hold_pairs_of_16_rows_zero_padded(path, N, K):
+    """The AVX2 and AVX-512 layout: panel p, pair q holds rows 16p..16p+15, each as its elements 2q and 2q+1 side by
+    side; rows past N and the element past an odd K are zero."""
+    w = bf16(N, K, seed=5)
+    NP, K2 = -(-N // 16), -(-K // 2)
+    padded = torch.zeros(NP * 16, K2 * 2, dtype=torch.bfloat16)
+    padded[:N, :K] = w
+    want = padded.view(NP, 16, K2, 2).permute(0, 2, 1, 3).reshape(-1)
+    assert torch.equal(kernels.PackedWeight.pack(w, path).data.view(torch.int16), want.view(torch.int16))
+
+
 @pytest.mark.parametrize("path", KERNEL_PATHS)
 def test_packed_linear_thread_count_does_not_change_bits(path):
     w, x = bf16(300, 200, seed=3), bf16(9, 200, seed=4)

@@ -16,6 +16,7 @@ Requests join and leave the running batch between steps (continuous batching in 
 - Optional *baseline* engine: the same target weights with no drafter, for requests that ask for
   `"speculation": false` (the playground's side-by-side mode). It has its own small KV cache and is stepped by
   the same thread, alternating with the main engine, so the two never run forward passes at the same time.
+- Full garbage collections: `peagle serve` hands them to this thread, between steps (idle_gc.py).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from collections.abc import AsyncIterator
 
 from peagle.engine import LLMEngine, RequestOutput
 from peagle.engine.request import Request
+from peagle.serve.idle_gc import IdleCollector
 from peagle.serve.metrics import Metrics
 from peagle.serve.protocol import APIError
 
@@ -102,6 +104,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._recent_latency = 1.0  # seconds, a running mean of request latency for Retry-After
         self.error: BaseException | None = None
+        self.collector: IdleCollector | None = None  # set by `peagle serve`: full collections between steps
 
     # -- lifecycle --------------------------------------------------------------------------------------------
     @property
@@ -248,6 +251,8 @@ class AsyncEngine:
                     self.metrics.record_spec(engine.stats, engine.proposer_stats)
                 if self.metrics is not None and engine.prefix_cache is not None:
                     self.metrics.record_prefix_cache(engine.prefix_cache)
+            if self.collector is not None:
+                self.collector.tick(idle=not busy)
             if not busy:
                 self._wake.wait(self.idle_wait)
                 self._wake.clear()

@@ -299,21 +299,12 @@ def build_server(args, plan):
     return app, aengine
 
 
-def freeze_startup_heap() -> None:
-    """Put what start-up left alive (torch, transformers, the tokenizer, the model's modules: about 255,000 objects
-    for the embedded model) out of the cyclic collector's reach. A full collection walks every object it tracks while
-    holding the GIL, so each one paused every stream for 0.2-0.4 s under a 32-stream soak (docs/memory.md, "Pauses");
-    frozen objects are still freed when nothing refers to them."""
-    import gc
-
-    gc.collect()  # start-up's garbage goes first: frozen, it would never be collected
-    gc.freeze()
-
-
 def serve(args, plan) -> int:
     import asyncio
 
     import uvicorn
+
+    from peagle.serve.idle_gc import IdleCollector
 
     try:
         app, aengine = build_server(args, plan)
@@ -349,7 +340,8 @@ def serve(args, plan) -> int:
                             access_log=not args.disable_uvicorn_access_log, timeout_graceful_shutdown=5,
                             timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.max_connections)
     server = Server(config)
-    freeze_startup_heap()
+    # full collections from here on, the start-up freeze included: on the engine thread between steps, once listening
+    aengine.collector = IdleCollector().take_over()
     server.run()
     return 0 if server.started else 1
 

@@ -60,18 +60,25 @@ size_t peagle_panels_size(int N, int K) { /* elements (bf16) of W packed into pa
     return (size_t)((N + PANEL - 1) / PANEL) * (size_t)((K + 1) / 2) * 2 * PANEL;
 }
 
+/* Panel p holds rows p*PANEL.. as PANEL pairs (k, k+1) side by side for each pair q: row by row, each row's pairs
+   go to column c of consecutive 2*PANEL-element groups, so reads are sequential and a panel's writes (K2 * 64
+   bytes) stay in cache; padding (rows past N, k = K when K is odd) is zero. */
 void peagle_pack_panels(const uint16_t *w, int N, int K, uint16_t *out, int nthreads) {
     int K2 = (K + 1) / 2, NP = (N + PANEL - 1) / PANEL;
+    size_t panel = (size_t)K2 * 2 * PANEL;
     #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int p = 0; p < NP; p++)
-        for (int q = 0; q < K2; q++) {
-            uint16_t *t = out + ((size_t)p * K2 + q) * 2 * PANEL;
-            for (int c = 0; c < PANEL; c++)
-                for (int e = 0; e < 2; e++) {
-                    int n = p * PANEL + c, k = 2 * q + e;
-                    t[2 * c + e] = (n < N && k < K) ? w[(size_t)n * K + k] : 0;
-                }
+    for (int p = 0; p < NP; p++) {
+        uint16_t *t = out + (size_t)p * panel;
+        int rows = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
+        if (rows < PANEL || K % 2) memset(t, 0, panel * sizeof *t);
+        for (int c = 0; c < rows; c++) {
+            const uint16_t *row = w + (size_t)(p * PANEL + c) * K;
+            uint16_t *dst = t + 2 * c;
+            for (int q = 0; q < K / 2; q++)
+                memcpy(dst + (size_t)q * 2 * PANEL, row + 2 * q, 4);
+            if (K % 2) dst[(size_t)(K / 2) * 2 * PANEL] = row[K - 1];
         }
+    }
 }
 
 /* A register block of R rows x P panels: x rows (the path's own element type) times P panels of W -> y. */
