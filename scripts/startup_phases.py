@@ -8,6 +8,7 @@ twice or more: the first start of a new build times the forwards it then remembe
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import json
@@ -58,6 +59,8 @@ def phases() -> dict[str, list[float]]:
 
 
 def main() -> None:
+    argparse.ArgumentParser(usage="%(prog)s [peagle serve's arguments]", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_known_args()
     try:
         from peagle.serve.idle_gc import held_full_collections
     except ImportError:  # a checkout from before peagle serve held them

@@ -23,6 +23,7 @@ HELP = {
     "benchmarks/structured_outputs.py": None, "benchmarks/training.py": ["throughput", "memory", "regen"],
     "benchmarks/perplexity.py": None, "benchmarks/threads.py": None,
     "benchmarks/vs_llama_cpp.py": None, "scripts/bundle_head.py": None, "scripts/device_check.py": None,
+    "scripts/startup_phases.py": None,
     "scripts/head_data.py": ["sharegpt", "code", "self", "mix", "split"],
 }
 # Run by other tests (or, for the shell scripts, parsed here and run as the docs say)
