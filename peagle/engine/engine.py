@@ -125,10 +125,13 @@ class LLMEngine:
             spec.check_head(drafter.config.parallel_capable, spec.model or "the head")
         self.k = spec.max_draft_tokens if spec else 0  # the widest window any proposer drafts
         head_k = spec.num_speculative_tokens if drafter is not None else 0
-        # the most positions a head's draft tree takes past its window (its nodes beyond its depth)
+        # the most positions a draft tree takes past its window (its nodes beyond its depth): a head's, and under
+        # "auto" a suffix draft's side leaves
+        auto = spec is not None and spec.draft_tree_nodes == "auto" and not spec.token_tree
         tree_nodes = (0 if drafter is None else len(spec.token_tree) if spec.token_tree else
-                      MAX_TREE_NODES if spec.draft_tree_nodes == "auto" else spec.draft_tree_nodes)
-        self.tree_rows = max(0, tree_nodes - head_k)
+                      MAX_TREE_NODES if auto else spec.draft_tree_nodes)
+        leaf_rows = MAX_TREE_NODES - self.k if auto and spec.uses_suffix_tree else 0
+        self.tree_rows = max(0, tree_nodes - head_k, leaf_rows)
         # an EAGLE-3 head's dynamic tree writes its beams' rows at scratch positions past the real rows
         self.beam_rows = ((head_k - 1) * spec.draft_tree_beams
                           if tree_nodes and not spec.token_tree and not spec.parallel_drafting else 0)
@@ -206,7 +209,7 @@ class LLMEngine:
         beams = spec.draft_tree_beams if self.trees.enabled and self.trees.static is None else 0
         head = (HeadProposer(self.drafter, self.drafter_cache, spec.parallel_drafting, self.device, beams)
                 if self.drafter is not None else None)
-        self.proposer: Proposer = make_proposer(spec, head, self.policy)
+        self.proposer: Proposer = make_proposer(spec, head, self.policy, side_leaves=self.trees.sizes)
         # engine-wide, since start, per drafter that ran (the hybrid has two)
         self.proposer_stats = {name: SpecDecodeStats(self.k) for name in self.proposer.names}
         return head
@@ -551,6 +554,10 @@ class LLMEngine:
                 w.tree = DraftTree.chain(tokens)
             elif j is None:
                 w.tree = DraftTree.chain(w.draft.tokens[: w.k])
+                if w.draft.leaves and self.trees.sizes:  # its side leaves, as far as they pay
+                    w.tree = self.trees.grow(w.tree, len(plan.windows) + sum(w.draft.survival[: w.k]),
+                                             w.draft.branches(w.k), self.trees.price(rows - w.k, seconds))
+                    rows += len(w.tree) - w.k
             elif candidates is None:
                 w.tree = DraftTree.chain(made[j][: w.k])
             else:
@@ -626,7 +633,7 @@ class LLMEngine:
         if kept > 0:
             self.prefix_reuse.store_blocks(req, features[: min(kept, len(emitted) - 1) + 1])
         forced = count_forced(masks, kept) if masks is not None else 0
-        self._record(w.outcome(path, forced, self.proposer.head_name))
+        self._record(w.outcome(path, emitted, forced, self.proposer.head_name))
 
     def _verified_path(self, w: Window, logits: torch.Tensor) -> tuple[list[int], list[int]]:
         """What a window accepts (its drafts' node indices) and emits: the accepted drafts, then the target's own
@@ -651,11 +658,12 @@ class LLMEngine:
             return
         if outcome.drafted:
             self.proposer_stats[outcome.proposer].record(outcome.drafted, outcome.accepted, outcome.depth)
+        # the proposers' and the policy's estimates are of chains: what a tree's first children would have done
         if outcome.draft is not None:
-            self.proposer.observe(req, outcome.draft, outcome.drafted, outcome.accepted)
-        elif outcome.drafted:  # the policy's estimate is of the head's chain: what its first children would do
+            self.proposer.observe(req, outcome.draft, outcome.depth, outcome.chain_accepted, outcome.emitted)
+        elif outcome.drafted:
             self.policy.observe(req.request_id, outcome.depth, outcome.chain_accepted)
-            self.trees.observe(outcome.tree, outcome.accepted)
+            self.trees.observe(outcome.tree, outcome.path)
 
     def _retire_if_finished(self, req: Request) -> None:
         if req.finished and req in self.running:
