@@ -85,9 +85,12 @@ def start_engines(names: list[str], args) -> dict:
     return engines
 
 
-def proposer_counts(engine) -> dict[str, tuple[int, int]]:
-    """Drafts and accepted tokens so far of each proposer the engine asks."""
-    return {p: (s.num_drafts, s.num_accepted_tokens) for p, s in engine.proposer_stats.items()}
+def proposer_counts(engine) -> dict[str, tuple[int, int, int]]:
+    """Drafts, accepted tokens and draft-tree nodes past the trees' depth (0: chains only) so far of each proposer
+    the engine asks."""
+    return {p: (s.num_drafts, s.num_accepted_tokens,
+                s.num_draft_tokens - sum(k * n for k, n in enumerate(s.steps_per_k)))
+            for p, s in engine.proposer_stats.items()}
 
 
 def run_dataset(engines: dict, dataset: str, args) -> dict:
@@ -125,8 +128,8 @@ def run_dataset(engines: dict, dataset: str, args) -> dict:
                    if drafts else None,
                    "drafts_per_step": round((s.num_draft_tokens - b.num_draft_tokens) / steps, 3) if steps else 0.0,
                    "tokens_per_draft": round((s.num_draft_tokens - b.num_draft_tokens) / drafts, 3) if drafts else 0.0,
-                   "proposers": {p: [d - was.get(p, (0, 0))[0], a - was.get(p, (0, 0))[1]]
-                                 for p, (d, a) in proposer_counts(e).items()}}
+                   "proposers": {p: [now - then for now, then in zip(counts, was.get(p, (0, 0, 0)))]
+                                 for p, counts in proposer_counts(e).items()}}
     return rows
 
 
@@ -138,11 +141,11 @@ def report(dataset: str, rows: dict, args) -> None:
           f"{args.max_tokens} tokens, temperature {args.temperature:g}, {args.quantization or 'bf16'} target, "
           f"{kernels.describe()}, thread CPU time\n")
     print(f"| configuration | output tokens per CPU s | vs {first} | mean acceptance length | drafts per step | "
-          "draft tokens per draft | drafts (accepted tokens) per proposer |")
+          "draft tokens per draft | drafts (accepted tokens, tree nodes past the depth) per proposer |")
     print("|---|---:|---:|---:|---:|---:|---|")
     for n, r in rows.items():
         mal = f"{r['mean_acceptance_length']:.3f}" if r["mean_acceptance_length"] else "-"
-        shown = ", ".join(f"{p} {d} ({a})" for p, (d, a) in r["proposers"].items()) or "-"
+        shown = ", ".join(f"{p} {d} ({a}, {x})" for p, (d, a, x) in r["proposers"].items()) or "-"
         print(f"| {n} | {r['tokens_per_cpu_s']:.1f} | {r['tokens_per_cpu_s'] / rows[first]['tokens_per_cpu_s']:.3f}x | "
               f"{mal} | {r['drafts_per_step']:.2f} | {r['tokens_per_draft']:.2f} | {shown} |")
 
