@@ -89,6 +89,7 @@ def test_a_head_tree_grafts_the_suffix_draft_it_beat_and_calibrates_on_its_own_n
     path = [tree.tokens.index(11), *(i for i in range(len(tree)) if tree.probs[i] == 0)]
     shaper.observe(tree, path)
     assert shaper.reached[0] == 1 and shaper.reached[1] == 0
+    assert tree.head_depth == plain.depth < tree.depth and tree.first_children(path) == 0  # the policy's view
 
 
 def scripted_suffix_drafts(engine: LLMEngine, reference: dict[tuple, list[int]], vocab: int) -> None:

@@ -78,12 +78,17 @@ class DraftTree:
             i = self.parents[i]
         return out[::-1]
 
+    @property
+    def head_depth(self) -> int:
+        """The depth of the head's own nodes (past it: nodes grafted from a model-free draft)."""
+        return max((d for d, p in zip(self.depths, self.probs) if p), default=self.depth)
+
     def first_children(self, path: list[int]) -> int:
-        """How many of a path's leading nodes are each their parent's first child: what the best chain among the
-        tree's nodes would have accepted."""
+        """How many of a path's leading nodes are each their parent's first child, and not grafted onto a head's
+        tree: what the best chain among the drafter's own nodes would have accepted."""
         n = 0
         for i in path:
-            if self.children[self.parents[i]][0] != i:
+            if self.children[self.parents[i]][0] != i or (self.probs and not self.probs[i]):
                 break
             n += 1
         return n

@@ -662,7 +662,7 @@ class LLMEngine:
         if outcome.draft is not None:
             self.proposer.observe(req, outcome.draft, outcome.depth, outcome.chain_accepted, outcome.emitted)
         elif outcome.drafted:
-            self.policy.observe(req.request_id, outcome.depth, outcome.chain_accepted)
+            self.policy.observe(req.request_id, outcome.tree.head_depth, outcome.chain_accepted)
             self.trees.observe(outcome.tree, outcome.path)
 
     def _retire_if_finished(self, req: Request) -> None:
