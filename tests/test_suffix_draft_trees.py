@@ -34,7 +34,8 @@ def test_a_suffix_draft_carries_the_other_continuations_it_saw():
     draft = cache.speculate("r", 24, 1.0, 0.1, alternatives=7)  # after "1 2 3": 4 three times, 5 three times
     assert draft.tokens[0] == 4 and draft.probs[0] == 0.5 and draft.others[0] == ((5, 3, 0.5),)
     assert len(draft.others) == len(draft.tokens)
-    assert cache.speculate("r", 24, 1.0, 0.1).others == ()  # not asked for: not looked up
+    plain = cache.speculate("r", 24, 1.0, 0.1)
+    assert plain.others == () and (plain.tokens, plain.probs) == (draft.tokens, draft.probs)  # the same draft
 
 
 def test_branches_come_most_probable_first_and_parents_first():

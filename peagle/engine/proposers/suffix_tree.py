@@ -139,13 +139,14 @@ class SuffixTrie:
                 hi = mid - 1
             else:
                 lo = mid
-        best = NO_DRAFT
+        best, start = NO_DRAFT, None
         for bound, length in _by_bound(range(1, lo + 1), self.max_depth, max_spec_tokens, max_spec_factor):
             if (bound, length) > (round(best.score, 9), best.match_len):
                 node, leaf, pos = self._locate(context, length)
-                best = _better(best, _walk(node, leaf, pos, length, max_spec_tokens, max_spec_factor,
-                                           min_token_prob, alternatives))
-        return best
+                walked = _walk(node, leaf, pos, length, max_spec_tokens, max_spec_factor, min_token_prob)
+                if _better(best, walked) is walked:
+                    best, start = walked, (node, leaf, pos)
+        return _noting_others(best, start, max_spec_tokens, max_spec_factor, min_token_prob, alternatives)
 
     def _locate(self, context: Sequence[int], length: int) -> tuple[_Node, tuple | None, int] | None:
         """Where the context's last `length` tokens end: a node, or a leaf and the position after them in its
@@ -240,8 +241,9 @@ class _Cursor:
         for bound, length in _by_bound(nodes, self.trie.max_depth, max_spec_tokens, max_spec_factor):
             if (bound, length) > (round(best.score, 9), best.match_len):
                 best = _better(best, _walk(nodes[length], None, 0, length, max_spec_tokens, max_spec_factor,
-                                           min_token_prob, alternatives))
-        return best
+                                           min_token_prob))
+        start = (nodes[best.match_len], None, 0) if best.tokens else None
+        return _noting_others(best, start, max_spec_tokens, max_spec_factor, min_token_prob, alternatives)
 
 
 def _unlink(node: _Node, token: int) -> None:
@@ -268,6 +270,15 @@ def _better(a: SuffixDraft, b: SuffixDraft) -> SuffixDraft:
     if not b.tokens:
         return a
     return b if (round(b.score, 9), b.match_len) > (round(a.score, 9), a.match_len) else a
+
+
+def _noting_others(draft: SuffixDraft, start: tuple | None, max_spec_tokens: int, max_spec_factor: float,
+                   min_token_prob: float, alternatives: int) -> SuffixDraft:
+    """The chosen draft walked again from where it started (`start`: node, leaf, position), noting up to
+    `alternatives` other continuations per token: once per draft, not for every match length tried."""
+    if not alternatives or not draft.tokens:
+        return draft
+    return _walk(*start, draft.match_len, max_spec_tokens, max_spec_factor, min_token_prob, alternatives)
 
 
 def _walk(node: _Node, leaf: tuple | None, pos: int, match_len: int, max_spec_tokens: int,
