@@ -11,8 +11,8 @@ Every step, as `step` reads:
   4. catch the head's drafter up (catch_up.py) on the real rows its windows need, under the step's time budget
      (step_budget.py); a head still behind after its slice verifies no window this step;
   5. draft: the head's windows in one drafter forward (P-EAGLE) or one per draft (EAGLE-3), at their widest K_b,
-     shaped into draft trees where they are on; model-free drafts cut to their K_b; under a grammar, the tokens it
-     allows (grammar.GrammarWindow) and the forced tokens after them;
+     shaped into draft trees where they are on; model-free drafts cut to their K_b (with side leaves where they
+     pay); under a grammar, the tokens it allows (grammar.GrammarWindow) and the forced tokens after them;
   6. verify every request's [x_n, window] in one target forward (ragged when the windows differ: each request
      pays only for its own rows);
   7. accept per request, commit, and record the window's `Outcome`, the one record every statistic comes from.
@@ -531,9 +531,10 @@ class LLMEngine:
     def _draft_windows(self, plan: StepPlan) -> None:
         """Each drafting window's tree: the head's drafts (one forward for all its windows, at their widest K),
         shaped into a tree where trees are on (draft_tree.TreeShaper, one window at a time against the rows the
-        step has so far), and the model-free drafts cut to their K, each a chain. Under a grammar the drafts were
-        proposed under its mask (the head's) or are cut where it stops allowing them (a model-free draft), and a
-        window keeps its chain: the grammar picked its drafts."""
+        step has so far), and the model-free drafts cut to their K, each a chain with its side leaves grafted on as
+        far as they pay (TreeShaper.grow). Under a grammar the drafts were proposed under its mask (the head's) or
+        are cut where it stops allowing them (a model-free draft), and a window keeps its chain: the grammar picked
+        its drafts."""
         heads = plan.head_windows
         made, candidates = [], None
         if heads:
