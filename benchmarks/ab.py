@@ -12,7 +12,8 @@ A configuration is `none` (no speculation), `ngram`, `suffix`, `hybrid` (the suf
 or a head at a fixed K or under the adaptive policy (K from 0 up to --max-k every step): `peagle-3`, `eagle3-1`,
 `peagle-adaptive`; `+q8_0` after a head's name runs its drafter in Q8_0; `:chain` drafts chains only and `:8` trees
 of 8 nodes every step (the adaptive policy's default: trees as the step's cost allows; the fixed policy's: chains);
-for eagle3 heads `:dynamic` expands EAGLE-2's dynamic tree and `:leaves` the chain's side leaves (`:dynamic-8`: both).
+for eagle3 heads `:dynamic` expands EAGLE-2's dynamic tree and `:leaves` the chain's side leaves (`:dynamic-8`: both);
+`hybrid:noleaves` is the default hybrid with its suffix drafts kept chains (the head's trees as they are).
 Four modes preset what to compare:
 
     python3 benchmarks/ab.py proposers        # kinds of drafter: none,suffix,hybrid on sharegpt-multiturn
@@ -56,8 +57,8 @@ def engine_options(name: str, args) -> dict:
     if base in MODEL_FREE:
         return {"speculative_config": {"method": base}}
     if base == "hybrid":
-        return {"speculative_config": {"method": "hybrid", "model": heads["peagle"],
-                                       **({"draft_tree_nodes": 0 if tree == "chain" else int(tree)} if tree else {})}}
+        nodes = {} if tree in ("", "noleaves") else {"draft_tree_nodes": 0 if tree == "chain" else int(tree)}
+        return {"speculative_config": {"method": "hybrid", "model": heads["peagle"], **nodes}}
     method, _, k = base.partition("-")
     if method not in heads or not (k == "adaptive" or k.isdigit()):
         raise SystemExit(f"unknown configuration {name!r}: none, ngram, suffix, hybrid, or HEAD-K / HEAD-adaptive "
@@ -81,6 +82,8 @@ def start_engines(names: list[str], args) -> dict:
     for name in names:
         engines[name] = LLMEngine.from_pretrained(args.model, max_num_seqs=max(4, args.batch), device="cpu",
                                                   quantization=args.quantization, **engine_options(name, args))
+        if name.endswith(":noleaves"):  # its suffix drafts come without the tree's other continuations
+            engines[name].proposer.suffix.alternatives = 0
         engines[name].generate(["Hello"], SamplingParams(max_tokens=8), cache_salt="warm-up")  # first calls allocate
     return engines
 
