@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -81,7 +82,8 @@ def start_engines(names: list[str], args) -> dict:
     engines = {}
     for name in names:
         engines[name] = LLMEngine.from_pretrained(args.model, max_num_seqs=max(4, args.batch), device="cpu",
-                                                  quantization=args.quantization, **engine_options(name, args))
+                                                  quantization=args.quantization, calibration_dir=args.calibration_dir,
+                                                  **engine_options(name, args))
         if name.endswith(":noleaves"):  # its suffix drafts come without the tree's other continuations
             engines[name].proposer.suffix.alternatives = 0
         engines[name].generate(["Hello"], SamplingParams(max_tokens=8), cache_salt="warm-up")  # first calls allocate
@@ -170,6 +172,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--quantization", default=None, choices=["q4_0", "q4_1", "q8_0"], help="the target's, at load")
     ap.add_argument("--peagle-head", default=None, help="a head folder or bundled name for peagle-* and hybrid")
     ap.add_argument("--eagle3-head", default=None, help="a head folder or bundled name for eagle3-*")
+    ap.add_argument("--calibration-dir", type=Path, default=None,
+                    help="engines of the same shapes share the start-up timings kept here: their cost models start "
+                         "equal, so their ratios show their drafting rather than the noise of their own timings")
     ap.add_argument("--out", help="write the results as JSON here")
     return ap
 
