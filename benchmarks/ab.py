@@ -12,7 +12,8 @@ A configuration is `none` (no speculation), `ngram`, `suffix`, `hybrid` (the suf
 or a head at a fixed K or under the adaptive policy (K from 0 up to --max-k every step): `peagle-3`, `eagle3-1`,
 `peagle-adaptive`; `+q8_0` after a head's name runs its drafter in Q8_0; `:chain` drafts chains only and `:8` trees
 of 8 nodes every step (the adaptive policy's default: trees as the step's cost allows; the fixed policy's: chains);
-for eagle3 heads `:dynamic` expands EAGLE-2's dynamic tree and `:leaves` the chain's side leaves (`:dynamic-8`: both).
+for eagle3 heads `:dynamic` expands EAGLE-2's dynamic tree and `:leaves` the chain's side leaves (`:dynamic-8`: both);
+`hybrid:noleaves` is the default hybrid with its suffix drafts kept chains (the head's trees as they are).
 Four modes preset what to compare:
 
     python3 benchmarks/ab.py proposers        # kinds of drafter: none,suffix,hybrid on sharegpt-multiturn
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -56,8 +58,8 @@ def engine_options(name: str, args) -> dict:
     if base in MODEL_FREE:
         return {"speculative_config": {"method": base}}
     if base == "hybrid":
-        return {"speculative_config": {"method": "hybrid", "model": heads["peagle"],
-                                       **({"draft_tree_nodes": 0 if tree == "chain" else int(tree)} if tree else {})}}
+        nodes = {} if tree in ("", "noleaves") else {"draft_tree_nodes": 0 if tree == "chain" else int(tree)}
+        return {"speculative_config": {"method": "hybrid", "model": heads["peagle"], **nodes}}
     method, _, k = base.partition("-")
     if method not in heads or not (k == "adaptive" or k.isdigit()):
         raise SystemExit(f"unknown configuration {name!r}: none, ngram, suffix, hybrid, or HEAD-K / HEAD-adaptive "
@@ -80,14 +82,20 @@ def start_engines(names: list[str], args) -> dict:
     engines = {}
     for name in names:
         engines[name] = LLMEngine.from_pretrained(args.model, max_num_seqs=max(4, args.batch), device="cpu",
-                                                  quantization=args.quantization, **engine_options(name, args))
+                                                  quantization=args.quantization, calibration_dir=args.calibration_dir,
+                                                  **engine_options(name, args))
+        if name.endswith(":noleaves"):  # its suffix drafts come without the tree's other continuations
+            engines[name].proposer.suffix.alternatives = 0
         engines[name].generate(["Hello"], SamplingParams(max_tokens=8), cache_salt="warm-up")  # first calls allocate
     return engines
 
 
-def proposer_counts(engine) -> dict[str, tuple[int, int]]:
-    """Drafts and accepted tokens so far of each proposer the engine asks."""
-    return {p: (s.num_drafts, s.num_accepted_tokens) for p, s in engine.proposer_stats.items()}
+def proposer_counts(engine) -> dict[str, tuple[int, int, int]]:
+    """Drafts, accepted tokens and draft-tree nodes past the trees' depth (0: chains only) so far of each proposer
+    the engine asks."""
+    return {p: (s.num_drafts, s.num_accepted_tokens,
+                s.num_draft_tokens - sum(k * n for k, n in enumerate(s.steps_per_k)))
+            for p, s in engine.proposer_stats.items()}
 
 
 def run_dataset(engines: dict, dataset: str, args) -> dict:
@@ -125,8 +133,8 @@ def run_dataset(engines: dict, dataset: str, args) -> dict:
                    if drafts else None,
                    "drafts_per_step": round((s.num_draft_tokens - b.num_draft_tokens) / steps, 3) if steps else 0.0,
                    "tokens_per_draft": round((s.num_draft_tokens - b.num_draft_tokens) / drafts, 3) if drafts else 0.0,
-                   "proposers": {p: [d - was.get(p, (0, 0))[0], a - was.get(p, (0, 0))[1]]
-                                 for p, (d, a) in proposer_counts(e).items()}}
+                   "proposers": {p: [now - then for now, then in zip(counts, was.get(p, (0, 0, 0)))]
+                                 for p, counts in proposer_counts(e).items()}}
     return rows
 
 
@@ -138,11 +146,11 @@ def report(dataset: str, rows: dict, args) -> None:
           f"{args.max_tokens} tokens, temperature {args.temperature:g}, {args.quantization or 'bf16'} target, "
           f"{kernels.describe()}, thread CPU time\n")
     print(f"| configuration | output tokens per CPU s | vs {first} | mean acceptance length | drafts per step | "
-          "draft tokens per draft | drafts (accepted tokens) per proposer |")
+          "draft tokens per draft | drafts (accepted tokens, tree nodes past the depth) per proposer |")
     print("|---|---:|---:|---:|---:|---:|---|")
     for n, r in rows.items():
         mal = f"{r['mean_acceptance_length']:.3f}" if r["mean_acceptance_length"] else "-"
-        shown = ", ".join(f"{p} {d} ({a})" for p, (d, a) in r["proposers"].items()) or "-"
+        shown = ", ".join(f"{p} {d} ({a}, {x})" for p, (d, a, x) in r["proposers"].items()) or "-"
         print(f"| {n} | {r['tokens_per_cpu_s']:.1f} | {r['tokens_per_cpu_s'] / rows[first]['tokens_per_cpu_s']:.3f}x | "
               f"{mal} | {r['drafts_per_step']:.2f} | {r['tokens_per_draft']:.2f} | {shown} |")
 
@@ -164,6 +172,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--quantization", default=None, choices=["q4_0", "q4_1", "q8_0"], help="the target's, at load")
     ap.add_argument("--peagle-head", default=None, help="a head folder or bundled name for peagle-* and hybrid")
     ap.add_argument("--eagle3-head", default=None, help="a head folder or bundled name for eagle3-*")
+    ap.add_argument("--calibration-dir", type=Path, default=None,
+                    help="engines of the same shapes share the start-up timings kept here: their cost models start "
+                         "equal, so their ratios show their drafting rather than the noise of their own timings")
     ap.add_argument("--out", help="write the results as JSON here")
     return ap
 

@@ -91,7 +91,7 @@ def test_the_shaper_keeps_chains_where_rows_are_dear_and_grows_trees_where_they_
     # what it learns: a head whose depth-1 promises are never borne out stops getting depth-1 siblings
     shaper, cost = TreeShaper("auto", None, Cost(0.005)), Cost(0.005)
     for _ in range(200):
-        shaper.observe(shaper.shape(CANDIDATES, 1.0, 1, cost.seconds), 0)
+        shaper.observe(shaper.shape(CANDIDATES, 1.0, 1, cost.seconds), [])
     assert shaper.calibration(1) < 0.1
     assert len(shaper.shape(CANDIDATES, 1.0, 1, cost.seconds)) < len(TreeShaper("auto", None, cost).shape(
         CANDIDATES, 1.0, 1, cost.seconds))

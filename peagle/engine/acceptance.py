@@ -18,16 +18,38 @@ SURPRISE_SCALE = 2.0  # how fast a request's own contrary evidence overrides the
 
 
 @dataclass(frozen=True)
+class SideLeaf:
+    """Another continuation a model-free proposer saw where its draft has `tokens[position]`: a draft tree may verify
+    it beside that token, below the ones before it."""
+    position: int
+    token: int
+    rank: int  # 1: the most frequent continuation after the draft's own, 2: the next, ..
+    count: int  # how often the proposer saw it there
+    accept: float  # the measured probability that the target's token there is this one, given the draft's before
+
+
+@dataclass(frozen=True)
 class Draft:
     """A model-free draft, made before the step's windows are chosen."""
     proposer: str  # who made it: "ngram" or "suffix"
     tokens: list[int]
     survival: list[float]  # survival[i]: the expected probability that tokens[: i + 1] are all accepted
+    leaves: tuple[SideLeaf, ...] = ()  # other continuations beside its tokens (none: a chain only)
 
     @property
     def score(self) -> float:
         """Expected accepted tokens if the whole draft is verified."""
         return sum(self.survival)
+
+    def branches(self, depth: int) -> list[tuple[tuple[int, ...], float]]:
+        """The draft's first `depth` tokens and the side leaves beside them as branches (their tokens from the
+        root) with the probability that each is accepted, most probable first and every branch after its parent:
+        what a draft tree may take from it (draft_tree.TreeShaper.grow)."""
+        out = [(tuple(self.tokens[: i + 1]), s) for i, s in enumerate(self.survival[:depth])]
+        out += [((*self.tokens[: leaf.position], leaf.token),
+                 (self.survival[leaf.position - 1] if leaf.position else 1.0) * leaf.accept)
+                for leaf in self.leaves if leaf.position < depth]
+        return sorted(out, key=lambda branch: (-branch[1], len(branch[0])))
 
 
 @dataclass

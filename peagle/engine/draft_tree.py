@@ -13,14 +13,18 @@ positions are drafted in one pass, each a marginal that does not depend on the t
 have children; an EAGLE-3 chain knows the distribution after its own top tokens only, so there only the chain's
 nodes have children (its alternatives are leaves beside it), unless the drafter expands the most probable nodes of
 each depth too (EAGLE-2's dynamic tree, `Drafter.draft_tree`). The shaper takes either kind (`CandidateTree`).
+
+A model-free draft (the suffix tree's) offers branches whose probabilities are measured already (its draft's own
+tokens and its side leaves: acceptance.Draft.branches): the shaper grafts them onto its window's chain, or onto the
+head's tree where the hybrid's head beat that draft (`beside`), as far as they pay (`TreeShaper.grow`).
 """
 from __future__ import annotations
 
 import heapq
 import itertools
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -32,7 +36,8 @@ from peagle.config import MAX_TREE_NODES, TREE_TOP_M
 class DraftTree:
     tokens: tuple[int, ...]
     parents: tuple[int, ...]  # parents[i] < i; -1: the root x_n
-    probs: tuple[float, ...] = ()  # the drafter's probability of each node's whole branch (empty: not known)
+    # the head's probability of each node's whole branch (empty: not known; 0: a node grafted from a model-free draft)
+    probs: tuple[float, ...] = ()
 
     @classmethod
     def chain(cls, tokens: list[int]) -> "DraftTree":
@@ -73,12 +78,17 @@ class DraftTree:
             i = self.parents[i]
         return out[::-1]
 
+    @property
+    def head_depth(self) -> int:
+        """The depth of the head's own nodes (past it: nodes grafted from a model-free draft)."""
+        return max((d for d, p in zip(self.depths, self.probs) if p), default=self.depth)
+
     def first_children(self, path: list[int]) -> int:
-        """How many of a path's leading nodes are each their parent's first child: what the best chain among the
-        tree's nodes would have accepted."""
+        """How many of a path's leading nodes are each their parent's first child, and not grafted onto a head's
+        tree: what the best chain among the drafter's own nodes would have accepted."""
         n = 0
         for i in path:
-            if self.children[self.parents[i]][0] != i:
+            if self.children[self.parents[i]][0] != i or (self.probs and not self.probs[i]):
                 break
             n += 1
         return n
@@ -93,17 +103,23 @@ class DraftTree:
         return rope, keys
 
 
+# A model-free draft's branch: its tokens from the root, and the measured probability that it is accepted.
+Branch = tuple[tuple[int, ...], float]
+
+
 @dataclass
 class Candidates:
     """A head's top-M tokens per draft position ([K, M] each, best first) and their log-probabilities; `free`: any
-    node may have children (P-EAGLE's marginals), else only the nodes of the top chain (EAGLE-3)."""
+    node may have children (P-EAGLE's marginals), else only the nodes of the top chain (EAGLE-3). `beside`: a
+    model-free draft's branches the shaper may graft on (most probable first, parents first)."""
     tokens: list[list[int]]
     logprobs: list[list[float]]
     free: bool
+    beside: list[Branch] = field(default_factory=list)
 
     def cut(self, depth: int) -> "Candidates":
         """The first `depth` positions (a window narrower than the draft)."""
-        return Candidates(self.tokens[:depth], self.logprobs[:depth], self.free)
+        return Candidates(self.tokens[:depth], self.logprobs[:depth], self.free, self.beside)
 
     @property
     def chain(self) -> DraftTree:
@@ -156,6 +172,7 @@ class ExpandedTree:
     parents: list[int]
     logprobs: list[float]
     chain_nodes: list[int]
+    beside: list[Branch] = field(default_factory=list)  # as Candidates'
 
     @cached_property
     def depths(self) -> list[int]:
@@ -165,7 +182,8 @@ class ExpandedTree:
         """The nodes `depth` or fewer below the root (a window narrower than the draft): a prefix, as the nodes come
         depth by depth."""
         n = sum(d <= depth for d in self.depths)
-        return ExpandedTree(self.tokens[:n], self.parents[:n], self.logprobs[:n], self.chain_nodes[:depth])
+        return ExpandedTree(self.tokens[:n], self.parents[:n], self.logprobs[:n], self.chain_nodes[:depth],
+                            self.beside)
 
     @property
     def chain(self) -> DraftTree:
@@ -181,7 +199,7 @@ class ExpandedTree:
                          tuple(math.exp(self.logprobs[i]) for i in order))
 
 
-CandidateTree = Candidates | ExpandedTree  # what TreeShaper shapes: best_first(n), chain and cut(depth) on both
+CandidateTree = Candidates | ExpandedTree  # what TreeShaper shapes: best_first(n), chain, cut(depth), beside
 
 
 def top_candidates(logits: torch.Tensor, to_target, m: int = TREE_TOP_M) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,7 +225,8 @@ class TreeShaper:
     depth d, learnt from every head window (`observe`): the windows whose accepted length reached d over the
     probability their nodes at depth d promised. A chain is one of the candidates, so where rows are dear (4-bit
     weights on VNNI) the chain wins and nothing changes; where rows are cheap (bf16 on AMX, more threads) trees
-    win as far as they pay. Without a cost model (the fixed policy) "auto" verifies chains."""
+    win as far as they pay. Without a cost model (the fixed policy) "auto" verifies chains. A model-free draft's
+    branches are then grafted on by the same rule (`grow`), with the probabilities its proposer measured."""
 
     def __init__(self, nodes: int | str, static: list[tuple[int, ...]] | None, cost=None):
         self.nodes, self.static, self.cost = nodes, static, cost
@@ -232,19 +251,49 @@ class TreeShaper:
             return cands.ranked(self.static)
         if self.nodes != "auto":
             return cands.best_first(self.nodes) if self.nodes else chain
-        budget = min(MAX_TREE_NODES, self.cost.max_rows - rows)
-        # more rows never cost less: a noisy timing must not make a larger tree look cheaper than a smaller one
-        price = list(itertools.accumulate((seconds(rows + n) for n in range(budget + 1)), max))
-        best, best_rate = chain, -1.0
-        for tree in (chain, cands.best_first(budget)):
+        price = self.price(rows, seconds)
+        best, best_rate = (chain, 0, tokens), -1.0
+        for tree in (chain, cands.best_first(len(price) - 1)):
             expected = tokens
             for n, (p, d) in enumerate(zip(tree.probs, tree.depths), start=1):
                 expected += min(1.0, self.calibration(d) * p)
                 rate = expected / price[n]
                 if rate > best_rate:
-                    best, best_rate = (tree, n), rate
-        tree, n = best
-        return DraftTree(tree.tokens[:n], tree.parents[:n], tree.probs[:n])
+                    best, best_rate = (tree, n, expected), rate
+        tree, n, expected = best
+        return self.grow(DraftTree(tree.tokens[:n], tree.parents[:n], tree.probs[:n]), expected, cands.beside, price)
+
+    def price(self, rows: int, seconds: Callable[[int], float]) -> list[float]:
+        """price[n]: the step's predicted seconds with a window of n nodes, `rows` the step's rows without it."""
+        budget = min(MAX_TREE_NODES, self.cost.max_rows - rows)
+        # more rows never cost less: a noisy timing must not make a larger tree look cheaper than a smaller one
+        return list(itertools.accumulate((seconds(rows + n) for n in range(budget + 1)), max))
+
+    @staticmethod
+    def grow(tree: DraftTree, expected: float, branches: Sequence[Branch], price: list[float]) -> DraftTree:
+        """`tree` with the leading `branches` (most probable first, parents first) that bring the step the most
+        expected tokens per second: `expected` is the step's with the tree as it is, price[n] the step's seconds
+        with n nodes. A branch the tree holds already adds nothing; the tree as it is wins a tie, so grafting never
+        makes a window worse by the cost model. The probabilities are the proposer's measured ones: no
+        calibration here."""
+        if not branches or len(tree) >= len(price):
+            return tree
+        tokens, parents = list(tree.tokens), list(tree.parents)
+        index = {(): -1} | {tuple(tree.tokens[j] for j in tree.branch(i)): i for i in range(len(tree))}
+        best, best_rate = len(tree), expected / price[len(tree)]
+        for path, p in branches:
+            if path in index:
+                continue
+            if len(tokens) + 1 >= len(price):
+                break
+            index[path] = len(tokens)
+            tokens.append(path[-1])
+            parents.append(index[path[:-1]])
+            expected += p
+            if expected / price[len(tokens)] > best_rate:
+                best, best_rate = len(tokens), expected / price[len(tokens)]
+        probs = (*tree.probs, *[0.0] * (best - len(tree))) if tree.probs else ()
+        return DraftTree(tuple(tokens[:best]), tuple(parents[:best]), probs)
 
     def calibration(self, depth: int) -> float:
         """c_d: how far the head's probabilities at depth d are borne out (1 until measured)."""
@@ -252,10 +301,12 @@ class TreeShaper:
             return 1.0
         return (self.reached[depth - 1] + 1.0) / (self.promised[depth - 1] + 1.0)
 
-    def observe(self, tree: DraftTree, accepted: int) -> None:
-        """A verified head window and how many of its nodes were accepted along the path."""
+    def observe(self, tree: DraftTree, path: Sequence[int]) -> None:
+        """A verified head window and the nodes its verification accepted: the head's own as far as the path
+        follows them (past a grafted node the head's tree alone would have stopped)."""
         if not tree.probs:
             return
+        accepted = next((n for n, i in enumerate(path) if not tree.probs[i]), len(path))
         while len(self.promised) < tree.depth:
             self.promised.append(0.0)
             self.reached.append(0.0)

@@ -11,8 +11,8 @@ Every step, as `step` reads:
   4. catch the head's drafter up (catch_up.py) on the real rows its windows need, under the step's time budget
      (step_budget.py); a head still behind after its slice verifies no window this step;
   5. draft: the head's windows in one drafter forward (P-EAGLE) or one per draft (EAGLE-3), at their widest K_b,
-     shaped into draft trees where they are on; model-free drafts cut to their K_b; under a grammar, the tokens it
-     allows (grammar.GrammarWindow) and the forced tokens after them;
+     shaped into draft trees where they are on; model-free drafts cut to their K_b (with side leaves where they
+     pay); under a grammar, the tokens it allows (grammar.GrammarWindow) and the forced tokens after them;
   6. verify every request's [x_n, window] in one target forward (ragged when the windows differ: each request
      pays only for its own rows);
   7. accept per request, commit, and record the window's `Outcome`, the one record every statistic comes from.
@@ -125,10 +125,13 @@ class LLMEngine:
             spec.check_head(drafter.config.parallel_capable, spec.model or "the head")
         self.k = spec.max_draft_tokens if spec else 0  # the widest window any proposer drafts
         head_k = spec.num_speculative_tokens if drafter is not None else 0
-        # the most positions a head's draft tree takes past its window (its nodes beyond its depth)
+        # the most positions a draft tree takes past its window (its nodes beyond its depth): a head's, and under
+        # "auto" a suffix draft's side leaves
+        auto = spec is not None and spec.draft_tree_nodes == "auto" and not spec.token_tree
         tree_nodes = (0 if drafter is None else len(spec.token_tree) if spec.token_tree else
-                      MAX_TREE_NODES if spec.draft_tree_nodes == "auto" else spec.draft_tree_nodes)
-        self.tree_rows = max(0, tree_nodes - head_k)
+                      MAX_TREE_NODES if auto else spec.draft_tree_nodes)
+        leaf_rows = MAX_TREE_NODES - self.k if auto and spec.uses_suffix_tree else 0
+        self.tree_rows = max(0, tree_nodes - head_k, leaf_rows)
         # an EAGLE-3 head's dynamic tree writes its beams' rows at scratch positions past the real rows
         self.beam_rows = ((head_k - 1) * spec.draft_tree_beams
                           if tree_nodes and not spec.token_tree and not spec.parallel_drafting else 0)
@@ -205,7 +208,7 @@ class LLMEngine:
         beams = spec.draft_tree_beams if self.trees.enabled and self.trees.static is None else 0
         head = (HeadProposer(self.drafter, self.drafter_cache, spec.parallel_drafting, self.device, beams)
                 if self.drafter is not None else None)
-        self.proposer: Proposer = make_proposer(spec, head, self.policy)
+        self.proposer: Proposer = make_proposer(spec, head, self.policy, side_leaves=self.trees.sizes)
         # engine-wide, since start, per drafter that ran (the hybrid has two)
         self.proposer_stats = {name: SpecDecodeStats(self.k) for name in self.proposer.names}
         return head
@@ -534,9 +537,10 @@ class LLMEngine:
     def _draft_windows(self, plan: StepPlan) -> None:
         """Each drafting window's tree: the head's drafts (one forward for all its windows, at their widest K),
         shaped into a tree where trees are on (draft_tree.TreeShaper, one window at a time against the rows the
-        step has so far), and the model-free drafts cut to their K, each a chain. Under a grammar the drafts were
-        proposed under its mask (the head's) or are cut where it stops allowing them (a model-free draft), and a
-        window keeps its chain: the grammar picked its drafts."""
+        step has so far), and the model-free drafts cut to their K, each a chain with its side leaves grafted on as
+        far as they pay (TreeShaper.grow). Under a grammar the drafts were proposed under its mask (the head's) or
+        are cut where it stops allowing them (a model-free draft), and a window keeps its chain: the grammar picked
+        its drafts."""
         heads, head_k = plan.head_windows, plan.head_k
         made, candidates = [], None
         if heads:
@@ -557,6 +561,10 @@ class LLMEngine:
                 w.tree = DraftTree.chain(tokens)
             elif j is None:
                 w.tree = DraftTree.chain(w.draft.tokens[: w.k])
+                if w.draft.leaves and self.trees.sizes:  # its side leaves, as far as they pay
+                    w.tree = self.trees.grow(w.tree, len(plan.windows) + sum(w.draft.survival[: w.k]),
+                                             w.draft.branches(w.k), self.trees.price(rows - w.k, seconds))
+                    rows += len(w.tree) - w.k
             elif candidates is None:
                 w.tree = DraftTree.chain(made[j][: w.k])
             else:
@@ -632,7 +640,7 @@ class LLMEngine:
         if kept > 0:
             self.prefix_reuse.store_blocks(req, features[: min(kept, len(emitted) - 1) + 1])
         forced = count_forced(masks, kept) if masks is not None else 0
-        self._record(w.outcome(path, forced, self.proposer.head_name))
+        self._record(w.outcome(path, emitted, forced, self.proposer.head_name))
 
     def _verified_path(self, w: Window, logits: torch.Tensor) -> tuple[list[int], list[int]]:
         """What a window accepts (its drafts' node indices) and emits: the accepted drafts, then the target's own
@@ -657,11 +665,12 @@ class LLMEngine:
             return
         if outcome.drafted:
             self.proposer_stats[outcome.proposer].record(outcome.drafted, outcome.accepted, outcome.depth)
+        # the proposers' and the policy's estimates are of chains: what a tree's first children would have done
         if outcome.draft is not None:
-            self.proposer.observe(req, outcome.draft, outcome.drafted, outcome.accepted)
-        elif outcome.drafted:  # the policy's estimate is of the head's chain: what its first children would do
-            self.policy.observe(req.request_id, outcome.depth, outcome.chain_accepted)
-            self.trees.observe(outcome.tree, outcome.accepted)
+            self.proposer.observe(req, outcome.draft, outcome.depth, outcome.chain_accepted, outcome.emitted)
+        elif outcome.drafted:
+            self.policy.observe(req.request_id, outcome.tree.head_depth, outcome.chain_accepted)
+            self.trees.observe(outcome.tree, outcome.path)
 
     def _retire_if_finished(self, req: Request) -> None:
         if req.finished and req in self.running:

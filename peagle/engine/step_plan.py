@@ -52,13 +52,15 @@ class Window:
         """Whether the head drafts this window (one drafter forward for all such windows)."""
         return self.k > 0 and self.draft is None
 
-    def outcome(self, path: list[int], forced: int, head: str | None) -> Outcome:
-        """What this window came to: `path` the drafts verification accepted (node indices), `forced` the committed
-        tokens the grammar forced, `head` the name of the head's proposer."""
+    def outcome(self, path: list[int], emitted: list[int], forced: int, head: str | None) -> Outcome:
+        """What this window came to: `path` the drafts verification accepted (node indices), `emitted` the tokens
+        it accepted and then the target's, `forced` the committed tokens the grammar forced, `head` the name of the
+        head's proposer."""
         proposer = self.draft.proposer if self.draft is not None else head
         accepted = min(len(path), self.drafted)
         return Outcome(self.request, self.draft, proposer, self.drafted, accepted, forced, self.tree.depth,
-                       self.tree.first_children(path[:accepted]), self.tree)
+                       self.tree.first_children(path[:accepted]), self.tree, tuple(path[:accepted]),
+                       tuple(emitted))
 
 
 @dataclass
@@ -103,3 +105,5 @@ class Outcome:
     depth: int  # the deepest draft verified (a chain's: `drafted`)
     chain_accepted: int  # what the tree's first-child chain would have accepted (a chain's: `accepted`)
     tree: DraftTree  # what it verified (the tree shaper calibrates on those whose probabilities it knows)
+    path: tuple[int, ...]  # the accepted nodes of `tree`
+    emitted: tuple[int, ...]  # the accepted tokens (forced ones included), then the target's

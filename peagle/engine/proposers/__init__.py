@@ -15,10 +15,11 @@ if TYPE_CHECKING:
 __all__ = ["Draft", "NullProposer", "Proposer", "make_proposer"]
 
 
-def make_proposer(spec: "SpeculativeConfig | None", head: "HeadProposer | None", policy: "SpeculationPolicy"
-                  ) -> Proposer:
+def make_proposer(spec: "SpeculativeConfig | None", head: "HeadProposer | None", policy: "SpeculationPolicy",
+                  side_leaves: bool = False) -> Proposer:
     """The proposer a speculative config names (`head`: the loaded head's, for the methods that draft with one;
-    no config: NullProposer)."""
+    no config: NullProposer); `side_leaves`: suffix drafts carry their tree's other continuations for draft
+    trees."""
     if spec is None:
         return NullProposer()
     if spec.method == "ngram":
@@ -28,11 +29,11 @@ def make_proposer(spec: "SpeculativeConfig | None", head: "HeadProposer | None",
     if spec.method == "suffix":
         from peagle.engine.proposers.suffix import SuffixProposer
 
-        return SuffixProposer(spec, spec.num_speculative_tokens)
+        return SuffixProposer(spec, spec.num_speculative_tokens, side_leaves)
     assert head is not None, f"method {spec.method!r} drafts with a head"
     if spec.method == "hybrid":
         from peagle.engine.proposers.hybrid import HybridProposer
         from peagle.engine.proposers.suffix import SuffixProposer
 
-        return HybridProposer(head, SuffixProposer(spec, spec.suffix_decoding_max_tree_depth), policy)
+        return HybridProposer(head, SuffixProposer(spec, spec.suffix_decoding_max_tree_depth, side_leaves), policy)
     return head

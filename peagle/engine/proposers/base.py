@@ -41,9 +41,11 @@ class Proposer(Protocol):
         window (`grammars`, per request) drafts under its mask: the window holds its drafts."""
         ...
 
-    def observe(self, req: "Request", draft: Draft, num_drafted: int, num_accepted: int) -> None:
+    def observe(self, req: "Request", draft: Draft, num_drafted: int, num_accepted: int,
+                emitted: Sequence[int] = ()) -> None:
         """How the request's model-free draft fared: `num_drafted` of it verified (0: the policy ran a plain step
-        or the head instead), the first `num_accepted` accepted."""
+        or the head instead), the first `num_accepted` accepted (a draft tree's: its draft's own tokens, the
+        tree's first children), and `emitted` the tokens the step committed (the accepted, then the target's)."""
         ...
 
     def prefill(self, req: "Request") -> None:
@@ -68,7 +70,8 @@ class NoModelFreeDrafts:
     def prefill(self, req: "Request") -> None:
         pass
 
-    def observe(self, req: "Request", draft: Draft, num_drafted: int, num_accepted: int) -> None:
+    def observe(self, req: "Request", draft: Draft, num_drafted: int, num_accepted: int,
+                emitted: Sequence[int] = ()) -> None:
         pass
 
     def add_tokens(self, req: "Request", tokens: list[int]) -> None:

@@ -66,7 +66,8 @@ class NgramProposer(NoHead):
             out.append(Draft(NAME, tokens, survival(self.acceptance.conditional(req.request_id)[: len(tokens)])))
         return out
 
-    def observe(self, req: "Request", draft: Draft, num_drafted: int, num_accepted: int) -> None:
+    def observe(self, req: "Request", draft: Draft, num_drafted: int, num_accepted: int,
+                emitted: Sequence[int] = ()) -> None:
         self.acceptance.observe(req.request_id, num_drafted, num_accepted)
 
     def prefill(self, req: "Request") -> None:

@@ -11,6 +11,7 @@ them): O(depth) per committed token.
 """
 from __future__ import annotations
 
+import heapq
 import math
 import sys
 from array import array
@@ -31,6 +32,9 @@ class SuffixDraft:
     probs: list[float]  # per token: count(child) / continuations of its parent, given the earlier ones accepted
     score: float  # expected number of accepted tokens: the sum of the running products of probs
     match_len: int  # length of the context suffix the draft continues (0 when there is no draft)
+    # per token, where `alternatives` asked for them: the other continuations seen after the tokens before it,
+    # (token, count, count / continuations), most frequent first (a draft tree's side leaves)
+    others: tuple[tuple[tuple[int, int, float], ...], ...] = ()
 
 
 NO_DRAFT = SuffixDraft([], [], 0.0, 0)
@@ -124,8 +128,9 @@ class SuffixTrie:
             _set_best(node)
 
     def draft(self, context: Sequence[int], max_spec_tokens: int, max_spec_factor: float,
-              min_token_prob: float) -> SuffixDraft:
-        """The best draft over every match length of the context's last tokens."""
+              min_token_prob: float, alternatives: int = 0) -> SuffixDraft:
+        """The best draft over every match length of the context's last tokens (with `alternatives`: up to that
+        many other continuations per token)."""
         # A suffix present holds every shorter one, so the longest present is found by bisection.
         lo, hi = 0, min(self.max_depth, len(context))
         while lo < hi:
@@ -134,13 +139,14 @@ class SuffixTrie:
                 hi = mid - 1
             else:
                 lo = mid
-        best = NO_DRAFT
+        best, start = NO_DRAFT, None
         for bound, length in _by_bound(range(1, lo + 1), self.max_depth, max_spec_tokens, max_spec_factor):
             if (bound, length) > (round(best.score, 9), best.match_len):
                 node, leaf, pos = self._locate(context, length)
-                best = _better(best, _walk(node, leaf, pos, length, max_spec_tokens, max_spec_factor,
-                                           min_token_prob))
-        return best
+                walked = _walk(node, leaf, pos, length, max_spec_tokens, max_spec_factor, min_token_prob)
+                if _better(best, walked) is walked:
+                    best, start = walked, (node, leaf, pos)
+        return _noting_others(best, start, max_spec_tokens, max_spec_factor, min_token_prob, alternatives)
 
     def _locate(self, context: Sequence[int], length: int) -> tuple[_Node, tuple | None, int] | None:
         """Where the context's last `length` tokens end: a node, or a leaf and the position after them in its
@@ -226,7 +232,8 @@ class _Cursor:
         self.active = active
         self.done = len(seq)
 
-    def draft(self, max_spec_tokens: int, max_spec_factor: float, min_token_prob: float) -> SuffixDraft:
+    def draft(self, max_spec_tokens: int, max_spec_factor: float, min_token_prob: float,
+              alternatives: int = 0) -> SuffixDraft:
         """The best draft over the sequence's own earlier text: the active suffixes are exactly the matches that
         occurred before (a suffix in a leaf has no earlier occurrence)."""
         best = NO_DRAFT
@@ -235,7 +242,8 @@ class _Cursor:
             if (bound, length) > (round(best.score, 9), best.match_len):
                 best = _better(best, _walk(nodes[length], None, 0, length, max_spec_tokens, max_spec_factor,
                                            min_token_prob))
-        return best
+        start = (nodes[best.match_len], None, 0) if best.tokens else None
+        return _noting_others(best, start, max_spec_tokens, max_spec_factor, min_token_prob, alternatives)
 
 
 def _unlink(node: _Node, token: int) -> None:
@@ -264,12 +272,23 @@ def _better(a: SuffixDraft, b: SuffixDraft) -> SuffixDraft:
     return b if (round(b.score, 9), b.match_len) > (round(a.score, 9), a.match_len) else a
 
 
+def _noting_others(draft: SuffixDraft, start: tuple | None, max_spec_tokens: int, max_spec_factor: float,
+                   min_token_prob: float, alternatives: int) -> SuffixDraft:
+    """The chosen draft walked again from where it started (`start`: node, leaf, position), noting up to
+    `alternatives` other continuations per token: once per draft, not for every match length tried."""
+    if not alternatives or not draft.tokens:
+        return draft
+    return _walk(*start, draft.match_len, max_spec_tokens, max_spec_factor, min_token_prob, alternatives)
+
+
 def _walk(node: _Node, leaf: tuple | None, pos: int, match_len: int, max_spec_tokens: int,
-          max_spec_factor: float, min_token_prob: float) -> SuffixDraft:
-    """Follow the most frequent child while the running probability stays at or above min_token_prob."""
+          max_spec_factor: float, min_token_prob: float, alternatives: int = 0) -> SuffixDraft:
+    """Follow the most frequent child while the running probability stays at or above min_token_prob, noting up to
+    `alternatives` other children of each node passed."""
     limit = _limit(match_len, max_spec_tokens, max_spec_factor)
     tokens: list[int] = []
     probs: list[float] = []
+    others: list[tuple] = []
     cum, score = 1.0, 0.0
     while len(tokens) < limit:
         if leaf is None:
@@ -283,6 +302,8 @@ def _walk(node: _Node, leaf: tuple | None, pos: int, match_len: int, max_spec_to
                 break
             tokens.append(t)
             probs.append(p)
+            if alternatives:
+                others.append(_others(node, alternatives))
             score += cum
             if type(child) is _Node:
                 node = child
@@ -295,9 +316,19 @@ def _walk(node: _Node, leaf: tuple | None, pos: int, match_len: int, max_spec_to
                 break
             tokens.extend(seq[pos:pos + k])
             probs.extend([1.0] * k)
+            if alternatives:
+                others.extend([()] * k)
             score += cum * k
             pos += k
-    return SuffixDraft(tokens, probs, score, match_len) if tokens else NO_DRAFT
+    return SuffixDraft(tokens, probs, score, match_len, tuple(others)) if tokens else NO_DRAFT
+
+
+def _others(node: _Node, n: int) -> tuple[tuple[int, int, float], ...]:
+    """Up to n children of a node besides its best, most frequent first (lowest token id on ties)."""
+    if node.children is None:
+        return ()
+    top = heapq.nsmallest(n, ((-_count(c), t) for t, c in node.children.items() if t != node.best))
+    return tuple((t, -c, -c / node.total) for c, t in top)
 
 
 @dataclass
@@ -401,16 +432,18 @@ class SuffixCache:
         self._requests.pop(request_id, None)
 
     def speculate(self, request_id: str, max_spec_tokens: int, max_spec_factor: float = DEFAULT_SUFFIX_SPEC_FACTOR,
-                  min_token_prob: float = DEFAULT_SUFFIX_MIN_TOKEN_PROB, use_shared: bool = True) -> SuffixDraft:
+                  min_token_prob: float = DEFAULT_SUFFIX_MIN_TOKEN_PROB, use_shared: bool = True,
+                  alternatives: int = 0) -> SuffixDraft:
         """The better (higher score; the request's own on a tie) of the drafts from the request's own trie and its
-        key's shared trie. A match of L tokens drafts at most min(max_spec_tokens, ceil(max_spec_factor * L))."""
+        key's shared trie. A match of L tokens drafts at most min(max_spec_tokens, ceil(max_spec_factor * L)); with
+        `alternatives`, each drafted token comes with up to that many other continuations seen there."""
         req = self._request(request_id)
         if max_spec_tokens <= 0:
             return NO_DRAFT
-        best = req.cursor.draft(max_spec_tokens, max_spec_factor, min_token_prob)
+        best = req.cursor.draft(max_spec_tokens, max_spec_factor, min_token_prob, alternatives)
         shared = self._shared.get(req.key) if use_shared else None
         if shared is not None:
-            other = shared.trie.draft(req.seq, max_spec_tokens, max_spec_factor, min_token_prob)
+            other = shared.trie.draft(req.seq, max_spec_tokens, max_spec_factor, min_token_prob, alternatives)
             if round(other.score, 9) > round(best.score, 9):
                 best = other
         return best
