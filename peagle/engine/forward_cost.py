@@ -97,8 +97,10 @@ class ForwardCost:
     def grid(self) -> tuple[list[int], list[int], list[int]]:
         """The decode shapes calibration times (row counts of the target; requests and windows of the drafter);
         the rest is interpolated between them, or extrapolated past the widest."""
-        rows = sorted({n for n in (1, 2, 4, 8, 16, 32) if n < self.max_rows} | {min(self.max_rows, MAX_TIMED_ROWS)})
-        bs = sorted({b for b in (1, 2, 4, 8) if b < self.max_batch} | {1, min(self.max_batch, MAX_TIMED_BATCH)})
+        rows = sorted(set(_powers_of_two_below(min(self.max_rows, MAX_TIMED_ROWS))) |
+                      {min(self.max_rows, MAX_TIMED_ROWS)})
+        bs = sorted(set(_powers_of_two_below(min(self.max_batch, MAX_TIMED_BATCH))) |
+                    {1, min(self.max_batch, MAX_TIMED_BATCH)})
         # The drafter's cost grows about linearly in K (a chain: one forward per draft; parallel: wider rows).
         k = self.max_head_k
         ks = sorted({1, (1 + k) // 2, k}) if k else []
@@ -174,6 +176,10 @@ def _line(points: list[tuple[int, float]], max_k: int) -> list[float]:
     var = sum((x - mx) ** 2 for x, _ in points)
     slope = max(0.0, sum((x - mx) * (y - my) for x, y in points) / var) if var else 0.0
     return [my + slope * (w - mx) for w in range(1, max_k + 1)]
+
+
+def _powers_of_two_below(n: int) -> list[int]:
+    return [1 << i for i in range(max(0, n - 1).bit_length())]
 
 
 def _bracket(grid: list[int], x: int) -> tuple[int, int]:
