@@ -341,57 +341,13 @@ def gemma_file() -> Path:
 
 
 def first_tensors_of_each_type(path: Path) -> dict[str, tuple[str, int, int, np.ndarray]]:
-    """type -> (name, rows, K, GGUF rows) of the first 2-D tensor of each type, from the file's header. (gguf's
-    GGUFReader builds every metadata value, 262,144 vocabulary strings for Gemma 3: most of a minute.)"""
-    import struct
+    """type -> (name, rows, K, GGUF rows) of the first 2-D tensor of each block type the kernels run."""
+    from peagle.model import gguf_file
 
-    import gguf
-
-    data = np.memmap(path, dtype=np.uint8, mode="r")
-    raw, pos = memoryview(data), 24
-    _, _, n_tensors, n_kv = struct.unpack_from("<IIQQ", raw, 0)
-    sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-
-    def string(at: int) -> tuple[str, int]:
-        (n,) = struct.unpack_from("<Q", raw, at)
-        return bytes(raw[at + 8:at + 8 + n]).decode(), at + 8 + n
-
-    def skip(kind: int, at: int) -> int:
-        if kind == 8:
-            return at + 8 + struct.unpack_from("<Q", raw, at)[0]
-        if kind == 9:
-            inner, count = struct.unpack_from("<IQ", raw, at)
-            at += 12
-            if inner in sizes:
-                return at + count * sizes[inner]
-            for _ in range(count):
-                at = skip(inner, at)
-            return at
-        return at + sizes[kind]
-
-    alignment = 32
-    for _ in range(n_kv):
-        key, pos = string(pos)
-        (kind,) = struct.unpack_from("<I", raw, pos)
-        if key == "general.alignment":
-            (alignment,) = struct.unpack_from("<I", raw, pos + 4)
-        pos = skip(kind, pos + 4)
-    infos = []
-    for _ in range(n_tensors):
-        name, pos = string(pos)
-        (n_dims,) = struct.unpack_from("<I", raw, pos)
-        dims = struct.unpack_from(f"<{n_dims}Q", raw, pos + 4)
-        kind, offset = struct.unpack_from("<IQ", raw, pos + 4 + 8 * n_dims)
-        pos += 16 + 8 * n_dims
-        infos.append((name, dims, gguf.GGMLQuantizationType(kind), offset))
-    start = -(-pos // alignment) * alignment
     out = {}
-    for name, dims, kind, offset in infos:
-        if len(dims) == 2 and kind.name not in out and kind.name.lower() in quant.FORMATS:
-            block, nbytes = gguf.GGML_QUANT_SIZES[kind]
-            size = dims[1] * dims[0] // block * nbytes
-            out[kind.name] = (name, dims[1], dims[0],
-                              np.array(data[start + offset:start + offset + size]).reshape(dims[1], -1))
+    for t in gguf_file.read_tensors(path):
+        if len(t.shape) == 2 and t.type_name not in out and t.type_name.lower() in quant.FORMATS:
+            out[t.type_name] = (t.name, *t.shape, np.array(t.data).reshape(t.shape[0], -1))
     return out
 
 

@@ -2,7 +2,8 @@
 and the K-quants Q4_K, Q5_K, Q6_K) stay in their blocks, bit for bit (peagle.model.quant runs them), float tensors
 become bf16 (under Hugging Face's names and conventions: a family's own tensor names and norm offsets, family.py),
 and the tokenizer, chat template and config come from the file's metadata (transformers parses those; peagle keeps
-them in a small folder under $PEAGLE_HOME so that later loads skip the parse).
+them in a small folder under $PEAGLE_HOME so that later loads skip the parse). The file itself is read by
+gguf_file.py.
 
 Any other tensor type (Q2_K, Q3_K, the IQ and ternary types, ...) is refused with its name: peagle never dequantizes
 weights behind the user's back.
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from peagle.model import gguf_file
 from peagle.model.family import family_of
 
 BLOCK_FORMATS = {t: t.lower() for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")}  # -> quant
@@ -36,17 +38,6 @@ _TOP_NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": 
 _SKIPPED = {"rope_freqs.weight"}  # llama3 RoPE factors: transformers derives them from the config
 
 
-def _reader(path: Path):
-    from gguf import GGUFReader
-
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such GGUF file")
-    try:
-        return GGUFReader(path)
-    except Exception as e:  # noqa: BLE001 - gguf raises ValueError, IndexError, struct errors... on a bad file
-        raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}") from e
-
-
 def metadata_dir(path: str | Path) -> Path:
     """A folder with the GGUF's config.json and tokenizer (with its chat template), made once per file."""
     from peagle.model.home import file_lock, peagle_home
@@ -60,7 +51,7 @@ def metadata_dir(path: str | Path) -> Path:
     with file_lock(out.parent / f".{out.name}.lock"):
         if (out / "config.json").exists():
             return out
-        _reader(path)  # a clear error for a bad file before transformers' own
+        gguf_file.read_tensors(path)  # a clear error for a bad file before transformers' own
         from transformers import AutoConfig, AutoTokenizer
 
         print(f"peagle: reading the config and tokenizer of {path.name} (once)...", file=sys.stderr, flush=True)
@@ -109,42 +100,31 @@ def read_tensors(path: str | Path, config: dict) -> dict[str, torch.Tensor | tup
     """The GGUF's tensors under peagle's (Hugging Face) names: float ones as bf16 tensors, block-quantized ones as
     (format, uint8 blocks [rows, bytes]) exactly as stored."""
     path = Path(path)
-    reader = _reader(path)
-    field = reader.fields["general.architecture"]
-    arch = bytes(field.parts[field.data[0]]).decode()
+    arch = gguf_file.read_metadata(path, {"general.architecture"}).get("general.architecture")
     family = family_of(config.get("model_type"))
     layer_names = {**_LAYER_NAMES, **family.gguf_layer_names}
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     out, unsupported = {}, []
-    for t in reader.tensors:
+    for t in gguf_file.read_tensors(path):
         if t.name in _SKIPPED:
             continue
         m = re.fullmatch(r"blk\.(\d+)\.(.+)", t.name)
         name = f"layers.{m.group(1)}.{layer_names.get(m.group(2), m.group(2))}" if m else _TOP_NAMES.get(t.name, t.name)
-        kind = t.tensor_type.name
-        shape = [int(s) for s in reversed(t.shape)]  # GGUF lists dimensions innermost first
+        kind, shape = t.type_name, list(t.shape)
         if kind in BLOCK_FORMATS:
-            from gguf import GGML_QUANT_SIZES
+            from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-            block, nbytes = GGML_QUANT_SIZES[t.tensor_type]
-            expected = shape[0] * (shape[-1] // block) * nbytes if len(shape) == 2 else -1
-            if len(shape) == 2 and shape[-1] % block:
-                raise ValueError(f"{path}: tensor {t.name} has rows of {shape[-1]} weights, not whole {kind} blocks "
-                                 f"of {block} (a corrupt file: re-quantize it with llama-quantize)")
-            if t.data.size != expected:
-                raise ValueError(f"{path}: tensor {t.name} holds {t.data.size} bytes where a {kind} "
-                                 f"{shape[0]}x{shape[-1]} matrix has {expected} (truncated or corrupt file)")
+            block, _ = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+            if len(shape) != 2 or shape[-1] % block:
+                raise ValueError(f"{path}: tensor {t.name} ({kind}, {'x'.join(map(str, shape))}) is not a matrix of "
+                                 f"whole {kind} blocks of {block} (a corrupt file: re-quantize it with "
+                                 "llama-quantize)")
             value = torch.from_numpy(np.array(t.data).reshape(shape[0], -1))
         elif kind in FLOAT_TYPES:
-            data = np.array(t.data)
-            if kind == "BF16" and data.dtype == np.uint8:  # gguf's reader hands BF16 out as raw bytes
-                data = data.reshape(-1).view(np.int16)
-            if data.size != int(np.prod(shape)):
-                raise ValueError(f"{path}: tensor {t.name} is short (truncated or corrupt file)")
+            dtype = {"F32": np.float32, "F16": np.float16, "BF16": np.int16}[kind]
+            value = torch.from_numpy(np.array(t.data).view(dtype)).reshape(shape)
             if kind == "BF16":
-                value = torch.from_numpy(data.view(np.int16)).view(torch.bfloat16).reshape(shape)
-            else:
-                value = torch.from_numpy(data).reshape(shape)
+                value = value.view(torch.bfloat16)
             if family.gguf_norm_shift and t.name.endswith("norm.weight"):  # stored as 1 + w (Gemma)
                 value = value.float() - family.gguf_norm_shift
             value = value.to(torch.bfloat16)

@@ -3,23 +3,17 @@ heads) and the same vocabulary, token for token. A GGUF that llama-quantize made
 Q4_K_M, ...), the package's own Q4_1 file or a folder converted from either is the same model whatever its name,
 and the bundled heads draft for it. A model is recognised by its contents, never by its file name; a fine-tune of
 the same shape and vocabulary is recognised too, and there speculation stays lossless and the adaptive policy stops
-drafting what is not accepted.
-
-GGUF metadata is read here directly (only the few keys needed): the gguf package's reader parses every tensor and
-string of the file, seconds on a busy machine."""
+drafting what is not accepted."""
 from __future__ import annotations
 
 import hashlib
 import json
-import struct
 from functools import lru_cache
 from pathlib import Path
 
+from peagle.model.gguf_file import read_metadata
 from peagle.model.loading import embedded_gguf_path, has_embedded_weights, is_gguf, resolve_model
 
-# GGUF value types (the format's numbering): fixed-size scalars, then strings and arrays.
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
 _TOKENS = "tokenizer.ggml.tokens"
 # A GGUF's architecture keys (under its `general.architecture`) in the order of `shape`'s tuple.
 _GGUF_SHAPE = ("embedding_length", "feed_forward_length", "block_count", "attention.head_count",
@@ -61,9 +55,9 @@ def _shape(path: Path) -> tuple[tuple | None, list[str] | None]:
     tokens = None
     try:
         if is_gguf(path):
-            arch = read_gguf_metadata(path, {"general.architecture"}).get("general.architecture")
+            arch = read_metadata(path, {"general.architecture"}).get("general.architecture")
             keys = [f"{arch}.{k}" for k in _GGUF_SHAPE]
-            meta = read_gguf_metadata(path, {*keys, _TOKENS})
+            meta = read_metadata(path, {*keys, _TOKENS})
             tokens = meta.get(_TOKENS)
             shape = (arch, len(tokens) if tokens else None, *(meta.get(k) for k in keys))
         else:
@@ -89,42 +83,3 @@ def _vocabulary_hash(path: Path, tokens: list[str] | None = None) -> str | None:
     if not tokens:
         return None
     return hashlib.sha256(b"\0".join(t.encode("utf-8") for t in tokens)).hexdigest()
-
-
-def read_gguf_metadata(path: str | Path, keys: set[str]) -> dict:
-    """The values of `keys` from a GGUF file's key-value header (absent keys are left out). Reads no tensor data and
-    stops at the last key wanted. Raises ValueError for a file that is not GGUF."""
-    out: dict = {}
-    with open(path, "rb") as f:
-        magic, version = f.read(4), struct.unpack("<I", f.read(4))[0]
-        if magic != b"GGUF" or version < 2:
-            raise ValueError(f"{path} is not a GGUF file of version 2 or later")
-        _, count = struct.unpack("<QQ", f.read(16))
-        for _ in range(count):
-            key = _read(f, _STRING, True)
-            value = _read(f, struct.unpack("<I", f.read(4))[0], key in keys)
-            if key in keys:
-                out[key] = value
-                if len(out) == len(keys):
-                    break
-    return out
-
-
-def _read(f, kind: int, keep: bool):
-    """One value of GGUF type `kind`; skipped (None) unless `keep`."""
-    if kind == _STRING:
-        n = struct.unpack("<Q", f.read(8))[0]
-        if not keep:
-            f.seek(n, 1)
-            return None
-        return f.read(n).decode("utf-8", errors="replace")
-    if kind == _ARRAY:
-        item, n = struct.unpack("<IQ", f.read(12))
-        if not keep and item in _SCALARS:
-            f.seek(n * struct.calcsize(_SCALARS[item]), 1)
-            return None
-        return [_read(f, item, keep) for _ in range(n)]
-    if kind not in _SCALARS:
-        raise ValueError(f"unknown GGUF value type {kind}")
-    fmt = _SCALARS[kind]
-    return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
