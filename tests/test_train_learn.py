@@ -52,11 +52,12 @@ def cycle_target(tmp_path_factory):
 
 
 def train_on_cycle(tmp_path, target, data, method: str, mask_hidden_from_features: bool = False) -> list[float]:
-    """Held-out accuracy per depth after 100 steps; optionally with mask_hidden set to the mean target feature of
-    the first training sequence first (how heads were initialised before)."""
+    """Held-out accuracy per depth after 100 steps, each one forward of its 8 rows; optionally with mask_hidden set to
+    the mean target feature of the first training sequence first (how heads were initialised before)."""
     cfg = TrainConfig(data=str(data), out=str(tmp_path / "out"), target=str(target), method=method, num_layers=1,
                       num_depths=4, draft_vocab_size=V, max_seq_len=LENGTH, batch_size=8, max_steps=100, lr=1e-3,
-                      warmup_ratio=0.05, dtype="fp32", eval_fraction=0.1, save_every=0, progress=False)
+                      micro_batch_size=8, warmup_ratio=0.05, dtype="fp32", eval_fraction=0.1, save_every=0,
+                      progress=False)
     tr = Trainer(cfg)
     if mask_hidden_from_features:
         ids, _ = tr._row(tr.train_rows, tr.train_ids[0])
