@@ -62,12 +62,18 @@ def test_greedy_speculation_equals_plain_greedy_on_smollm2(path, smollm2_dir, on
     for head in heads.values():
         head.pack_()
     for method, k, batch in CASES:
-        spec = SpeculativeConfig.parse({"model": DEFAULT_HEADS[method], "method": "eagle3",
-                                        "num_speculative_tokens": k if isinstance(k, int) else 3,
-                                        "parallel_drafting": method == "peagle", **(TREES[method] if k == "tree" else {})})
-        engine = LLMEngine(target, tok, heads[method], spec, max_num_seqs=batch, max_model_len=256,
-                           speculation_policy="fixed")
-        if k == "0-3 per request":  # request i verifies (step + i) % 4 drafts: every step mixes window sizes
-            engine.policy = Rotating(3)
-        assert run_staggered(engine, params) == reference, f"{path}: {method} K={k} batch {batch}"
-        assert engine.stats.num_accepted_tokens > 0  # drafts were accepted: rollback and bonus tokens exercised
+        assert_case_lossless(target, tok, heads[method], method, k, batch, reference, path)
+
+
+def assert_case_lossless(target: TargetModel, tok, head, method: str, k, batch: int, reference: list[list[int]],
+                         label: str) -> None:
+    """One of CASES: the prompts through a speculative engine of `batch` slots, against each one decoded alone."""
+    spec = SpeculativeConfig.parse({"model": DEFAULT_HEADS[method], "method": "eagle3",
+                                    "num_speculative_tokens": k if isinstance(k, int) else 3,
+                                    "parallel_drafting": method == "peagle", **(TREES[method] if k == "tree" else {})})
+    engine = LLMEngine(target, tok, head, spec, max_num_seqs=batch, max_model_len=256, speculation_policy="fixed")
+    if k == "0-3 per request":  # request i verifies (step + i) % 4 drafts: every step mixes window sizes
+        engine.policy = Rotating(3)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    assert run_staggered(engine, params) == reference, f"{label}: {method} K={k} batch {batch}"
+    assert engine.stats.num_accepted_tokens > 0  # drafts were accepted: rollback and bonus tokens exercised

@@ -16,8 +16,7 @@ from peagle.model.heads import DEFAULT_HEADS, resolve_head
 from peagle.model.loading import config_dir, embedded_gguf_path
 from peagle.model.target import TargetModel
 from tests.conftest import needs_native_kernels
-from tests.test_lossless_smollm2 import CASES, PROMPTS, MAX_TOKENS, run_staggered
-from tests.test_policy import Rotating
+from tests.test_lossless_smollm2 import PROMPTS, MAX_TOKENS, assert_case_lossless
 
 # Quantized weights run only on peagle's kernels: AVX2 on every x86-64 kind (Intel with AMX, AMD Zen 4, AMD Zen 3),
 # AVX-512 VNNI too on Intel with AMX and Zen 4. Every test below runs on each; a path's own cases skip only where the
@@ -294,11 +293,17 @@ def test_gguf_tokenizer_and_chat_template_come_from_the_file(smollm2_dir):
         ref.apply_chat_template(msgs, add_generation_prompt=True)
 
 
+# Every K of both methods, mixed windows and both kinds of tree, at batch sizes 1 to 8, on the VNNI block products
+# (the float model runs every case of test_lossless_smollm2.py)
+GGUF_CASES = [("peagle", 1, 8), ("peagle", 7, 5), ("eagle3", 3, 8), ("eagle3", 7, 1), ("peagle", "0-3 per request", 6),
+              ("peagle", "tree", 4), ("eagle3", "tree", 3)]
+
+
 def test_greedy_speculation_equals_plain_greedy_on_the_embedded_gguf(gguf_target, one_thread):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(config_dir(embedded_gguf_path()))
-    _assert_lossless(gguf_target, tok, CASES)
+    _assert_lossless(gguf_target, tok, GGUF_CASES)
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
@@ -320,15 +325,7 @@ def _assert_lossless(target: TargetModel, tok, cases, drafter_quantization: str 
              for m in DEFAULT_HEADS}
     assert all(h.weights == (drafter_quantization or "bf16") for h in heads.values())
     for method, k, batch in cases:
-        spec = SpeculativeConfig.parse({"model": DEFAULT_HEADS[method], "method": "eagle3",
-                                        "num_speculative_tokens": k if isinstance(k, int) else 3,
-                                        "parallel_drafting": method == "peagle"})
-        engine = LLMEngine(target, tok, heads[method], spec, max_num_seqs=batch, max_model_len=256,
-                           speculation_policy="fixed")
-        if not isinstance(k, int):
-            engine.policy = Rotating(3)
-        assert run_staggered(engine, params) == reference, f"{target.weights}: {method} K={k} batch {batch}"
-        assert engine.stats.num_accepted_tokens > 0
+        assert_case_lossless(target, tok, heads[method], method, k, batch, reference, target.weights)
 
 
 def test_the_weight_format_is_named_with_the_kernels(gguf_target):
