@@ -229,11 +229,42 @@ def transformers_from_gguf(path: Path):
                                              config=config).eval()
 
 
+def transformers_on_gguf_dequantized(path: Path):
+    """What transformers_from_gguf builds, from the gguf package's own parts: each tensor found by gguf's name map,
+    dequantized by gguf's reference code, Gemma's stored 1 + w norms shifted back, as transformers' loader does. Its
+    loader also parses the file's every metadata value, 14 s here for the real file's 262,144-token vocabulary, which
+    this skips (the tiny file's test checks both build the same weights)."""
+    import gguf
+    from transformers import AutoConfig, Gemma3ForCausalLM
+    from transformers.initialization import no_init_weights
+
+    from peagle.model.gguf_file import read_tensors
+    from peagle.model.gguf_model import metadata_dir
+
+    config = AutoConfig.from_pretrained(metadata_dir(path))
+    with no_init_weights():  # every weight is loaded below
+        model = Gemma3ForCausalLM(config).float().eval()
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, config.num_hidden_layers)
+    tensors = {t.name: t for t in read_tensors(path)}
+    state = {}
+    for key in model.state_dict():
+        name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+        t = tensors.get(name) or tensors["token_embd.weight"]  # the tied LM head
+        kind = gguf.GGMLQuantizationType[t.type_name]
+        data = np.array(t.data).view({"F32": np.float32, "F16": np.float16}.get(t.type_name, np.uint8))
+        weight = torch.from_numpy(gguf.dequantize(data, kind).astype(np.float32)).reshape(t.shape)
+        state[key] = weight - 1 if key.endswith("norm.weight") else weight
+    model.load_state_dict(state)
+    return model
+
+
 @needs_native_kernels
 def test_a_gemma3_gguf_runs_its_blocks_like_transformers_on_its_dequantized_weights(tiny_gguf, one_thread):
     from peagle.model.loading import load_tokenizer
 
     ref_model = transformers_from_gguf(tiny_gguf)
+    ours = transformers_on_gguf_dequantized(tiny_gguf).state_dict()  # the real file's test builds its reference so
+    assert all(torch.equal(v, ours[k]) for k, v in ref_model.state_dict().items())
     target = TargetModel.from_pretrained(tiny_gguf)
     assert target.config.layer_types == tuple(LAYER_TYPES) and target.config.sliding_window == WINDOW
     assert "q4_0" in target.weights  # q/k/v in two formats run side by side
@@ -346,7 +377,7 @@ def perplexity_of(logits_of, chunks: list[torch.Tensor]) -> float:
 @pytest.fixture(scope="module")
 def real_f32_reference(real_gguf, real_text_ids, real_text_chunks) -> tuple[float, torch.Tensor]:
     """transformers' f32 perplexity, and its logits of the last 64 of 600 tokens of the text."""
-    ref_model = transformers_from_gguf(real_gguf)
+    ref_model = transformers_on_gguf_dequantized(real_gguf)
     with torch.no_grad():
         ppl = perplexity_of(lambda c: ref_model(c[None], logits_to_keep=REAL_CTX // 2).logits[0].float(),
                             real_text_chunks)
