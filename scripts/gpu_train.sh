@@ -78,6 +78,7 @@ left() { python3 -c "import time; print(int($DEADLINE - (time.time() - $START)))
 mkdir -p "$OUT"
 WORK="${WORK:-${TMPDIR:-/tmp}/peagle-gpu-run.$$}"
 rm -rf "$WORK" && mkdir -p "$WORK/files" "$WORK/site" "$WORK/code"
+trap '[ -n "${GPU_TRAIN_KEEP_WORK:-}" ] || rm -rf "$WORK"' EXIT  # also when a check below refuses the inputs
 declare -A SECONDS_OF
 
 T=$(date +%s.%N)
@@ -190,5 +191,4 @@ record = {"deadline_s": deadline, "time_budget_s": budget, "total_s": total,
           "python": platform.python_version(), "torch": torch.__version__}
 json.dump(record, open(path, "w"), indent=2)
 EOF
-[ -n "${GPU_TRAIN_KEEP_WORK:-}" ] || rm -rf "$WORK"
 echo "gpu_train.sh: done in $(since "$START") s of $DEADLINE; heads in $OUT/peagle and $OUT/eagle3" >&2
