@@ -63,6 +63,9 @@ def test_a_file_cut_anywhere_is_a_clear_error(written):
         written.write_bytes(data[:cut])
         with pytest.raises(ValueError, match="truncated or corrupt|not a GGUF"):
             gguf_file.read_tensors(written)
+    written.write_bytes(data[:4] + (3).to_bytes(4, "big") + data[8:])
+    with pytest.raises(ValueError, match="big-endian"):
+        gguf_file.read_tensors(written)
     written.write_bytes(b"GGML" + data[4:])
     with pytest.raises(ValueError, match="not a GGUF file"):
         gguf_file.read_metadata(written, {"test.text"})

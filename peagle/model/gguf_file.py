@@ -112,6 +112,9 @@ class _Cursor:
         magic, version = bytes(self.raw[:4]), struct.unpack_from("<I", self.raw, 4)[0]
         if magic != b"GGUF" or version < 2:
             raise ValueError(f"{self.path} is not a GGUF file of version 2 or later (llama.cpp's format)")
+        if version & 0xFFFF == 0:  # version 2 or 3 written big-endian (llama.cpp's s390x files)
+            raise ValueError(f"{self.path} is a big-endian GGUF file: convert it on a little-endian machine "
+                             "(llama.cpp's convert_hf_to_gguf.py without --bigendian)")
         self.n_tensors, n_kv = struct.unpack_from("<QQ", self.raw, 8)
         self.pos = 24
         return n_kv
