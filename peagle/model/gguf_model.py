@@ -99,6 +99,8 @@ def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
 def read_tensors(path: str | Path, config: dict) -> dict[str, torch.Tensor | tuple[str, torch.Tensor]]:
     """The GGUF's tensors under peagle's (Hugging Face) names: float ones as bf16 tensors, block-quantized ones as
     (format, uint8 blocks [rows, bytes]) exactly as stored."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
     path = Path(path)
     arch = gguf_file.read_metadata(path, {"general.architecture"}).get("general.architecture")
     family = family_of(config.get("model_type"))
@@ -112,8 +114,6 @@ def read_tensors(path: str | Path, config: dict) -> dict[str, torch.Tensor | tup
         name = f"layers.{m.group(1)}.{layer_names.get(m.group(2), m.group(2))}" if m else _TOP_NAMES.get(t.name, t.name)
         kind, shape = t.type_name, list(t.shape)
         if kind in BLOCK_FORMATS:
-            from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
             block, _ = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
             if len(shape) != 2 or shape[-1] % block:
                 raise ValueError(f"{path}: tensor {t.name} ({kind}, {'x'.join(map(str, shape))}) is not a matrix of "
