@@ -9,8 +9,20 @@ import pytest
 import torch
 
 from peagle.model import kernels
+from peagle.threads import default_threads
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# The suite runs in parallel processes (pytest-xdist, pyproject.toml): one per core, at most MAX_WORKERS, each
+# on its share of the cores. Two processes of one thread finish it in half the time one process of two threads
+# takes on a 2-core machine: most of its tests are small forwards and Python, which a second thread does not speed.
+MAX_WORKERS = 4
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, default_threads() // _WORKERS)))
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: the cores this process may use (affinity and any cgroup quota), at most MAX_WORKERS (each worker
+    holds its own models: the real ones are up to 2 GiB a process)."""
+    return max(1, min(MAX_WORKERS, default_threads()))
 
 # Skips by hardware decide on the CPU's instructions, never on what got built: on every x86-64 CPU with AVX2 and FMA
 # (Intel with AMX, AMD Zen 4, AMD Zen 3) peagle's kernels must run, so a failed build fails these tests (and
