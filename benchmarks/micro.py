@@ -409,7 +409,8 @@ def suffix(args) -> None:
     import tracemalloc
 
     from peagle.engine.proposers.suffix_tree import SuffixCache
-    from peagle.model.loading import load_tokenizer, resolve_model
+    from peagle.model.loading import config_dir, resolve_model
+from peagle.model.tokenizer import Tokenizer
 
     docs = suffix_corpus(load_tokenizer(resolve_model(None)))
     source = max(docs, key=len)
@@ -514,7 +515,8 @@ import gguf, safetensors.torch  # noqa: F401 - the loaders' code, imported befor
 from peagle.engine import LLMEngine, SamplingParams
 from peagle.model import kernels
 from peagle.model.heads import resolve_head
-from peagle.model.loading import load_tokenizer, resolve_model
+from peagle.model.loading import config_dir, resolve_model
+from peagle.model.tokenizer import Tokenizer
 
 def rss_mib():
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS")) / 1024
@@ -522,9 +524,9 @@ def rss_mib():
 model, head = sys.argv[1], sys.argv[2]
 path = resolve_model(None if model == "bf16" else model)
 kernels.library()
-tokenizers = [load_tokenizer(path)]  # its code and allocator arenas in the baseline
+tokenizers = [Tokenizer.load(config_dir(path))]  # its code and allocator arenas in the baseline
 before_tokenizer = rss_mib()
-tokenizers.append(load_tokenizer(path))  # one more copy: what the engine's own holds (its data)
+tokenizers.append(Tokenizer.load(config_dir(path)))  # one more copy: what the engine's own holds (its data)
 tokenizer = rss_mib() - before_tokenizer
 base = rss_mib()
 spec = {"model": head, "method": "eagle3", "num_speculative_tokens": 3, "parallel_drafting": True}

@@ -33,7 +33,7 @@ tenth cancelled part way), beside a hostile request every 2 s; half way (--kill-
 started again. One line: requests, preemptions, 5xx, streams that ended without [DONE] (other than those the kill
 cut), greedy answers that differ from the same prompt's answer alone, hostile requests not refused with a 4xx (a
 random mutation may be valid: only its 5xx counts), resident memory's drift after warm-up beside the KV pool's
-touched blocks and the prefix cache's (and its budget), inter-token gaps from the first token on (p50, p99, longest;
+touched blocks and the prefix cache's (and its budget), and with both taken out (least, most, last; drift), inter-token gaps from the first token on (p50, p99, longest;
 the longest with how many streams stalled with them; the restart excluded), time to first token apart, this client's
 longest garbage collection, and the restart's time to healthy.
 restart: seconds from launch to a 200 from /health, for a first start and then --restarts times after a SIGKILL
@@ -680,6 +680,7 @@ def soak(args) -> list[dict]:
         gc.callbacks.remove(client_gc)
         gc.unfreeze()
     gaps, ttfts, mb = sorted(b - a for a, b in spans), sorted(ttfts), 2**20
+    rest = [r - c["kv_touched"] - c["prefix_cache"] for r, c in zip(rss, caches)]
     q = (lambda xs, f: xs[min(len(xs) - 1, int(f * len(xs)))] if xs else float("nan"))
     row = {"requests": stats["requests"], "preemptions": stats["preemptions"], "5xx": sum(n for k, n in stats.items() if k.startswith("status 5")),
            "without_done": stats["streams without [DONE]"], "cut_by_kill": stats["cut by the kill"],
@@ -692,6 +693,9 @@ def soak(args) -> list[dict]:
            if caches else None,
            "prefix_cache_mb": [round(caches[0]["prefix_cache"] / mb), round(caches[-1]["prefix_cache"] / mb)]
            if caches else None, "prefix_cache_budget_mb": round(caches[-1]["prefix_budget"] / mb) if caches else None,
+           # what is left once the bounded caches are taken out: this one should stay flat
+           "rss_less_caches_mb": [round(min(rest) / mb), round(max(rest) / mb), round(rest[-1] / mb)] if rest else None,
+           "rss_less_caches_drift_pct": round(100 * (rest[-1] / rest[0] - 1), 1) if len(rest) > 1 else None,
            "itl_p50_s": round(q(gaps, 0.5), 3), "itl_p99_s": round(q(gaps, 0.99), 3),
            "itl_max_s": round(gaps[-1], 3) if gaps else None, "longest_gaps": stalled(spans),
            "ttft_p50_s": round(q(ttfts, 0.5), 3), "ttft_p99_s": round(q(ttfts, 0.99), 3),

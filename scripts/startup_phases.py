@@ -1,8 +1,9 @@
 """Where `peagle serve`'s start-up goes (docs/serving.md, "Restarts"): runs the command in this process with the
 given arguments, prints one JSON line of [wall seconds, CPU seconds] per phase once uvicorn listens, and exits.
-The three imports come first, explicitly (serve makes them anyway, in this order), with full collections held as
-`peagle serve` holds them where the checkout does; each phase includes the collections that ran in it. Run it
-twice or more: the first start of a new build times the forwards it then remembers.
+The three imports (torch with the engine, the server, the tokenizer's libraries) come first, explicitly (serve
+makes them anyway, in this order), with full collections held as `peagle serve` holds them where the checkout
+does; each phase includes the collections that ran in it. Run it twice or more: the first start of a new build
+times the forwards it then remembers.
 
     PYTHONPATH=. python3 scripts/startup_phases.py --port 8011
 """
@@ -76,13 +77,21 @@ def serve_with_marks() -> None:
 
     import peagle.serve.app  # noqa: F401
     mark("import the server (FastAPI, pydantic, uvicorn)")
-    from transformers import AutoTokenizer  # noqa: F401
-    mark("import transformers")
+    try:
+        from peagle.model.tokenizer import Tokenizer, chat_template_environment
+        chat_template_environment()  # jinja2, as the first chat request would
+    except ImportError:  # a checkout from before peagle read tokenizers itself: transformers' tokenizer
+        from transformers import AutoTokenizer  # noqa: F401
+        Tokenizer = None
+    mark("import the tokenizer's libraries")
     from peagle.model import checkpoint, loading, target
 
     timed(target.TargetModel, "from_pretrained", "target weights: load and pack")
     timed(target.TargetModel, "pack_", "of which packing for the kernels")
-    timed(loading, "load_tokenizer", "tokenizer")
+    if Tokenizer is not None:
+        timed(Tokenizer, "load", "tokenizer")
+    else:
+        timed(loading, "load_tokenizer", "tokenizer")
     timed(checkpoint, "load_head", "head")
     timed(peagle.engine.engine.LLMEngine, "__init__", "engine (caches, remembered timings)")
     startup = uvicorn.Server.startup

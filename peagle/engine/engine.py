@@ -256,9 +256,10 @@ class LLMEngine:
         q8_0) quantizes a float target's matrices at load, as vLLM's --quantization does. `options`: the
         constructor's prefill options."""
         from peagle.model.checkpoint import load_head
-        from peagle.model.loading import config_dir, is_gguf, load_tokenizer, torch_dtype
+        from peagle.model.loading import config_dir, is_gguf, torch_dtype
         from peagle.model.quant import drafter_quantization
         from peagle.model.speculation import resolve_speculation
+        from peagle.model.tokenizer import Tokenizer
 
         chosen = model if isinstance(model, Speculation) else resolve_speculation(
             model, speculative_config if speculative_config is not None else "none", source="speculative_config",
@@ -270,7 +271,7 @@ class LLMEngine:
         target = TargetModel.from_pretrained(path, dtype=dtype, device=device, quantization=quantization)
         meta = config_dir(path)
         has_tokenizer = any((meta / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-        tokenizer = load_tokenizer(path) if has_tokenizer else None
+        tokenizer = Tokenizer.load(meta) if has_tokenizer else None
         spec, drafter = chosen.config, None
         if spec is not None and spec.uses_head:
             # the head looks its token rows up through the target's embedding: no copy of the table

@@ -122,10 +122,14 @@ class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], cache_size: int = CACHE_SIZE,
                  timeout_s: float = COMPILE_TIMEOUT_S):
         import llguidance
-        import llguidance.hf
+        import tokenizers
 
         self.vocab_size = vocab_size
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_token_ids))
+        # llguidance reads the tokenizers pipeline as JSON (its `hf` helper would import transformers to get it)
+        pipeline = tokenizers.Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+        pipeline.no_padding()
+        pipeline.no_truncation()
+        self.tokenizer = llguidance.LLTokenizer(pipeline.to_str(), n_vocab=vocab_size, eos_token=sorted(eos_token_ids))
         self.limits = llguidance.LLParserLimits()  # llguidance's defaults bound lexer fuel and grammar size
         self.cache_size, self.timeout_s = cache_size, timeout_s
         self._cache: OrderedDict[Constraint, object] = OrderedDict()

@@ -293,11 +293,12 @@ class TargetModel(nn.Module):
     @classmethod
     def _build(cls, raw: dict, state: dict, config_dir: Path, device: str | torch.device) -> "TargetModel":
         """The model from its state: float tensors, and (format, GGUF blocks) for block-quantized matrices."""
-        from transformers import AutoConfig
-
         config = TargetConfig.from_hf(raw)
-        scaled = any(p.get("rope_type", "default") != "default" for p in config.layer_rope.values())
-        hf_config = AutoConfig.from_pretrained(config_dir) if scaled else None
+        hf_config = None
+        if any(p.get("rope_type", "default") != "default" for p in config.layer_rope.values()):
+            from transformers import AutoConfig  # its RoPE functions read the whole config (imported only then)
+
+            hf_config = AutoConfig.from_pretrained(config_dir)
         rope = rotaries(config, hf_config).to(device)  # computed, so not on the meta device
         with torch.device("meta"):
             model = cls(config, rope)
