@@ -2,7 +2,7 @@
 (docs/memory.md, "Pauses").
 
 A full (oldest-generation) collection walks every object the collector tracks while holding the GIL, so every stream
-stops. Start-up leaves about 255,000 (torch, transformers, the tokenizer, the model's modules), nearly all of them
+stops. Start-up leaves about 207,000 (torch, the tokenizer, the model's modules, FastAPI), nearly all of them
 for good: CPython's full collections while they were made walked the growing heap for nothing (five, 0.3-0.7 s in
 all, before the server listened). So there are none from `peagle serve`'s first import on (peagle/cli.py holds them),
 and at the first idle moment a second after start (the server listens by then) the engine thread collects once and
