@@ -38,6 +38,6 @@ if [ "${1:-}" = "--test" ] && [ ! -d /usr/include/simde ] && command -v apt-get 
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libsimde-dev >/dev/null) \
     || echo "setup: libsimde-dev not installed; the emulated AVX-512 kernel tests will be skipped"
 fi
-# Convert the embedded model once (about 30 s), so the first command after setup starts fast.
-$PY -c "from peagle.model.loading import embedded_model_dir; embedded_model_dir()"
+# Convert the embedded model (about 30 s) and record its tokenizer once, so the first command after setup starts fast.
+$PY -c "from peagle.model.loading import embedded_model_dir as d; from peagle.model.tokenizer import Tokenizer; Tokenizer.load(d())"
 echo "setup: done"

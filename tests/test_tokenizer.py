@@ -170,3 +170,21 @@ def test_serving_the_embedded_model_never_imports_transformers(tmp_path):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_tokenizer_without_a_pipeline_stays_transformers_own(tmp_path, monkeypatch):
+    """transformers' SentencePiece backend has no tokenizers pipeline to record: the engine keeps transformers'
+    tokenizer for it (and structured outputs say they need a pipeline)."""
+    from peagle.engine.grammar import GrammarCompiler, GrammarError
+    from peagle.model import loading
+
+    class SentencePieceOnly:
+        chat_template, eos_token_id = None, 2
+
+    folder = _folder(tmp_path, "sentencepiece", {})
+    monkeypatch.setenv("PEAGLE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(loading, "load_tokenizer", lambda path: SentencePieceOnly())
+    first, again = Tokenizer.load(folder), Tokenizer.load(folder)  # the second reads the record
+    assert isinstance(first, SentencePieceOnly) and isinstance(again, SentencePieceOnly)
+    with pytest.raises(GrammarError, match="tokenizers library"):
+        GrammarCompiler(first, 512, [2])

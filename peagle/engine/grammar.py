@@ -125,6 +125,9 @@ class GrammarCompiler:
         import tokenizers
 
         self.vocab_size = vocab_size
+        if not hasattr(tokenizer, "backend_tokenizer"):
+            raise GrammarError(f"structured outputs need a tokenizer the tokenizers library runs; this model's is "
+                               f"{type(tokenizer).__name__}")
         # llguidance reads the tokenizers pipeline as JSON (its `hf` helper would import transformers to get it)
         pipeline = tokenizers.Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
         pipeline.no_padding()

@@ -37,6 +37,9 @@ class Tokenizer:
 
     def __init__(self, record: dict):
         self.backend_tokenizer = tokenizers.Tokenizer.from_str(record["pipeline"])
+        # transformers turns off a tokenizer.json's truncation and padding unless a call asks for them
+        self.backend_tokenizer.no_truncation()
+        self.backend_tokenizer.no_padding()
         self.special_tokens_map: dict = record["special_tokens_map"]
         self.bos_token_id, self.eos_token_id, self.pad_token_id = (record[k] for k in
                                                                    ("bos_token_id", "eos_token_id", "pad_token_id"))
@@ -44,8 +47,9 @@ class Tokenizer:
         self.chat_template: str | None = record["chat_template"]
 
     @classmethod
-    def load(cls, folder: Path) -> "Tokenizer":
-        """The tokenizer in a model folder, from its record (made through transformers on first use)."""
+    def load(cls, folder: Path):
+        """The tokenizer in a model folder, from its record (made through transformers on first use). A tokenizer
+        the tokenizers library cannot run (transformers' SentencePiece backend) is transformers' own."""
         folder = Path(folder).resolve()
         path = record_path(folder)
         if not path.exists():
@@ -55,7 +59,12 @@ class Tokenizer:
                     tmp = path.with_suffix(".tmp")
                     tmp.write_text(json.dumps(resolve_with_transformers(folder)))
                     os.replace(tmp, path)
-        return cls(json.loads(path.read_text()))
+        record = json.loads(path.read_text())
+        if record["pipeline"] is None:
+            from peagle.model.loading import load_tokenizer
+
+            return load_tokenizer(folder)
+        return cls(record)
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
         return {"input_ids": self.encode(text, add_special_tokens)}
@@ -108,14 +117,12 @@ def record_path(folder: Path) -> Path:
 
 
 def resolve_with_transformers(folder: Path) -> dict:
-    """What transformers makes of the folder's tokenizer, as a record `Tokenizer` loads."""
+    """What transformers makes of the folder's tokenizer, as a record `Tokenizer` loads (no pipeline: it has none)."""
     from peagle.model.loading import load_tokenizer
 
     tok = load_tokenizer(folder)
     if not hasattr(tok, "backend_tokenizer"):
-        raise ValueError(f"{folder}: the tokenizer ({type(tok).__name__}) has no tokenizers pipeline (no "
-                         "tokenizer.json, and transformers could not convert it); peagle serves models whose "
-                         "tokenizer the tokenizers library runs")
+        return {"pipeline": None}
     # transformers skips its space clean-up for BPE models unless told that corrupting the text is wanted
     clean_up = bool(tok.clean_up_tokenization_spaces) and (
         type(tok.backend_tokenizer.model).__name__ != "BPE"
