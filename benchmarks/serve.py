@@ -33,7 +33,8 @@ tenth cancelled part way), beside a hostile request every 2 s; half way (--kill-
 started again. One line: requests, preemptions, 5xx, streams that ended without [DONE] (other than those the kill
 cut), greedy answers that differ from the same prompt's answer alone, hostile requests not refused with a 4xx (a
 random mutation may be valid: only its 5xx counts), resident memory's drift after warm-up beside the KV pool's
-touched blocks and the prefix cache's (and its budget), and with both taken out (least, most, last; drift), inter-token gaps from the first token on (p50, p99, longest;
+touched blocks, the prefix cache's (and its budget) and the suffix trees', and with them taken out (least, most, last;
+drift), inter-token gaps from the first token on (p50, p99, longest;
 the longest with how many streams stalled with them; the restart excluded), time to first token apart, this client's
 longest garbage collection, and the restart's time to healthy.
 restart: seconds from launch to a 200 from /health, for a first start and then --restarts times after a SIGKILL
@@ -531,13 +532,18 @@ def preemptions(url: str) -> int:
 
 
 def cache_bytes(url: str) -> dict[str, int]:
-    """What grows the server's resident memory by design (/metrics): the KV pool's blocks ever handed out, the
-    prefix cache's blocks (their target features too) and its budget, --prefix-cache-gb (docs/memory.md)."""
+    """What grows the server's resident memory by design, each to a bound (/metrics; docs/memory.md): the KV pool's
+    blocks ever handed out; the prefix cache's blocks (pool blocks, and the target features it keeps beside each)
+    and its budget, --prefix-cache-gb; the drafters' suffix trees of finished answers. `outside_pool`: the features
+    and the trees, what the cache holds outside the pool's touched blocks."""
     text = HTTP.get(url + "/metrics", timeout=60).text
     config = samples(text, "vllm:cache_config_info")[0].labels
     block, cached = int(config["peagle_block_bytes"]), int(config.get("peagle_prefix_block_bytes", 0))
+    prefix_blocks = int(metric(text, "peagle:prefix_cache_blocks"))
+    trees = int(metric(text, "peagle:proposer_cached_bytes"))
     return {"kv_touched": int(metric(text, "peagle:kv_cache_touched_blocks")) * block,
-            "prefix_cache": int(metric(text, "peagle:prefix_cache_blocks")) * cached,
+            "prefix_cache": prefix_blocks * cached, "proposer": trees,
+            "outside_pool": prefix_blocks * max(0, cached - block) + trees,
             "prefix_budget": int(config.get("peagle_prefix_max_blocks", 0)) * cached}
 
 
@@ -680,7 +686,7 @@ def soak(args) -> list[dict]:
         gc.callbacks.remove(client_gc)
         gc.unfreeze()
     gaps, ttfts, mb = sorted(b - a for a, b in spans), sorted(ttfts), 2**20
-    rest = [r - c["kv_touched"] - c["prefix_cache"] for r, c in zip(rss, caches)]
+    rest = [r - c["kv_touched"] - c["outside_pool"] for r, c in zip(rss, caches)]
     q = (lambda xs, f: xs[min(len(xs) - 1, int(f * len(xs)))] if xs else float("nan"))
     row = {"requests": stats["requests"], "preemptions": stats["preemptions"], "5xx": sum(n for k, n in stats.items() if k.startswith("status 5")),
            "without_done": stats["streams without [DONE]"], "cut_by_kill": stats["cut by the kill"],
@@ -693,6 +699,8 @@ def soak(args) -> list[dict]:
            if caches else None,
            "prefix_cache_mb": [round(caches[0]["prefix_cache"] / mb), round(caches[-1]["prefix_cache"] / mb)]
            if caches else None, "prefix_cache_budget_mb": round(caches[-1]["prefix_budget"] / mb) if caches else None,
+           "suffix_trees_mb": [round(caches[0]["proposer"] / mb), round(caches[-1]["proposer"] / mb)]
+           if caches else None,
            # what is left once the bounded caches are taken out: this one should stay flat
            "rss_less_caches_mb": [round(min(rest) / mb), round(max(rest) / mb), round(rest[-1] / mb)] if rest else None,
            "rss_less_caches_drift_pct": round(100 * (rest[-1] / rest[0] - 1), 1) if len(rest) > 1 else None,

@@ -101,6 +101,8 @@ def test_shared_suffix_trees_are_kept_per_cache_salt(target):
     engine.generate(ps[:1], params, cache_salt="run-2")
     assert sorted(engine.proposer.cache._shared) == ["/run-1", "/run-2"]
     assert [t.outputs for _, t in sorted(engine.proposer.cache._shared.items())] == [2, 1]
+    # what the server shows as peagle:proposer_cached_bytes: the shared trees, nothing of the finished requests
+    assert engine.proposer.cached_bytes() == engine.proposer.cache.memory_bytes() > 0
 
 
 def test_prompt_lookup_lengths_are_bounded():

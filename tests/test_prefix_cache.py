@@ -219,8 +219,10 @@ def test_the_server_reports_cached_tokens_and_hits(tmp_path):
     assert any(line.startswith("vllm:num_preemptions_total") for line in metrics.splitlines())
     # what resident memory is made of: the blocks the pool has handed out, the prefix cache's among them
     gauge = {name: float(line.split()[-1]) for line in metrics.splitlines() for name in
-             ("peagle:kv_cache_touched_blocks", "peagle:prefix_cache_blocks") if line.startswith(name + "{")}
+             ("peagle:kv_cache_touched_blocks", "peagle:prefix_cache_blocks", "peagle:proposer_cached_bytes")
+             if line.startswith(name + "{")}
     assert gauge["peagle:kv_cache_touched_blocks"] >= gauge["peagle:prefix_cache_blocks"] > 0
+    assert gauge["peagle:proposer_cached_bytes"] == 0  # a head keeps nothing across requests (suffix trees do)
     from prometheus_client import generate_latest
 
     from peagle.serve.metrics import Metrics  # as `peagle serve` shows the pool (the test server shows none)

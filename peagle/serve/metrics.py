@@ -106,6 +106,8 @@ class Metrics:
                                 labels, registry=r)
         self.prefix_blocks = Gauge("peagle:prefix_cache_blocks", "KV pool blocks the prefix cache holds.", labels,
                                    registry=r)
+        self.proposer_bytes = Gauge("peagle:proposer_cached_bytes", "Bytes the drafters keep across requests (the "
+                                    "suffix trees of finished answers; an estimate, bounded).", labels, registry=r)
         self._seen_preemptions = 0
         self.rejected = Counter("peagle:requests_rejected", "Requests refused before reaching the engine.",
                                 labels + ["reason"], registry=r)
@@ -197,6 +199,7 @@ class Metrics:
         self.kv_touched.labels(model_name=m).set(cache.num_touched_blocks)
         if engine.prefix_cache is not None:
             self.prefix_blocks.labels(model_name=m).set(engine.prefix_cache.num_cached_blocks)
+        self.proposer_bytes.labels(model_name=m).set(engine.proposer.cached_bytes())
         self.preemptions.labels(model_name=m).inc(engine.num_preemptions - self._seen_preemptions)
         self._seen_preemptions = engine.num_preemptions
 

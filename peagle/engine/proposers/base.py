@@ -63,6 +63,11 @@ class Proposer(Protocol):
         """The request left (finished or aborted: `req.finish_reason` says which)."""
         ...
 
+    def cached_bytes(self) -> int:
+        """Memory the proposer keeps across requests (the suffix trees of finished answers), an estimate: it grows
+        to a bound, and `peagle:proposer_cached_bytes` shows it beside the KV caches."""
+        ...
+
 
 class NoModelFreeDrafts:
     """The lifecycle of a proposer without model-free drafts (the heads alone): nothing to keep per request."""
@@ -79,6 +84,9 @@ class NoModelFreeDrafts:
 
     def finish(self, req: "Request") -> None:
         pass
+
+    def cached_bytes(self) -> int:
+        return 0
 
 
 

@@ -66,3 +66,6 @@ class HybridProposer:
 
     def finish(self, req: "Request") -> None:
         self.suffix.finish(req)
+
+    def cached_bytes(self) -> int:
+        return self.suffix.cached_bytes()

@@ -76,6 +76,9 @@ class NgramProposer(NoHead):
     def add_tokens(self, req: "Request", tokens: list[int]) -> None:
         pass  # read from the request at the next `score`
 
+    def cached_bytes(self) -> int:
+        return 0  # each request's own tokens, gone when it finishes
+
     def finish(self, req: "Request") -> None:
         self._tokens.pop(req.request_id, None)
         self._length.pop(req.request_id, None)

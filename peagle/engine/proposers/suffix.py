@@ -80,6 +80,9 @@ class SuffixProposer(NoHead):
     def add_tokens(self, req: "Request", tokens: list[int]) -> None:
         self._sync(req)
 
+    def cached_bytes(self) -> int:
+        return self.cache.memory_bytes()
+
     def finish(self, req: "Request") -> None:
         rid = req.request_id
         if self.cache.num_tokens(rid) is None:
