@@ -409,8 +409,7 @@ def suffix(args) -> None:
     import tracemalloc
 
     from peagle.engine.proposers.suffix_tree import SuffixCache
-    from peagle.model.loading import config_dir, resolve_model
-from peagle.model.tokenizer import Tokenizer
+    from peagle.model.loading import load_tokenizer, resolve_model
 
     docs = suffix_corpus(load_tokenizer(resolve_model(None)))
     source = max(docs, key=len)
