@@ -89,7 +89,6 @@ class NoModelFreeDrafts:
         return 0
 
 
-
 class NoHead:
     """A proposer without a head (n-grams, suffix trees, none): `score` drafts every window it proposes."""
     head_name = None
